@@ -1,0 +1,1 @@
+"""The ``distoptim`` command line: train and compare the algorithms on a real dataset."""

@@ -1,0 +1,181 @@
+"""The TF-style protocol on a plain torch.optim.SGD wrapper (SPEC section 1)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distoptim.protocol import TFOptimizerProtocol, WrappedOptimizer
+
+
+def _setup(momentum: float = 0.9):
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(3, 2))
+    b = torch.nn.Parameter(torch.randn(2))
+    unused = torch.nn.Parameter(torch.randn(4))
+    x = torch.randn(5, 3)
+    opt = WrappedOptimizer(torch.optim.SGD([w, b, unused], lr=0.1, momentum=momentum))
+    return opt, (w, b, unused), x
+
+
+def _loss(w, b, x):
+    return ((x @ w + b) ** 2).mean()
+
+
+def test_is_a_torch_optimizer_with_tf_methods():
+    opt, _, _ = _setup()
+    assert isinstance(opt, torch.optim.Optimizer)
+    assert isinstance(opt, TFOptimizerProtocol)
+    assert (opt.GATE_NONE, opt.GATE_OP, opt.GATE_GRAPH) == (0, 1, 2)
+    assert opt.get_name() == "WrappedOptimizer"
+    assert (
+        WrappedOptimizer(torch.optim.SGD([torch.zeros(1, requires_grad=True)]), "x").get_name()
+        == "x"
+    )
+    assert opt.param_groups is opt.wrapped.param_groups
+
+
+def test_compute_gradients_pairs_none_and_no_side_effects():
+    opt, (w, b, unused), x = _setup()
+    before = [p.detach().clone() for p in (w, b, unused)]
+    pairs = opt.compute_gradients(_loss(w, b, x))
+    assert [v for _, v in pairs] == [w, b, unused]
+    assert pairs[2][0] is None
+    ref_w, ref_b = torch.autograd.grad(_loss(w, b, x), [w, b])
+    torch.testing.assert_close(pairs[0][0], ref_w)
+    torch.testing.assert_close(pairs[1][0], ref_b)
+    assert all(p.grad is None for p in (w, b, unused))
+    for p, p0 in zip((w, b, unused), before):
+        torch.testing.assert_close(p.detach(), p0)
+
+
+def test_compute_gradients_callable_var_list_and_grad_loss():
+    opt, (w, b, _), x = _setup()
+    (g1,) = [g for g, _ in opt.compute_gradients(lambda: _loss(w, b, x), var_list=[b])]
+    (g3,) = [g for g, _ in opt.compute_gradients(lambda: _loss(w, b, x), [b], torch.tensor(3.0))]
+    torch.testing.assert_close(g3, 3 * g1)
+    frozen = torch.randn(2)  # does not require grad -> None, not an error
+    assert opt.compute_gradients(lambda: _loss(w, b, x), [b, frozen])[1][0] is None
+
+
+def test_apply_gradients_matches_step_and_restores_grads():
+    opt, (w, b, unused), x = _setup()
+    ref_w, ref_b = (p.detach().clone().requires_grad_() for p in (w, b))
+    ref = torch.optim.SGD([ref_w, ref_b], lr=0.1, momentum=0.9)
+    w.grad = torch.full_like(w, 7.0)  # a user's accumulated grad must survive
+    for _ in range(3):
+        pairs = opt.compute_gradients(lambda: _loss(w, b, x))
+        assert opt.apply_gradients(pairs) == opt.iterations
+        ref.zero_grad()
+        _loss(ref_w, ref_b, x).backward()
+        ref.step()
+    torch.testing.assert_close(w.detach(), ref_w.detach())
+    torch.testing.assert_close(b.detach(), ref_b.detach())
+    assert opt.iterations == 3
+    assert torch.equal(w.grad, torch.full_like(w, 7.0)) and b.grad is None
+    assert opt.get_slot(w, "momentum_buffer") is opt.wrapped.state[w]["momentum_buffer"]
+    assert opt.get_slot(unused, "momentum_buffer") is None
+    assert opt.get_slot(w, "nope") is None
+    assert opt.get_slot_names() == ["momentum_buffer"]
+    assert len(opt.variables()) == 2
+
+
+def test_global_step_and_minimize():
+    opt, (w, b, _), x = _setup()
+    step = torch.tensor(5)
+    assert opt.minimize(lambda: _loss(w, b, x), global_step=step, gate_gradients=opt.GATE_NONE) == 1
+    assert step.item() == 6
+    assert opt.minimize(_loss(w, b, x), var_list=[w], global_step=step) == 2
+    assert step.item() == 7
+
+
+def test_state_dict_round_trip_keeps_iterations():
+    opt, (w, b, unused), x = _setup()
+    for _ in range(2):
+        opt.minimize(lambda: _loss(w, b, x))
+    sd = opt.state_dict()
+    assert sd["iterations"] == 2
+    opt2 = WrappedOptimizer(torch.optim.SGD([w, b, unused], lr=0.5, momentum=0.9))
+    opt2.load_state_dict(sd)
+    assert opt2.iterations == 2
+    assert opt2.param_groups[0]["lr"] == 0.1
+    torch.testing.assert_close(
+        opt2.get_slot(w, "momentum_buffer"), opt.get_slot(w, "momentum_buffer")
+    )
+    with pytest.raises(ValueError, match="iterations"):
+        opt2.load_state_dict({**sd, "iterations": -1})
+    assert opt2.iterations == 2
+
+
+def test_step_closure_zero_grad_and_lr_scheduler():
+    opt, (w, b, _), x = _setup(momentum=0.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    lrs = []
+    for _ in range(5):
+        opt.zero_grad()
+
+        def closure():
+            loss = _loss(w, b, x)
+            loss.backward()
+            return loss
+
+        assert isinstance(opt.step(closure), torch.Tensor)
+        lrs.append(opt.wrapped.param_groups[0]["lr"])
+        sched.step()
+    assert lrs == [0.1, 0.1, 0.05, 0.05, 0.025]
+    assert opt.iterations == 5
+    opt.zero_grad()
+    assert w.grad is None
+
+
+def test_add_param_group_reaches_wrapped():
+    opt, _, _ = _setup()
+    extra = torch.nn.Parameter(torch.zeros(2))
+    opt.add_param_group({"params": [extra], "lr": 1.0})
+    assert len(opt.wrapped.param_groups) == 2 and opt.param_groups is opt.wrapped.param_groups
+
+
+@pytest.mark.parametrize(
+    ("call", "exc", "match"),
+    [
+        (lambda o, w, b, x: o.compute_gradients(x @ w + b), ValueError, "scalar"),
+        (lambda o, w, b, x: o.compute_gradients(42), TypeError, "loss must be"),
+        (lambda o, w, b, x: o.compute_gradients(_loss(w, b, x).detach()), ValueError, "grad"),
+        (
+            lambda o, w, b, x: o.compute_gradients(_loss(w, b, x), [w, "b"]),
+            TypeError,
+            r"var_list\[1\]",
+        ),
+        (lambda o, w, b, x: o.compute_gradients(_loss(w, b, x), w), TypeError, "single tensor"),
+        (lambda o, w, b, x: o.apply_gradients([(torch.ones(3, 2),)]), TypeError, "pair"),
+        (lambda o, w, b, x: o.apply_gradients([(torch.ones(2), w)]), ValueError, "shape"),
+        (lambda o, w, b, x: o.apply_gradients([("g", w)]), TypeError, "grad must be"),
+        (lambda o, w, b, x: o.apply_gradients([(None, w)]), ValueError, "No gradients"),
+        (lambda o, w, b, x: o.apply_gradients([]), ValueError, "empty"),
+        (lambda o, w, b, x: o.apply_gradients(torch.ones(2)), TypeError, "pairs"),
+        (
+            lambda o, w, b, x: o.apply_gradients(
+                [(torch.ones(2), b), (torch.ones(1), torch.ones(1))]
+            ),
+            ValueError,
+            "does not own",
+        ),
+        (
+            lambda o, w, b, x: o.apply_gradients(
+                [(torch.ones(2), b)], global_step=torch.tensor(1.0)
+            ),
+            TypeError,
+            "global_step",
+        ),
+        (lambda o, w, b, x: WrappedOptimizer("sgd"), TypeError, "torch.optim.Optimizer"),
+    ],
+)
+def test_bad_input_raises_and_mutates_nothing(call, exc, match):
+    opt, (w, b, unused), x = _setup()
+    before = [p.detach().clone() for p in (w, b, unused)]
+    with pytest.raises(exc, match=match):
+        call(opt, w, b, x)
+    for p, p0 in zip((w, b, unused), before):
+        assert torch.equal(p.detach(), p0)
+    assert opt.iterations == 0 and not opt.wrapped.state
+    assert all(p.grad is None for p in (w, b, unused))
