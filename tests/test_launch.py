@@ -146,3 +146,34 @@ def test_torchrun_main_outside_torchrun_says_how(monkeypatch):
         monkeypatch.delenv(key, raising=False)
     with pytest.raises(RuntimeError, match="torchrun"):
         torchrun_main(_pid)
+
+
+_TORCHRUN_SCRIPT = """
+import sys
+import torch
+import torch.distributed as dist
+from distoptim.launch import torchrun_main
+
+
+def work(rank, world_size, out):
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    with open(f"{out}.{rank}", "w") as f:
+        f.write(f"{rank} {world_size} {t.item():g}")
+
+
+torchrun_main(work, sys.argv[1], backend="gloo")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_same_function_runs_under_torchrun(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "job.py"
+    script.write_text(_TORCHRUN_SCRIPT)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    subprocess.run([*cmd, str(script), str(out)], check=True, timeout=100, capture_output=True)
+    assert sorted((tmp_path / f"out.{r}").read_text() for r in range(2)) == ["0 2 3", "1 2 3"]
