@@ -1,0 +1,37 @@
+"""Communication counters of one optimizer: what it launched and what it put on the wire."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+__all__ = ["CommStats", "ring_allreduce_bytes"]
+
+
+def ring_allreduce_bytes(nbytes: int, group_size: int) -> int:
+    """Bytes one rank sends in a ring all-reduce of ``nbytes``: ``2 (n - 1) / n * nbytes``.
+
+    A reduce-scatter then an all-gather, each moving ``(n - 1)`` chunks of ``nbytes / n``.
+    This is the bandwidth-optimal cost every backend approaches for large messages; it is the
+    figure reported in :class:`CommStats` and paid on an emulated link.
+    """
+    if group_size <= 1:
+        return 0
+    return (2 * (group_size - 1) * nbytes) // group_size
+
+
+@dataclass
+class CommStats:
+    """Running totals since construction (this rank only).
+
+    * ``collectives``: collectives launched (bucket all-reduces and the one-time fingerprint).
+    * ``bytes_sent``: bytes this rank put on the wire (ring model, wire dtype).
+    * ``overlapped``: bucket all-reduces launched from a backward hook, i.e. while backward was
+      still computing other gradients (0 without ``overlap=True``).
+    """
+
+    collectives: int = 0
+    bytes_sent: int = 0
+    overlapped: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
