@@ -21,6 +21,14 @@ over micro-batches equal one pass over their concatenation (no manual ``loss / N
 Scaling happens exactly once per path -- the TF path scales the loss and never divides, the
 PyTorch path never touches the loss and divides once -- so mixing the paths, or either of them
 with ``zero_grad(set_to_none=...)``, cannot scale twice.
+
+``.grad`` always holds this replica's *local* gradient: ``step()`` swaps the reduced gradients
+in for the inner ``opt.step()`` only (as ``apply_gradients`` does with its pairs) and puts the
+local ones back. The reduction is linear, so accumulating across steps without ``zero_grad``
+gives on n replicas exactly what it gives on one process over the concatenated batch, for MEAN
+and SUM. Edits of ``.grad`` between ``backward()`` and ``step()`` (clipping, unscaling) act per
+replica, before the reduction -- TF's per-replica clipping between ``compute_gradients`` and
+``apply_gradients``, on the PyTorch path.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from __future__ import annotations
 import enum
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -146,7 +154,8 @@ class CrossShardOptimizer(WrappedOptimizer):
             its subgroup (real process groups, created collectively here on every rank).
         bucket_cap_mb: payload cap of one gradient bucket in MiB (DDP's default, 25).
         overlap: launch each bucket's all-reduce from backward hooks as soon as its last
-            gradient is ready; ``step()`` then only applies (see :mod:`distoptim.comm.overlap`).
+            gradient is ready; ``step()`` then only waits (see :mod:`distoptim.comm.overlap`).
+            Results are the same as without overlap.
         compression: ``None``, ``"fp16"`` or ``"bf16"``: the wire dtype of float32/float64
             buckets; the reduced result is stored and applied in the parameter dtype.
         backward_passes_per_step: ``N`` backward passes accumulate locally before one reduction;
@@ -216,6 +225,7 @@ class CrossShardOptimizer(WrappedOptimizer):
         self._stats = CommStats()
         self._reducer = BucketAllReduce(group, num_shards, wire, self._stats)
         self._applying_pairs = False
+        self._warned_stale = False
         self._agreed = num_shards == 1
         self._plan_key: tuple[tuple[int, bool], ...] = ()
         self._plan: BucketPlan = BucketPlan([], 1)
@@ -271,7 +281,7 @@ class CrossShardOptimizer(WrappedOptimizer):
         self._agreed = self._num_shards == 1
         if self.overlap and self._num_shards > 1:
             self._overlap = BackwardOverlap(
-                self._plan, self.backward_passes_per_step, self._grad_round, self._write_back
+                self._plan, self.backward_passes_per_step, self._grad_round
             )
             self._overlap.attach()
 
@@ -324,54 +334,62 @@ class CrossShardOptimizer(WrappedOptimizer):
             divisor=self._divisor(),
         )
 
-    def _write_back(self, rnd: ReduceRound) -> None:
-        """Wait for ``rnd`` and put the reduced gradients into ``.grad`` (in place, like DDP)."""
+    def _reduced_pairs(self, rnd: ReduceRound) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Wait for ``rnd``; ``(reduced grad, param)`` for every param some rank had a grad for.
+
+        The gradients are views of the round's buffers (no copy-out).
+        """
         params = rnd.plan.params
+        pairs = []
         for bucket, buffer in zip(rnd.plan.buckets, rnd.wait_all()):
-            dst: list[torch.Tensor] = []
-            src: list[torch.Tensor] = []
             for i, view, present in zip(
                 bucket.members, bucket.views(buffer), bucket.present(buffer)
             ):
-                if not present:  # no rank had a gradient: keep None, the optimizer skips it
-                    continue
-                p = params[i]
-                if p.grad is None or p.grad.is_sparse:
-                    p.grad = view.clone()  # must not alias the reused bucket buffer
-                else:
-                    dst.append(p.grad)
-                    src.append(view)
-            if dst:
-                torch._foreach_copy_(dst, src)
+                if present:  # no rank had a gradient: leave it out, the optimizer skips it
+                    pairs.append((view, params[i]))
+        return pairs
 
     # ---- PyTorch path: backward(); step() ----------------------------------------------------
-    def _before_inner_step(self) -> None:
-        if self._applying_pairs:  # TF path: the swapped-in grads are already reduced
-            return
-        ov = self._overlap
-        if ov is not None:
-            if ov.overrun:
-                raise RuntimeError(
-                    "CrossShardOptimizer(overlap=True): backward() ran more than "
-                    f"backward_passes_per_step={self.backward_passes_per_step} time(s) since the "
-                    "last step(), after the gradients had been reduced, so .grad mixes reduced "
-                    "and local gradients. Call step() (or zero_grad()) after every "
-                    f"{self.backward_passes_per_step} backward pass(es)."
-                )
-            if ov.completed:  # reduced during backward
-                return
-            ov.reset()
-        self._refresh_plan()
-        if self._num_shards == 1 and self._divisor() == 1:
-            return
-        self._write_back(self._grad_round())
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Reduce the local ``.grad`` across the group, apply it with ``opt``, count one step.
 
-    def _after_inner_step(self) -> None:
-        if self._applying_pairs:
-            return
+        The reduced gradient is put in ``.grad`` only while ``opt.step()`` runs; afterwards
+        ``.grad`` holds this replica's local gradient again, so accumulating without
+        ``zero_grad`` continues exactly as it would on one process (for MEAN and SUM alike).
+        With ``overlap=True`` the reduction launched during backward is used unless ``.grad``
+        changed since (then ``.grad`` is reduced again, with a one-time warning).
+        """
+        if self._applying_pairs:  # TF path: the swapped-in grads are already reduced
+            return super().step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        rnd = None
         if self._overlap is not None:
-            self._overlap.reset()
+            rnd, stale = self._overlap.take_round()
+            if stale and not self._warned_stale:
+                self._warned_stale = True
+                warnings.warn(
+                    "CrossShardOptimizer(overlap=True): .grad changed after backward had "
+                    "launched its reduction (clipping, unscaling or an extra backward before "
+                    "step()); reducing .grad again, so this step gets no overlap. Use "
+                    "overlap=False when gradients are edited between backward() and step().",
+                    UserWarning,
+                    stacklevel=2,
+                )
+        if rnd is None:
+            self._refresh_plan()
+            if self._num_shards > 1 or self._divisor() != 1:
+                rnd = self._grad_round()
+        if rnd is None:  # one shard, nothing to divide: a plain step
+            self._wrapped.step()
+        else:
+            with swapped_grads(self._all_params(), self._reduced_pairs(rnd)):
+                self._wrapped.step()
         self._refresh_plan()
+        self.iterations += 1
+        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients and start the step's backward passes afresh (overlap state too)."""
@@ -405,17 +423,11 @@ class CrossShardOptimizer(WrappedOptimizer):
                 self._plan,
                 self._reducer,
                 grads_of=lambda b: [grads[i] for i in b.members],
-                buffer_of=Bucket.new_buffer,  # results are handed out: never the reused buffer
+                # fresh buffers: a PyTorch-path round may be in flight in the persistent ones
+                buffer_of=Bucket.new_buffer,
                 divisor=1,
             )
-            params = self._plan.params
-            reduced = []
-            for bucket, buffer in zip(self._plan.buckets, rnd.wait_all()):
-                for i, view, present in zip(
-                    bucket.members, bucket.views(buffer), bucket.present(buffer)
-                ):
-                    if present:
-                        reduced.append((view, params[i]))
+            reduced = self._reduced_pairs(rnd)
         self._applying_pairs = True
         try:
             with swapped_grads(self._all_params(), reduced):

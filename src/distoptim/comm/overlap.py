@@ -6,19 +6,19 @@ ready when autograd has finished accumulating its gradient (``register_post_accu
 when every member of a bucket is ready the bucket is launched -- but only in bucket order
 ("buckets are reduced in sequence", reducer.cpp's ``next_bucket_``), so a late bucket holds back
 the ones after it and every rank issues the same collectives in the same order. At the end of
-the step's last backward pass (an autograd engine callback, as DDP's ``finalize_backward``)
-the buckets that did not fill -- parameters without a gradient in that pass -- are launched,
-everything is waited for, and ``on_complete`` writes the reduced gradients into ``.grad``.
-``step()`` then only applies them, and code between ``backward()`` and ``step()`` (clipping,
-logging) sees the reduced gradients, as it does under DDP.
+the step's last backward pass (an autograd engine callback, the moment DDP's
+``finalize_backward`` runs) the buckets that did not fill -- parameters without a gradient in
+that pass -- are launched too. Nothing waits in backward: ``step()`` waits.
 
 Gradient accumulation: with ``passes_per_step = N`` only the N-th backward pass since the last
 reset launches anything; the first N-1 accumulate locally into ``.grad``.
 
-Only backward passes that reach ``.grad`` count: ``torch.autograd.grad`` (the TF path's
-``compute_gradients``) never runs these hooks. A backward pass after the step's reduction
-completed (more than N before ``step()``) would add local gradients onto reduced ones; it is
-recorded as ``overrun`` and ``step()`` refuses to apply that mix.
+The launched round read ``.grad`` when backward produced it. :meth:`take_round` hands it to
+``step()`` only if every gradient it read is still the same tensor at the same version
+(``Tensor._version`` counts in-place writes): clipping, unscaling, another backward pass or
+``zero_grad`` in between make the round *stale*, and the caller reduces ``.grad`` afresh, so
+overlap never changes what is applied. Only backward passes that reach ``.grad`` count:
+``torch.autograd.grad`` (the TF path's ``compute_gradients``) never runs these hooks.
 """
 
 from __future__ import annotations
@@ -37,12 +37,10 @@ __all__ = ["BackwardOverlap"]
 
 
 class BackwardOverlap:
-    """Hooks on ``plan.params`` that reduce buckets during the step's last backward pass.
+    """Hooks on ``plan.params`` that launch bucket reductions during the step's last backward.
 
-    ``new_round()`` makes the :class:`ReduceRound` of a step (reading ``.grad``);
-    ``on_complete(round)`` waits for it and writes the results back. State per step:
-    ``passes`` (backward passes finished), ``completed`` (the reduction is in ``.grad``),
-    ``overrun`` (a backward pass ran after that). :meth:`reset` starts a new step.
+    ``new_round()`` makes the :class:`ReduceRound` of a step (reading ``.grad``). State per
+    step: ``passes`` (backward passes finished since :meth:`reset`) and the round in flight.
     """
 
     def __init__(
@@ -50,19 +48,15 @@ class BackwardOverlap:
         plan: BucketPlan,
         passes_per_step: int,
         new_round: Callable[[], ReduceRound],
-        on_complete: Callable[[ReduceRound], None],
     ) -> None:
         self.plan = plan
         self.passes_per_step = passes_per_step
         self._new_round = new_round
-        self._on_complete = on_complete
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._round: ReduceRound | None = None
         self._ready = [0] * len(plan)
         self._callback_queued = False
         self.passes = 0
-        self.completed = False
-        self.overrun = False
 
     # ---- hooks ----------------------------------------------------------------------------
     def attach(self) -> None:
@@ -82,10 +76,6 @@ class BackwardOverlap:
         self.detach()
 
     # ---- state --------------------------------------------------------------------------------
-    @property
-    def in_flight(self) -> bool:
-        return self._round is not None and self._round.next_bucket > 0
-
     def reset(self) -> None:
         """Forget this step's passes; wait for (and drop) any collective still in flight."""
         if self._round is not None:
@@ -94,22 +84,31 @@ class BackwardOverlap:
         self._ready = [0] * len(self.plan)
         self._callback_queued = False  # also recovers from a backward that raised midway
         self.passes = 0
-        self.completed = False
-        self.overrun = False
+
+    def take_round(self) -> tuple[ReduceRound | None, bool]:
+        """``(round, stale)``: the round launched in backward if still valid, for ``step()``.
+
+        ``round`` is None when no backward pass launched one (fewer than N passes, or none)
+        or when it is stale (``stale=True``; it was drained). Either way the caller reduces
+        ``.grad`` itself. The state is reset.
+        """
+        rnd, self._round = self._round, None
+        stale = rnd is not None and not rnd.inputs_unchanged()
+        if stale:
+            rnd.drain()  # type: ignore[union-attr]
+            rnd = None
+        self.reset()
+        return rnd, stale
 
     def _on_grad_ready(self, index: int) -> None:
-        if self.completed:
-            self.overrun = True
-            return
         if not self._callback_queued:
             Variable._execution_engine.queue_callback(
                 functools.partial(_backward_done, weakref.ref(self))
             )
             self._callback_queued = True
         if self.passes != self.passes_per_step - 1:
-            return  # an accumulation pass: nothing to send yet
-        b = self.plan.bucket_of[index]
-        self._ready[b] += 1
+            return  # an accumulation pass (or one past the N-th): nothing to send now
+        self._ready[self.plan.bucket_of[index]] += 1
         if self._round is None:
             self._round = self._new_round()
         rnd = self._round
@@ -121,15 +120,12 @@ class BackwardOverlap:
 
     def _on_backward_done(self) -> None:
         self._callback_queued = False
-        if self.completed:
-            return
         self.passes += 1
-        if self.passes < self.passes_per_step:
+        if self.passes != self.passes_per_step:
             return
-        rnd = self._round if self._round is not None else self._new_round()
-        self._round = None
-        self._on_complete(rnd)  # launches the rest, waits, writes .grad
-        self.completed = True
+        if self._round is None:
+            self._round = self._new_round()
+        self._round.launch_remaining()  # buckets with a member that got no gradient this pass
 
 
 def _grad_ready(ref: weakref.ref[BackwardOverlap], index: int, param: torch.Tensor) -> None:

@@ -105,6 +105,7 @@ class ReduceRound:
         self.buffer_of = buffer_of
         self.divisor = divisor
         self.pending: list[PendingReduce] = []
+        self._inputs: list[list[tuple[torch.Tensor | None, int]]] = []
 
     @property
     def next_bucket(self) -> int:
@@ -114,7 +115,9 @@ class ReduceRound:
     def launch_next(self, *, overlapped: bool = False) -> None:
         bucket = self.plan.buckets[self.next_bucket]
         buffer = self.buffer_of(bucket)
-        bucket.pack(buffer, self.grads_of(bucket))
+        grads = self.grads_of(bucket)
+        bucket.pack(buffer, grads)
+        self._inputs.append([(g, -1 if g is None else g._version) for g in grads])
         pending = self.reducer.launch(bucket, buffer, self.divisor, overlapped=overlapped)
         self.pending.append(pending)
 
@@ -127,9 +130,22 @@ class ReduceRound:
         self.launch_remaining()
         return [self.reducer.finish(p) for p in self.pending]
 
+    def inputs_unchanged(self) -> bool:
+        """Are the gradients the launched buckets read still the same tensors, unmodified?
+
+        ``Tensor._version`` counts in-place writes, so an edit after packing (clipping,
+        another accumulation, ``zero_grad``) or a replaced/removed gradient is detected.
+        """
+        for bucket, before in zip(self.plan.buckets, self._inputs):
+            for g, (old, version) in zip(self.grads_of(bucket), before):
+                if g is not old or (g is not None and g._version != version):
+                    return False
+        return True
+
     def drain(self) -> None:
         """Wait for what is in flight and drop the results (keeps collectives paired)."""
         for p in self.pending:
             if p.work is not None:
                 p.work.wait()
         self.pending = []
+        self._inputs = []

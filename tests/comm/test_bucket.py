@@ -1,0 +1,91 @@
+"""distoptim.comm bucket layout, packing, wire format, byte model and fingerprint (one process)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distoptim.comm.bucket import BucketPlan
+from distoptim.comm.compression import WireFormat
+from distoptim.comm.fingerprint import digest
+from distoptim.comm.stats import ring_allreduce_bytes
+
+
+def _params(*specs: tuple[int, torch.dtype]) -> list[torch.Tensor]:
+    return [torch.zeros(n, dtype=dt, requires_grad=True) for n, dt in specs]
+
+
+def test_plan_fills_in_reverse_order_per_dtype_under_the_cap() -> None:
+    f32, f64 = torch.float32, torch.float64
+    # 4-byte floats: caps of 40 bytes hold 10 elements
+    params = _params((4, f32), (3, f64), (4, f32), (4, f32), (2, f64), (20, f32))
+    plan = BucketPlan(params, cap_bytes=40)
+    # reverse order: p5 (80 B > cap, alone), p4 f64, p3+p2 (32 B), p1 f64 joins p4, p0 new
+    assert [b.members for b in plan.buckets] == [[5], [4, 1], [3, 2], [0]]
+    assert [b.dtype for b in plan.buckets] == [f32, f64, f32, f32]
+    assert plan.bucket_of == [3, 1, 2, 2, 1, 0]
+    assert plan.buckets[2].offsets == [0, 4] and plan.buckets[2].numel == 8
+    assert plan.buckets[1].size == 5 + 2  # gradients plus one presence flag per member
+
+
+def test_first_bucket_cap_applies_once_per_dtype() -> None:
+    params = _params(*[(4, torch.float32)] * 6)  # 16 B each
+    plan = BucketPlan(params, cap_bytes=64, first_cap_bytes=16)
+    assert [b.members for b in plan.buckets] == [[5], [4, 3, 2, 1], [0]]
+    with pytest.raises(ValueError, match="cap_bytes"):
+        BucketPlan(params, cap_bytes=0)
+
+
+def test_pack_zero_fills_missing_grads_and_never_writes_the_inputs() -> None:
+    params = _params((3, torch.float32), (2, torch.float32))
+    plan = BucketPlan(params, cap_bytes=1 << 20)
+    (bucket,) = plan.buckets
+    assert bucket.members == [1, 0]
+    g0 = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)  # cast on the way in
+    before = g0.clone()
+    buf = bucket.new_buffer().fill_(7.0)
+    bucket.pack(buf, [None, g0])
+    assert buf.tolist() == [0.0, 0.0, 1.0, 2.0, 3.0, 0.0, 1.0]
+    assert torch.equal(g0, before)
+    assert bucket.present(buf) == [False, True]
+    views = bucket.views(buf)
+    assert views[1].shape == (3,) and views[1].data_ptr() == buf[2:].data_ptr()
+    persistent = bucket.persistent_buffer()
+    assert bucket.persistent_buffer() is persistent  # allocated once, reused
+    assert bucket.views(persistent) is bucket.views(persistent)
+
+
+def test_wire_format_parses_and_only_narrows_wide_floats() -> None:
+    assert WireFormat.parse(None).dtype is None
+    fp16 = WireFormat.parse("FP16")
+    assert fp16.name == "fp16" and fp16.dtype is torch.float16
+    assert fp16.wire_dtype(torch.float32) is torch.float16
+    assert fp16.wire_dtype(torch.float64) is torch.float16
+    assert fp16.wire_dtype(torch.bfloat16) is torch.bfloat16  # not wider: left alone
+    assert fp16.wire_dtype(torch.complex64) is torch.complex64
+    bf16 = WireFormat.parse("bf16")
+    x = torch.tensor([1.0, 2.5])
+    wire = bf16.encode(x)
+    assert wire.dtype is torch.bfloat16
+    out = torch.zeros(2)
+    bf16.decode(wire * 2, out)
+    assert out.tolist() == [2.0, 5.0]
+    with pytest.raises(ValueError, match="allowed values are None, 'fp16', 'bf16'"):
+        WireFormat.parse("int8")
+    with pytest.raises(TypeError, match="compression must be"):
+        WireFormat.parse(torch.float16)
+
+
+def test_ring_bytes_and_fingerprint_sensitivity() -> None:
+    assert ring_allreduce_bytes(1000, 1) == 0
+    assert ring_allreduce_bytes(1000, 2) == 1000
+    assert ring_allreduce_bytes(1000, 4) == 1500
+    a = _params((3, torch.float32), (2, torch.float32))
+    same = _params((3, torch.float32), (2, torch.float32))
+    assert digest(a, {"k": 1}) == digest(same, {"k": 1})
+    assert digest(a, {"k": 1}) != digest(a, {"k": 2})
+    assert digest(a, {}) != digest(list(reversed(a)), {})
+    assert digest(a, {}) != digest(_params((3, torch.float64), (2, torch.float32)), {})
+    frozen = _params((3, torch.float32), (2, torch.float32))
+    frozen[0].requires_grad_(False)
+    assert digest(a, {}) != digest(frozen, {})

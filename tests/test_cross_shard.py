@@ -1,0 +1,566 @@
+"""CrossShardOptimizer: reference equivalence, both paths, subgroups, robustness, bad input.
+
+Multi-process checks are bundled: one 2-rank spawn runs most of them and returns what the
+parent compares against single-process references computed here; one 4-rank spawn (slow)
+covers interleaved subgroups.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import distoptim
+from distoptim import CrossShardOptimizer, Reduction
+from distoptim.comm.fingerprint import ParameterMismatchError
+from distoptim.launch import spawn
+from distoptim.protocol import WrappedOptimizer
+
+PER_RANK = 4
+STEPS = 3
+
+
+# ---------------------------------------------------------------------------------------------
+# shared helpers (module level: spawned children import them)
+# ---------------------------------------------------------------------------------------------
+def _mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+
+
+def _data(world: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(STEPS, world * PER_RANK, 6, generator=g, dtype=torch.float64)
+    y = torch.randn(STEPS, world * PER_RANK, 3, generator=g, dtype=torch.float64)
+    return x, y
+
+
+def _rows(ranks: list[int]) -> torch.Tensor:
+    return torch.cat([torch.arange(r * PER_RANK, (r + 1) * PER_RANK) for r in ranks])
+
+
+def _flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _sgd(model: nn.Module) -> torch.optim.Optimizer:
+    # momentum makes the result sensitive to any mis-scaled gradient (Adam would hide it)
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+# A script is a list of ops replayed identically by every rank (on its rows) and by the
+# single-process reference (on all rows): ("zero", set_to_none), ("backward", k),
+# ("step",), ("minimize", k), ("pairs", k) = compute_gradients + apply_gradients.
+Script = list[tuple[Any, ...]]
+
+PLAIN: Script = [op for k in range(STEPS) for op in (("zero", True), ("backward", k), ("step",))]
+MIXED: Script = [
+    ("zero", False),
+    ("backward", 0),
+    ("step",),
+    ("minimize", 1),
+    ("backward", 2),  # no zero_grad: accumulates onto the (reduced) gradient of step 0
+    ("step",),
+    ("zero", True),
+    ("pairs", 0),
+]
+
+
+def _play(
+    opt: WrappedOptimizer,
+    model: nn.Module,
+    script: Script,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    loss_scale: float = 1.0,
+) -> None:
+    def loss_of(k: int) -> torch.Tensor:
+        return loss_scale * F.mse_loss(model(x[k]), y[k])
+
+    for op in script:
+        if op[0] == "zero":
+            opt.zero_grad(set_to_none=op[1])
+        elif op[0] == "backward":
+            loss_of(op[1]).backward()
+        elif op[0] == "step":
+            opt.step()
+        elif op[0] == "minimize":
+            opt.minimize(lambda k=op[1]: loss_of(k))
+        elif op[0] == "pairs":
+            pairs = opt.compute_gradients(loss_of(op[1]))
+            before = [g.clone() for g, _ in pairs]
+            opt.apply_gradients(pairs)
+            if not all(torch.equal(g, b) for (g, _), b in zip(pairs, before)):
+                raise AssertionError("apply_gradients modified the caller's gradients")
+        else:  # pragma: no cover
+            raise ValueError(op)
+
+
+def _reference(script: Script, ranks: list[int], world: int, reduction: str) -> torch.Tensor:
+    """The same script on one process over the concatenated rows of ``ranks``."""
+    x, y = _data(world)
+    rows = _rows(ranks)
+    model = _mlp()
+    opt = WrappedOptimizer(_sgd(model))
+    scale = float(len(ranks)) if reduction == "sum" else 1.0  # sum_r mean_r = n * mean
+    _play(opt, model, script, x[:, rows], y[:, rows], loss_scale=scale)
+    return _flat(model)
+
+
+def _gather(t: torch.Tensor) -> list[torch.Tensor]:
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the 2-rank bundle
+# ---------------------------------------------------------------------------------------------
+def _equivalence(rank: int, world: int, out: dict[str, Any]) -> None:
+    x, y = _data(world)
+    rows = _rows([rank])
+    for reduction in ("mean", "sum"):
+        for overlap in (False, True):
+            for name, script in (("plain", PLAIN), ("mixed", MIXED)):
+                model = _mlp()
+                opt = CrossShardOptimizer(_sgd(model), reduction=reduction, overlap=overlap)
+                _play(opt, model, script, x[:, rows], y[:, rows])
+                out[f"{name}/{reduction}/overlap={overlap}"] = _flat(model)
+                opt.remove_hooks()
+    # TF path alone, compared bitwise with the torch path (n = 2: scaling is exact)
+    for reduction in ("mean", "sum"):
+        model = _mlp()
+        opt = CrossShardOptimizer(_sgd(model), reduction=reduction)
+        for k in range(STEPS):
+            opt.minimize(lambda k=k, m=model: F.mse_loss(m(x[k, rows]), y[k, rows]))
+        out[f"tf/{reduction}"] = _flat(model)
+        out[f"tf/{reduction}/iterations"] = opt.iterations
+
+
+def _overlap_facts(rank: int, world: int, out: dict[str, Any]) -> None:
+    x, y = _data(world)
+    rows = _rows([rank])
+
+    def loss_of(m: nn.Module, k: int) -> torch.Tensor:
+        return F.mse_loss(m(x[k, rows]), y[k, rows])
+
+    model = _mlp()
+    opt = CrossShardOptimizer(_sgd(model), overlap=True)
+    nb = len(opt.bucket_plan)
+    loss_of(model, 0).backward()
+    local = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    out["overlap/launched_in_backward"] = (opt.comm_stats.overlapped, nb)
+    opt.step()
+    after = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    out["overlap/grad_stays_local"] = torch.equal(local, after) and not all(
+        torch.equal(g, local) for g in _gather(local)
+    )
+    before = opt.comm_stats.collectives
+    # the TF path never runs the hooks: exactly one round of bucket collectives, none overlapped
+    opt.minimize(lambda: loss_of(model, 1))
+    out["overlap/tf_collectives"] = (opt.comm_stats.collectives - before, nb)
+    out["overlap/tf_overlapped"] = opt.comm_stats.overlapped
+    # .grad edited after backward launched the reduction (per-replica clipping; two backward
+    # passes): step() reduces again, with a warning -- the same result as overlap=False
+    results = {}
+    for overlap in (False, True):
+        model = _mlp()
+        opt = CrossShardOptimizer(_sgd(model), overlap=overlap)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.zero_grad()
+            loss_of(model, 0).backward()
+            nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            opt.step()
+            opt.zero_grad()
+            loss_of(model, 1).backward()
+            loss_of(model, 2).backward()
+            opt.step()
+        results[overlap] = _flat(model)
+        out[f"overlap/stale_warnings/{overlap}"] = sum(
+            "reducing .grad again" in str(w.message) for w in caught
+        )
+        opt.remove_hooks()
+    out["overlap/stale_equal"] = torch.equal(results[False], results[True])
+
+
+def _accumulation(rank: int, world: int, out: dict[str, Any]) -> None:
+    x, y = _data(world)
+    half = PER_RANK // 2
+    mine = _rows([rank])
+    for reduction in ("mean", "sum"):
+        for overlap in (False, True):
+            model = _mlp()
+            opt = CrossShardOptimizer(
+                _sgd(model), reduction=reduction, overlap=overlap, backward_passes_per_step=2
+            )
+            for k in range(STEPS):
+                opt.zero_grad()
+                for part in (mine[:half], mine[half:]):
+                    F.mse_loss(model(x[k, part]), y[k, part]).backward()
+                opt.step()
+            out[f"accum/{reduction}/overlap={overlap}"] = _flat(model)
+            opt.remove_hooks()
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.trunk = nn.Linear(6, 8)
+        self.head_a = nn.Linear(8, 3)
+        self.head_b = nn.Linear(8, 3)
+        self.unused = nn.Linear(2, 2)
+        self.double()
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor, use_b: bool) -> torch.Tensor:
+        h = torch.tanh(self.trunk(x))
+        loss = F.mse_loss(self.head_a(h), y)
+        return loss + F.mse_loss(self.head_b(h), y) if use_b else loss
+
+
+def _missing_grads(rank: int, world: int, out: dict[str, Any]) -> None:
+    x, y = _data(world)
+    rows = _rows([rank])
+    for overlap in (False, True):
+        model = _TwoHeads()
+        opt = CrossShardOptimizer(torch.optim.Adam(model.parameters(), lr=0.05), overlap=overlap)
+        for k in range(2):
+            opt.zero_grad()
+            model.loss(x[k, rows], y[k, rows], use_b=rank == 1).backward()  # head_b: rank 1 only
+            opt.step()
+        out[f"missing/overlap={overlap}"] = _flat(model)
+        out[f"missing/unused_grad_is_none/overlap={overlap}"] = model.unused.weight.grad is None
+        out[f"missing/unused_has_no_slot/overlap={overlap}"] = (
+            opt.get_slot(model.unused.weight, "exp_avg") is None
+        )
+        opt.remove_hooks()
+
+
+def _mismatch(rank: int, world: int, out: dict[str, Any]) -> None:
+    x, y = _data(world)
+    rows = _rows([rank])
+    # rank 1 has one more layer: the step raises on every rank instead of hanging
+    model = nn.Sequential(_mlp(), nn.Linear(3, 3).double()) if rank == 1 else _mlp()
+    opt = CrossShardOptimizer(_sgd(model))
+    F.mse_loss(model(x[0, rows]), y[0, rows]).backward()
+    before = _flat(model)
+    try:
+        opt.step()
+        out["mismatch/count"] = "no error"
+    except ParameterMismatchError as exc:
+        out["mismatch/count"] = str(exc)
+    out["mismatch/unchanged"] = torch.equal(before, _flat(model)) and opt.iterations == 0
+    # a dtype mismatch with overlap on: the error comes out of backward()
+    model = _mlp().float() if rank == 1 else _mlp()
+    opt = CrossShardOptimizer(_sgd(model), overlap=True)
+    try:
+        F.mse_loss(
+            model(x[0, rows].to(model[0].weight.dtype)), y[0, rows].to(model[0].weight.dtype)
+        ).backward()
+        out["mismatch/dtype"] = "no error"
+    except ParameterMismatchError as exc:
+        out["mismatch/dtype"] = str(exc)
+    opt.remove_hooks()
+
+
+def _compression(rank: int, world: int, out: dict[str, Any]) -> None:
+    x, y = _data(world)
+    rows = _rows([rank])
+    for compression in (None, "fp16", "bf16"):
+        model = _mlp()
+        opt = CrossShardOptimizer(_sgd(model), compression=compression, overlap=True)
+        _play(opt, model, PLAIN, x[:, rows], y[:, rows])
+        out[f"compress/{compression}"] = _flat(model)
+        out[f"compress/{compression}/bytes"] = opt.comm_stats.bytes_sent
+        opt.remove_hooks()
+
+
+def _state_and_subgroups(rank: int, world: int, out: dict[str, Any]) -> None:
+    x, y = _data(world)
+    rows = _rows([rank])
+
+    def loss_fn(m: nn.Module, k: int) -> torch.Tensor:
+        return F.mse_loss(m(x[k, rows]), y[k, rows])
+
+    model = _mlp()
+    opt = CrossShardOptimizer(torch.optim.Adam(model.parameters(), lr=0.05))
+    for k in range(2):
+        opt.minimize(lambda k=k: loss_fn(model, k))
+    clone = copy.deepcopy(model)
+    opt2 = CrossShardOptimizer(torch.optim.Adam(clone.parameters(), lr=0.05))
+    opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
+    opt.minimize(lambda: loss_fn(model, 2))
+    opt2.minimize(lambda: loss_fn(clone, 2))
+    out["state/equal"] = torch.equal(_flat(model), _flat(clone))
+    out["state/iterations"] = (opt.iterations, opt2.iterations)
+    out["state/slots"] = opt2.get_slot_names()
+    out["state/variables"] = len(opt2.variables())
+    out["state/get_slot"] = torch.equal(
+        opt2.get_slot(clone[0].weight, "exp_avg"), opt.get_slot(model[0].weight, "exp_avg")
+    )
+    # subgroups of one: every rank on its own, no gradient collective at all
+    model = _mlp()
+    opt = CrossShardOptimizer(_sgd(model), group_assignment=[[0], [1]])
+    _play(opt, model, PLAIN, x[:, rows], y[:, rows])
+    out["solo/num_shards"] = opt.num_shards
+    out["solo/collectives"] = opt.comm_stats.collectives
+    out["solo"] = _flat(model)
+
+
+def _two_rank_bundle(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for part in (
+        _equivalence,
+        _overlap_facts,
+        _accumulation,
+        _missing_grads,
+        _mismatch,
+        _compression,
+        _state_and_subgroups,
+    ):
+        part(rank, world, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict[str, Any]]:
+    return spawn(_two_rank_bundle, 2, timeout=150)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-12) -> bool:
+    return torch.allclose(a, b, rtol=tol, atol=tol)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_both_paths_match_the_single_process_reference(
+    two_ranks: list[dict[str, Any]], reduction: str
+) -> None:
+    plain = _reference(PLAIN, [0, 1], 2, reduction)
+    mixed = _reference(MIXED, [0, 1], 2, reduction)
+    for out in two_ranks:
+        for overlap in (False, True):
+            assert _close(out[f"plain/{reduction}/overlap={overlap}"], plain)
+            assert _close(out[f"mixed/{reduction}/overlap={overlap}"], mixed)
+        # TF path == torch path, bitwise: no double (or missing) scaling on either
+        assert torch.equal(out[f"tf/{reduction}"], out[f"plain/{reduction}/overlap=False"])
+        assert out[f"tf/{reduction}/iterations"] == STEPS
+    assert not _close(plain, _reference(PLAIN, [0], 2, reduction), 1e-6)  # the test can fail
+
+
+@pytest.mark.timeout(180)
+def test_overlap_launches_in_backward_and_never_changes_results(
+    two_ranks: list[dict[str, Any]],
+) -> None:
+    for out in two_ranks:
+        launched, buckets = out["overlap/launched_in_backward"]
+        assert launched == buckets >= 1
+        assert out["overlap/grad_stays_local"]
+        sent, buckets = out["overlap/tf_collectives"]
+        assert sent == buckets  # the TF path is not reduced twice
+        assert out["overlap/tf_overlapped"] == launched
+        assert out["overlap/stale_warnings/False"] == 0
+        assert out["overlap/stale_warnings/True"] == 1  # warned once, not per step
+        assert out["overlap/stale_equal"]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_accumulation_equals_one_big_batch(two_ranks: list[dict[str, Any]], reduction: str) -> None:
+    # MEAN: N passes of a micro-batch mean == one pass over everything; SUM sums every pass
+    x, y = _data(2)
+    model = _mlp()
+    opt = _sgd(model)
+    scale = 4.0 if reduction == "sum" else 1.0  # 2 ranks x 2 micro-batches
+    for k in range(STEPS):
+        opt.zero_grad()
+        (scale * F.mse_loss(model(x[k]), y[k])).backward()
+        opt.step()
+    for out in two_ranks:
+        for overlap in (False, True):
+            assert _close(out[f"accum/{reduction}/overlap={overlap}"], _flat(model))
+
+
+@pytest.mark.timeout(180)
+def test_missing_grads_are_zero_filled_and_unused_params_stay_untouched(
+    two_ranks: list[dict[str, Any]],
+) -> None:
+    x, y = _data(2)
+    model = _TwoHeads()
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    r0, r1 = _rows([0]), _rows([1])
+    for k in range(2):
+        opt.zero_grad()
+        loss = model.loss(x[k, r0], y[k, r0], use_b=False) + model.loss(x[k, r1], y[k, r1], True)
+        (loss / 2).backward()
+        opt.step()
+    for out in two_ranks:
+        for overlap in (False, True):
+            assert _close(out[f"missing/overlap={overlap}"], _flat(model))
+            assert out[f"missing/unused_grad_is_none/overlap={overlap}"]
+            assert out[f"missing/unused_has_no_slot/overlap={overlap}"]
+
+
+@pytest.mark.timeout(180)
+def test_mismatched_parameter_lists_raise_instead_of_hanging(
+    two_ranks: list[dict[str, Any]],
+) -> None:
+    for out in two_ranks:
+        assert "ranks disagree" in out["mismatch/count"]
+        assert "rank 0: 4 parameters" in out["mismatch/count"]
+        assert "rank 1: 6 parameters" in out["mismatch/count"]
+        assert out["mismatch/unchanged"]
+        assert "ranks disagree" in out["mismatch/dtype"]
+
+
+@pytest.mark.timeout(180)
+def test_compression_is_close_and_sends_fewer_bytes(two_ranks: list[dict[str, Any]]) -> None:
+    for out in two_ranks:
+        exact = out["compress/None"]
+        assert torch.allclose(out["compress/fp16"], exact, rtol=0, atol=2e-3)
+        assert torch.allclose(out["compress/bf16"], exact, rtol=0, atol=2e-2)
+        assert not torch.equal(out["compress/fp16"], exact)  # it really went through fp16
+        fingerprint = 40
+        full = out["compress/None/bytes"] - fingerprint
+        assert out["compress/fp16/bytes"] - fingerprint == full // 4  # float64 -> float16
+        assert out["compress/bf16/bytes"] - fingerprint == full // 4
+
+
+@pytest.mark.timeout(180)
+def test_state_dict_round_trip_slots_and_subgroups_of_one(
+    two_ranks: list[dict[str, Any]],
+) -> None:
+    for rank, out in enumerate(two_ranks):
+        assert out["state/equal"]
+        assert out["state/iterations"] == (3, 3)
+        assert out["state/slots"] == ["exp_avg", "exp_avg_sq", "step"]
+        assert out["state/variables"] == 4 * 3
+        assert out["state/get_slot"]
+        assert out["solo/num_shards"] == 1
+        assert out["solo/collectives"] == 0
+        assert _close(out["solo"], _reference(PLAIN, [rank], 2, "mean"))
+    assert not torch.equal(two_ranks[0]["solo"], two_ranks[1]["solo"])
+
+
+# ---------------------------------------------------------------------------------------------
+# 4 ranks, interleaved subgroups
+# ---------------------------------------------------------------------------------------------
+def _four_rank_subgroups(rank: int, world: int) -> dict[str, Any]:
+    x, y = _data(world)
+    rows = _rows([rank])
+    out: dict[str, Any] = {}
+    for overlap in (False, True):
+        model = _mlp()
+        opt = CrossShardOptimizer(_sgd(model), group_assignment=[[0, 2], [1, 3]], overlap=overlap)
+        _play(opt, model, MIXED, x[:, rows], y[:, rows])
+        out[f"overlap={overlap}"] = _flat(model)
+        out["num_shards"] = opt.num_shards
+        opt.remove_hooks()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_subgroups_reduce_only_within_themselves_on_four_ranks() -> None:
+    outs = spawn(_four_rank_subgroups, 4, timeout=150)
+    expected = {0: [0, 2], 1: [1, 3], 2: [0, 2], 3: [1, 3]}
+    for rank, out in enumerate(outs):
+        ref = _reference(MIXED, expected[rank], 4, "mean")
+        assert out["num_shards"] == 2
+        for overlap in (False, True):
+            assert _close(out[f"overlap={overlap}"], ref)
+    assert not _close(outs[0]["overlap=False"], outs[1]["overlap=False"], 1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# one process: no group, world size 1, bad input
+# ---------------------------------------------------------------------------------------------
+def _tf_and_torch_one_shard(make: Callable[[nn.Module], Any]) -> tuple[torch.Tensor, Any]:
+    x, y = _data(1)
+    model = _mlp()
+    opt = make(model)
+    _play(opt, model, MIXED, x, y)
+    return _flat(model), opt
+
+
+def test_without_a_process_group_it_warns_once_and_is_one_shard() -> None:
+    assert not dist.is_initialized()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        flat, opt = _tf_and_torch_one_shard(lambda m: CrossShardOptimizer(_sgd(m)))
+    messages = [str(w.message) for w in caught if "one shard" in str(w.message)]
+    assert len(messages) == 1 and "not initialized" in messages[0]
+    assert opt.num_shards == 1 and opt.comm_stats.collectives == 0
+    assert opt.get_name() == "CrossShardOptimizer"
+    assert torch.equal(flat, _reference(MIXED, [0], 1, "mean"))
+    # group_assignment is still validated for form, then ignored
+    with pytest.warns(UserWarning, match="one shard"):
+        assert CrossShardOptimizer(_sgd(_mlp()), group_assignment=[[0, 1]]).num_shards == 1
+
+
+def test_world_size_one_group_warns_and_checks_ranks_against_it() -> None:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.warns(UserWarning, match="world size 1"):
+            flat, _ = _tf_and_torch_one_shard(
+                lambda m: CrossShardOptimizer(_sgd(m), "sum", overlap=True)
+            )
+        assert torch.equal(flat, _reference(MIXED, [0], 1, "sum"))
+        with pytest.raises(ValueError, match=r"rank\(s\) \[1\] outside range\(world_size=1\)"):
+            CrossShardOptimizer(_sgd(_mlp()), group_assignment=[[0, 1]])
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"reduction": "max"}, ValueError, "allowed values are Reduction.MEAN"),
+        ({"reduction": None}, ValueError, "unknown reduction"),
+        ({"group_assignment": [0, 1]}, ValueError, "list of non-empty lists"),
+        ({"group_assignment": "01"}, ValueError, "list of lists"),
+        ({"group_assignment": [[0, 1], [2]]}, ValueError, "same size"),
+        ({"group_assignment": [[0, 1], [1, 2]]}, ValueError, r"rank\(s\) \[1\] more than once"),
+        ({"group_assignment": [[0, 1], [3, 4]]}, ValueError, r"outside range\(world_size=4\)"),
+        ({"group_assignment": [[0.0, 1]]}, ValueError, "int ranks"),
+        ({"backward_passes_per_step": 0}, ValueError, "backward_passes_per_step must be"),
+        ({"backward_passes_per_step": 1.0}, ValueError, "backward_passes_per_step must be"),
+        ({"compression": "int8"}, ValueError, "allowed values are None, 'fp16', 'bf16'"),
+        ({"bucket_cap_mb": 0}, ValueError, "bucket_cap_mb must be"),
+        ({"overlap": 1}, TypeError, "overlap must be"),
+        ({"name": 3}, TypeError, "name must be a str"),
+    ],
+)
+def test_bad_arguments_are_rejected_clearly(kwargs: dict, error: type, match: str) -> None:
+    model = _mlp()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(error, match=match):
+            CrossShardOptimizer(_sgd(model), **kwargs)
+
+
+def test_non_optimizer_and_foreign_vars_are_rejected_without_changes() -> None:
+    with pytest.raises(TypeError, match=r"wraps a torch\.optim\.Optimizer, got Linear"):
+        CrossShardOptimizer(nn.Linear(2, 2))
+    model = _mlp()
+    with pytest.warns(UserWarning):
+        opt = CrossShardOptimizer(_sgd(model), Reduction.SUM)
+    before = _flat(model)
+    foreign = torch.zeros(3, requires_grad=True)
+    with pytest.raises(ValueError, match="does not own a variable of shape"):
+        opt.apply_gradients([(torch.ones(3), foreign)])
+    frozen = model[2].bias
+    frozen.requires_grad_(False)
+    with pytest.raises(ValueError, match="requires_grad=False"):
+        opt.apply_gradients([(torch.ones(3, dtype=torch.float64), frozen)])
+    assert torch.equal(before, _flat(model)) and opt.iterations == 0
+    assert distoptim.Reduction is Reduction and Reduction.parse("SUM") is Reduction.SUM
