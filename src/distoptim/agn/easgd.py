@@ -1,0 +1,93 @@
+"""ElasticAverageOptimizer: asynchronous Elastic Averaging SGD, as TF contrib's.
+
+Owns: EASGD's commit rule (send θ, move θ toward the old center) and its server rule (move the
+center toward θ by the same amount) — Zhang, Choromanska, LeCun, "Deep learning with Elastic
+Averaging SGD", NeurIPS 2015; ``tf.contrib.opt.ElasticAverageOptimizer``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from distoptim.agn.getter import AGNCustomGetter
+from distoptim.agn.server import ServerRule
+from distoptim.agn.worker import AsyncWorkerOptimizer, _ShardLink
+
+__all__ = ["ElasticAverageOptimizer", "ElasticUpdate"]
+
+BETA = 0.9
+"""TF contrib's default ``moving_rate = BETA / communication_period / num_worker``."""
+
+
+def _elastic_difference(local: list[torch.Tensor], center: list[torch.Tensor], alpha: float):
+    """``d = alpha (θ - c)``, computed by the same ops on both sides so they agree bit for bit."""
+    return torch._foreach_mul(torch._foreach_sub(local, center), alpha)
+
+
+class ElasticUpdate(ServerRule):
+    """``d = alpha (θ - c)``; ``c ← c + d``; the reply carries ``c`` from before the update."""
+
+    reply_before_update = True
+
+    def __init__(self, alpha: float) -> None:
+        self.alpha = alpha
+
+    def apply(self, center, update, optimizer):
+        torch._foreach_add_(center, _elastic_difference(update, center, self.alpha))
+
+
+class ElasticAverageOptimizer(AsyncWorkerOptimizer):
+    """Asynchronous EASGD with period τ = ``communication_period`` and moving rate alpha.
+
+    Every step runs the wrapped optimizer on the local parameters θ. When
+    ``local_step % τ == 0``, in one round trip per shard, with ``c`` the center at the moment
+    the shard handles the commit (under its lock when ``use_locking``)::
+
+        d = alpha (θ - c)
+        θ ← θ - d        (worker)
+        c ← c + d        (shard; global_step += 1)
+
+    ``moving_rate=None`` gives TF contrib's default ``alpha = 0.9 / (τ · num_worker)``. The local
+    copy is *not* reset to the center (it is only pulled toward it); ``get_init_op`` sets
+    θ := c once at the start. Placement and read-outs as :class:`~distoptim.agn.agn.AGNOptimizer`.
+    """
+
+    algorithm = "EASGD"
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        num_worker: int,
+        custom_getter: AGNCustomGetter | None = None,
+        communication_period: int = 10,
+        moving_rate: float | None = None,
+        use_locking: bool = True,
+        name: str = "ElasticAverageOptimizer",
+    ) -> None:
+        if moving_rate is not None and (
+            isinstance(moving_rate, bool)
+            or not isinstance(moving_rate, (int, float))
+            or not math.isfinite(moving_rate)
+            or not 0 < moving_rate <= 1
+        ):
+            raise ValueError(f"moving_rate must be None or a number in (0, 1], got {moving_rate!r}")
+        super().__init__(
+            optimizer, num_worker, custom_getter, communication_period, use_locking, name
+        )
+        self.moving_rate = (
+            BETA / communication_period / num_worker if moving_rate is None else float(moving_rate)
+        )
+
+    def _server_rule(self) -> ServerRule:
+        return ElasticUpdate(self.moving_rate)
+
+    def _payload(self, link: _ShardLink) -> dict[str, torch.Tensor]:
+        return link.local()
+
+    def _absorb(self, link, sent, reply):
+        local = link.layout.views(sent)
+        d = _elastic_difference(local, link.layout.views(reply), self.moving_rate)
+        torch._foreach_sub_(local, d)
+        link.assign(sent)

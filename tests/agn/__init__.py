@@ -1,0 +1,1 @@
+"""Tests of distoptim.agn (parameter-server optimizers)."""
