@@ -1,36 +1,71 @@
-"""Entry point of the ``distoptim`` console script: argument parsing and dispatch."""
+"""Entry point of the ``distoptim`` console script: parse, check, dispatch, exit code.
+
+``distoptim compare`` (the main job) and ``distoptim train`` run locally with worker processes
+this command starts; ``python -m distoptim.cli.train`` under ``torchrun`` runs one rank of the
+same training (:func:`torchrun_train`). Exit codes: 0 done, 1 a run failed, 2 bad arguments
+(one line on stderr, no traceback), 130 interrupted by Ctrl-C.
+"""
 
 from __future__ import annotations
 
-import argparse
+import os
 import sys
 from collections.abc import Sequence
 
-from distoptim._version import __version__
+__all__ = ["main", "torchrun_train"]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="distoptim",
-        description=(
-            "Distributed optimizers from TensorFlow (CrossShardOptimizer, AGNOptimizer, "
-            "DTensor SGD) on torch.distributed: train and compare them on real data."
-        ),
-    )
-    parser.add_argument("--version", action="version", version=f"distoptim {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.add_parser("compare", help="compare the algorithms on the bundled digits dataset")
-    return parser
+def _usage_error(command: str | None, message: str) -> int:
+    prog = "distoptim" + (f" {command}" if command else "")
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line with ``argv`` (default ``sys.argv[1:]``); return the exit code."""
+    from distoptim.cli.options import UsageError, build_parser, make_plan
+
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: --help/--version (0) or a one-line error (2)
+        return int(exc.code or 0)
     if args.command is None:
         parser.print_help()
         return 0
-    print(f"distoptim {__version__}: '{args.command}' arrives with the command-line issue.")
-    return 0
+    try:
+        plan = make_plan(args)
+    except UsageError as exc:
+        return _usage_error(args.command, str(exc))
+    from distoptim.cli.session import run_plan
+
+    try:
+        return run_plan(plan, argv)
+    except KeyboardInterrupt:  # between runs, or while writing: nothing left running
+        print("distoptim: interrupted", file=sys.stderr)
+        return 130
+
+
+def torchrun_train(argv: Sequence[str]) -> int:
+    """One rank of ``torchrun -m distoptim.cli.train ...``: sync training on torchrun's group.
+
+    Every rank trains; rank 0 evaluates, then writes ``results.json`` and the plot to ``--out``
+    and prints the table (the other ranks print nothing).
+    """
+    from distoptim.cli.options import UsageError, build_parser, make_plan
+    from distoptim.cli.session import run_torchrun
+
+    parser = build_parser()
+    try:
+        args = parser.parse_args(["train", *argv])
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    try:
+        plan = make_plan(args, world_size=int(os.environ["WORLD_SIZE"]))
+    except UsageError as exc:
+        return _usage_error("train", str(exc))
+    return run_torchrun(plan, ["train", *argv])
 
 
 if __name__ == "__main__":

@@ -1,0 +1,271 @@
+"""Progress of the runs: events from worker processes, and their display in the parent.
+
+Owns: the progress events (a worker's :class:`Reporter` records them and, in a local run, puts
+them on a ``multiprocessing`` queue the parent reads), and the parent's display of them -- a
+live ``rich`` bar per run with samples done, training loss and validation accuracy when the
+terminal can show one, plain lines otherwise, or nothing.
+
+Events are small dicts, all with ``kind``, ``worker`` (task index / rank), ``t`` (``time.time()``
+of the worker) and ``samples`` (samples that worker has processed):
+
+* ``start``  -- the worker is ready and starts its clock;
+* ``tick``   -- periodic, with ``loss``: mean training loss since the previous tick;
+* ``eval``   -- one worker scored the current model: ``acc``, ``loss`` on validation;
+* ``finish`` -- the worker's last step is done (``loss``: of its last tick).
+
+The same events the parent sees live are returned by each worker with its result, so a run
+that completes builds its history from the complete lists, and a run that is interrupted still
+has everything that reached the parent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import queue as queue_mod
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any, TextIO
+
+__all__ = ["LineSink", "ProgressDisplay", "Reporter", "RunProgress"]
+
+
+class Reporter:
+    """Worker side: records progress events and forwards them to ``sink`` (a queue) if given."""
+
+    def __init__(self, sink: Any, worker: int) -> None:
+        self.sink = sink
+        self.worker = worker
+        self.events: list[dict[str, Any]] = []
+        self.samples = 0
+        self._loss_sum = 0.0
+        self._loss_n = 0
+        self._last_loss: float | None = None
+
+    def _emit(self, kind: str, **fields: Any) -> None:
+        event = {"kind": kind, "worker": self.worker, "t": time.time(), "samples": self.samples}
+        event.update(fields)
+        self.events.append(event)
+        if self.sink is not None:
+            with contextlib.suppress(Exception):  # the display is best effort, never fatal
+                self.sink.put(event)
+
+    def start(self) -> None:
+        self._emit("start")
+
+    def step(self, batch_samples: int, loss: float) -> None:
+        self.samples += batch_samples
+        self._loss_sum += loss
+        self._loss_n += 1
+
+    def tick(self) -> None:
+        if self._loss_n:
+            self._last_loss = self._loss_sum / self._loss_n
+        self._loss_sum, self._loss_n = 0.0, 0
+        self._emit("tick", loss=self._last_loss)
+
+    def evaluation(self, acc: float, loss: float) -> None:
+        self._emit("eval", acc=acc, loss=loss)
+
+    def finish(self) -> None:
+        self._emit("finish", loss=self._last_loss)
+
+
+class LineSink:
+    """A sink for a worker's own events that prints one line per evaluation (torchrun rank 0)."""
+
+    def __init__(self, label: str, total: int, stream: TextIO | None = None) -> None:
+        self.label = label
+        self.total = max(1, total)
+        self.stream = stream if stream is not None else sys.stderr
+        self._world = 1
+
+    def put(self, event: dict[str, Any]) -> None:
+        if event["kind"] == "eval":
+            # rank 0 speaks for the group: every rank has processed the same number of samples
+            done = min(100.0, 100.0 * event["samples"] * self._world / self.total)
+            print(
+                f"{self.label}: {done:5.1f}% val acc {100 * event['acc']:.1f}% "
+                f"(val loss {event['loss']:.3f})",
+                file=self.stream,
+                flush=True,
+            )
+
+    def set_world(self, world_size: int) -> None:
+        self._world = world_size
+
+
+def _fmt_pct(x: float | None) -> str:
+    return "  -  " if x is None else f"{100 * x:5.1f}%"
+
+
+def _fmt_loss(x: float | None) -> str:
+    return "  -  " if x is None else f"{x:.3f}"
+
+
+class RunProgress:
+    """Parent side of one run: owns the queue its workers write to and a thread draining it."""
+
+    def __init__(self, display: ProgressDisplay, index: int, label: str, total: int) -> None:
+        self.display = display
+        self.index = index
+        self.label = label
+        self.total = max(1, total)
+        self.queue = mp.get_context("spawn").Queue()
+        self.events: list[dict[str, Any]] = []
+        self._per_worker: dict[int, int] = {}
+        self.loss: float | None = None
+        self.acc: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._drain, name=f"progress-{index}", daemon=True)
+        self._started = False
+
+    @property
+    def samples(self) -> int:
+        return sum(self._per_worker.values())
+
+    def _handle(self, event: dict[str, Any]) -> None:
+        self.events.append(event)
+        w = event["worker"]
+        self._per_worker[w] = max(self._per_worker.get(w, 0), int(event.get("samples", 0)))
+        if event["kind"] in ("tick", "finish") and event.get("loss") is not None:
+            self.loss = event["loss"]
+        if event["kind"] == "eval":
+            self.acc = event["acc"]
+        if event["kind"] == "start" and not self._started:
+            self._started = True
+            self.display._started(self)
+        self.display._update(self)
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                event = self.queue.get(timeout=0.1)
+            except queue_mod.Empty:
+                if self._stop.is_set():
+                    return
+                continue
+            except (EOFError, OSError, ValueError):  # a writer was killed mid-message
+                return
+            except Exception:
+                return
+            self._handle(event)
+
+    def __enter__(self) -> RunProgress:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+        with contextlib.suppress(Exception):
+            self.queue.cancel_join_thread()  # never block interpreter exit on this queue
+            self.queue.close()
+
+    def finished(self, summary: str) -> None:
+        """Mark the run done in the display with a one-line ``summary``."""
+        self.display._finished(self, summary)
+
+
+class ProgressDisplay:
+    """The parent's display of all runs: ``mode`` is ``rich``, ``plain`` or ``none``.
+
+    ``auto`` picks ``rich`` when ``stream`` is a terminal, ``plain`` otherwise.
+    """
+
+    def __init__(self, mode: str = "auto", stream: TextIO | None = None) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        if mode == "auto":
+            mode = "rich" if getattr(self.stream, "isatty", lambda: False)() else "plain"
+        if mode not in ("rich", "plain", "none"):
+            raise ValueError(f"progress mode must be auto, rich, plain or none, got {mode!r}")
+        self.mode = mode
+        self._progress: Any = None
+        self._tasks: dict[int, Any] = {}
+        self._plain_marks: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._count = 0
+
+    @contextlib.contextmanager
+    def session(self, labels: list[str], totals: list[int]) -> Iterator[ProgressDisplay]:
+        """Show one bar per run (``labels``) for the duration of the ``with`` block."""
+        self._count = len(labels)
+        if self.mode == "rich":
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                Progress,
+                TaskProgressColumn,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+
+            self._progress = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(bar_width=16),
+                TaskProgressColumn(),
+                TextColumn("loss {task.fields[loss]}"),
+                TextColumn("val acc {task.fields[acc]}"),
+                TimeElapsedColumn(),
+                TextColumn("{task.fields[note]}"),
+                console=Console(file=self.stream),
+                refresh_per_second=8,
+            )
+            for i, (label, total) in enumerate(zip(labels, totals)):
+                self._tasks[i] = self._progress.add_task(
+                    label, total=max(1, total), loss="  -  ", acc="  -  ", note="", start=False
+                )
+            self._progress.start()
+        try:
+            yield self
+        finally:
+            if self._progress is not None:
+                self._progress.stop()
+                self._progress = None
+
+    def run(self, index: int, label: str, total: int) -> RunProgress:
+        """The progress channel of run ``index`` (use as a context manager around the run)."""
+        return RunProgress(self, index, label, total)
+
+    # -- called from RunProgress (drain thread or main thread) ---------------------------
+    def _print(self, text: str) -> None:
+        with self._lock:
+            print(text, file=self.stream, flush=True)
+
+    def _started(self, run: RunProgress) -> None:
+        if self.mode == "rich" and self._progress is not None:
+            self._progress.start_task(self._tasks[run.index])
+        elif self.mode == "plain":
+            self._print(f"[{run.index + 1}/{self._count}] {run.label}: training started")
+
+    def _update(self, run: RunProgress) -> None:
+        if self.mode == "rich" and self._progress is not None:
+            self._progress.update(
+                self._tasks[run.index],
+                completed=min(run.samples, run.total),
+                loss=_fmt_loss(run.loss),
+                acc=_fmt_pct(run.acc),
+            )
+        elif self.mode == "plain":
+            quarter = min(4, 4 * run.samples // run.total)
+            if quarter > self._plain_marks.get(run.index, 0):
+                self._plain_marks[run.index] = quarter
+                if quarter < 4:
+                    self._print(
+                        f"[{run.index + 1}/{self._count}] {run.label}: {25 * quarter}% "
+                        f"loss {_fmt_loss(run.loss).strip()} val acc {_fmt_pct(run.acc).strip()}"
+                    )
+
+    def _finished(self, run: RunProgress, summary: str) -> None:
+        if self.mode == "rich" and self._progress is not None:
+            self._progress.update(
+                self._tasks[run.index],
+                completed=run.total if summary.startswith("done") else run.samples,
+                acc=_fmt_pct(run.acc),
+                note=summary,
+            )
+            self._progress.stop_task(self._tasks[run.index])
+        elif self.mode == "plain":
+            self._print(f"[{run.index + 1}/{self._count}] {run.label}: {summary}")

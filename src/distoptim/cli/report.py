@@ -1,0 +1,240 @@
+"""The results of a set of runs: temporal efficiency, the comparison table, ``results.json``.
+
+Owns: the per-cell summary (one row per algorithm x workers x λ, averaged over repeats), the
+table printed at the end (the AGN paper's columns), and the JSON file written next to the plot.
+
+Temporal efficiency (as in Hermans et al., *Accumulated Gradient Normalization*, 2017)
+----------------------------------------------------------------------------------------
+How much validation accuracy a run delivers over time, relative to synchronous training with
+the same number of workers::
+
+    E(run) = ∫₀ᵀ acc_run(t) dt  /  ∫₀ᵀ acc_sync(t) dt,      T = min(T_run, T_sync)
+
+``acc(t)`` is the validation-accuracy curve (linear between evaluations, t = 0 when all workers
+are ready), ``T`` the shorter of the two wall times, so both are compared over the same window.
+``E > 1``: the run was ahead of sync on average over that window (higher accuracy sooner);
+``E < 1``: behind. Sync's own E is 1 by definition; E is blank when the same comparison has no
+sync run with that worker count.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import sys
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+import numpy as np
+
+from distoptim.cli.train import RunRecord
+
+__all__ = [
+    "TEMPORAL_EFFICIENCY",
+    "assign_temporal_efficiency",
+    "format_bytes",
+    "render_table",
+    "summarize",
+    "temporal_efficiency",
+    "write_results",
+]
+
+TEMPORAL_EFFICIENCY = (
+    "E = integral over [0, T] of the run's validation accuracy vs wall time, divided by the "
+    "same integral for sync with the same workers; T = the shorter of the two wall times. "
+    "E > 1: higher accuracy sooner than sync; sync = 1."
+)
+
+
+def _area(history: Sequence[dict[str, Any]], horizon: float) -> float | None:
+    ts = np.array([p["t"] for p in history], dtype=float)
+    acc = np.array([p["val_acc"] for p in history], dtype=float)
+    if ts.size < 2 or horizon <= 0:
+        return None
+    grid = np.linspace(0.0, horizon, 2001)
+    values = np.interp(grid, ts, acc)  # flat before the first / after the last evaluation
+    return float(np.sum((values[1:] + values[:-1]) * 0.5 * np.diff(grid)))  # trapezoid rule
+
+
+def temporal_efficiency(
+    history: Sequence[dict[str, Any]], reference: Sequence[dict[str, Any]]
+) -> float | None:
+    """``E`` of ``history`` against ``reference`` (see the module doc); None if undefined."""
+    if len(history) < 2 or len(reference) < 2:
+        return None
+    horizon = min(history[-1]["t"], reference[-1]["t"])
+    num, den = _area(history, horizon), _area(reference, horizon)
+    if num is None or den is None or den <= 0:
+        return None
+    return num / den
+
+
+def assign_temporal_efficiency(records: Sequence[RunRecord]) -> None:
+    """Set ``temporal_efficiency`` on every finished record that has a sync reference.
+
+    The reference is the sync run with the same workers and repeat index (else the first
+    finished sync run with those workers).
+    """
+    refs: dict[tuple[int, int], RunRecord] = {}
+    for r in records:
+        if r.config.algo == "sync" and r.status == "ok" and len(r.history) >= 2:
+            refs.setdefault((r.config.workers, r.config.repeat), r)
+            refs.setdefault((r.config.workers, -1), r)
+    for r in records:
+        if r.status != "ok":
+            continue
+        ref = refs.get((r.config.workers, r.config.repeat)) or refs.get((r.config.workers, -1))
+        if ref is not None:
+            r.temporal_efficiency = temporal_efficiency(r.history, ref.history)
+
+
+def _mean(values: list[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+def summarize(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
+    """One row per (algorithm, workers, λ): means over the finished repeats, plus spread."""
+    cells: dict[tuple[str, int, int | None], list[RunRecord]] = {}
+    for r in records:
+        lam = None if r.config.algo == "sync" else r.config.communication_period
+        cells.setdefault((r.config.algo, r.config.workers, lam), []).append(r)
+    rows = []
+    for (algo, workers, lam), runs in cells.items():
+        ok = [r for r in runs if r.status == "ok"]
+        val = [r.val_acc for r in ok if r.val_acc is not None]
+        row: dict[str, Any] = {
+            "algorithm": algo,
+            "workers": workers,
+            "communication_period": lam,
+            "runs": len(runs),
+            "finished": len(ok),
+            "status": "ok" if len(ok) == len(runs) else ",".join(sorted({r.status for r in runs})),
+            "wall_time_s": _mean([r.wall_time_s for r in ok if r.wall_time_s is not None]),
+            "train_acc": _mean([r.train_acc for r in ok if r.train_acc is not None]),
+            "val_acc": _mean(val),
+            "val_acc_std": statistics.stdev(val) if len(val) > 1 else None,
+            "val_acc_min": min(val) if val else None,
+            "val_acc_max": max(val) if val else None,
+            "communications": _mean([r.communications for r in ok if r.communications is not None]),
+            "communication_kind": runs[0].communication_kind,
+            "bytes_moved": _mean([r.bytes_moved for r in ok if r.bytes_moved is not None]),
+            "temporal_efficiency": _mean(
+                [r.temporal_efficiency for r in ok if r.temporal_efficiency is not None]
+            ),
+        }
+        rows.append(row)
+    return rows
+
+
+def format_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _cells(row: dict[str, Any]) -> list[str]:
+    val = _pct(row["val_acc"])
+    if row["val_acc_std"] is not None:
+        val = f"{100 * row['val_acc']:.1f} ± {100 * row['val_acc_std']:.1f}%"
+    comm = "-" if row["communications"] is None else f"{row['communications']:.0f}"
+    wall = "-" if row["wall_time_s"] is None else f"{row['wall_time_s']:.1f} s"
+    eff = "-" if row["temporal_efficiency"] is None else f"{row['temporal_efficiency']:.2f}"
+    name = {"sync": "sync", "agn": "AGN", "downpour": "DOWNPOUR", "easgd": "EASGD"}
+    algo = name.get(row["algorithm"], row["algorithm"])
+    if row["status"] != "ok":
+        algo += f" ({row['status']})"
+    return [
+        algo,
+        str(row["workers"]),
+        "-" if row["communication_period"] is None else str(row["communication_period"]),
+        wall,
+        _pct(row["train_acc"]),
+        val,
+        comm,
+        format_bytes(row["bytes_moved"]),
+        eff,
+    ]
+
+
+_HEADERS = [
+    "algorithm",
+    "n",
+    "λ",
+    "wall\ntime",
+    "train\nacc",
+    "val\nacc",
+    "commits /\nall-reduces",
+    "bytes\nmoved",
+    "temporal\neff.",
+]
+
+
+_CAPTION = (
+    "n: workers, λ: local steps between commits; temporal eff.: accuracy-over-time area vs "
+    "sync (see results.json)"
+)
+
+
+def render_table(rows: Sequence[dict[str, Any]], stream: TextIO | None = None) -> None:
+    """Print the comparison table (rich, plain box characters when not a terminal)."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    stream = stream if stream is not None else sys.stdout
+    tty = getattr(stream, "isatty", lambda: False)()
+    console = Console(file=stream, width=None if tty else 120, no_color=not tty)
+    # a terminal gets a compact table; a file or pipe a Markdown one (pastes into reports)
+    table = Table(
+        box=box.SIMPLE_HEAD if tty else box.MARKDOWN,
+        pad_edge=not tty,
+        collapse_padding=tty,
+        caption=_CAPTION if tty else None,
+    )
+    for i, h in enumerate(_HEADERS):
+        table.add_column(
+            h if tty else h.replace("\n", " "), justify="left" if i == 0 else "right", no_wrap=True
+        )
+    for row in rows:
+        table.add_row(*_cells(row))
+    console.print(table)
+    if not tty:
+        console.print(_CAPTION)
+
+
+def write_results(
+    path: str | os.PathLike[str],
+    records: Sequence[RunRecord],
+    meta: dict[str, Any],
+) -> dict[str, Any]:
+    """Write ``results.json`` atomically (temp file + rename); return what was written."""
+    doc = dict(meta)
+    doc["temporal_efficiency_definition"] = TEMPORAL_EFFICIENCY
+    doc["summary"] = summarize(records)
+    doc["runs"] = [r.to_dict() for r in records]
+    tmp = f"{os.fspath(path)}.tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(_finite(doc), fh, indent=2, ensure_ascii=False)
+        fh.write("\n")
+    os.replace(tmp, path)
+    return doc
+
+
+def _finite(value: Any) -> Any:
+    """JSON has no NaN/Infinity: write them as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value

@@ -1,0 +1,1 @@
+"""Tests of the distoptim command line."""

@@ -1,0 +1,77 @@
+"""Argument errors: one line on stderr naming the problem, exit code 2, no traceback, no run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from distoptim.cli.main import main
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["train", "--algo", "sgd"], "unknown algorithm 'sgd'"),
+        (["train"], "--algo"),
+        (["compare", "--algos", "sync,bogus"], "unknown algorithm 'bogus'"),
+        (["compare", "--workers", "0"], "0 is not allowed: must be >= 1"),
+        (["compare", "--workers", "2,x"], "'x' is not an integer"),
+        (["compare", "--communication-period", "0"], "must be >= 1"),
+        (["train", "--algo", "agn", "-l", "-3"], "must be >= 1"),
+        (["compare", "--epochs", "0"], "must be >= 1"),
+        (["compare", "--lr", "-1"], "must be a finite number > 0"),
+        (["compare", "--lr", "nan"], "must be a finite number > 0"),
+        (["compare", "--link-mbps", "0"], "must be a finite number > 0"),
+        (["compare", "--link-latency-ms", "-5"], "must be a finite number >= 0"),
+        (["compare", "--optimizer", "rmsprop"], "invalid choice: 'rmsprop'"),
+        (["train", "--algo", "sync", "--workers", "2,4"], "train takes one value for --workers"),
+        (["train", "--algo", "sync,agn"], "train runs one algorithm"),
+        (["compare", "--algos", "sync", "--dataset", "/no/such.npz"], "no such file"),
+        (["compare", "--algos", "sync", "--batch-size", "5000"], "dataset too small"),
+        (["compare", "--bogus-flag"], "unrecognized arguments: --bogus-flag"),
+    ],
+)
+def test_argument_error_is_one_line_and_exit_2(argv, message, capsys, tmp_path):
+    code = main([*argv, "--out", str(tmp_path / "out")] if argv[-1] != "train" else argv)
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("distoptim")
+
+
+def test_bad_npz_shape_exits_2(capsys, tmp_path):
+    path = tmp_path / "wrong.npz"
+    np.savez(path, x=np.zeros((20, 4)), y=np.zeros((20, 3)))
+    code = main(["train", "--algo", "sync", "--dataset", str(path), "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and "one label per sample" in err and err.count("\n") == 1
+
+
+def test_out_must_be_a_directory(capsys, tmp_path):
+    f = tmp_path / "file"
+    f.write_text("")
+    assert main(["compare", "--algos", "sync", "--out", str(f)]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+
+
+def test_console_script_process_exits_2_without_traceback():
+    proc = subprocess.run(
+        [sys.executable, "-m", "distoptim.cli.main", "compare", "--workers", "-1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
+    assert "--workers" in proc.stderr
+
+
+def test_help_and_version_exit_0(capsys):
+    assert main(["--version"]) == 0
+    assert main(["compare", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--communication-period" in out and "--link-latency-ms" in out
