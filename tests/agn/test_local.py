@@ -1,0 +1,274 @@
+"""distoptim.agn pieces that need no cluster: validation, placement, flat buffers, a PS shard."""
+
+from __future__ import annotations
+
+import copy
+import math
+import threading
+
+import pytest
+import torch
+
+import distoptim
+from distoptim.agn import AGNCustomGetter, Cluster, ParameterServer, spawn
+from distoptim.agn.flat import FlatLayout
+from distoptim.agn.server import AddUpdate, ApplyOptimizer, TableSpec
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Linear(2, 3)
+
+
+def _sgd(m, **kw):
+    return torch.optim.SGD(m.parameters(), lr=0.1, **kw)
+
+
+# ---- bad input: a clear error, nothing mutated -------------------------------------------------
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"communication_period": 0}, ValueError, "communication_period must be an int >= 1"),
+        ({"communication_period": 2.5}, ValueError, "communication_period"),
+        ({"communication_period": True}, ValueError, "communication_period"),
+        ({"num_worker": 0}, ValueError, "num_worker must be an int >= 1"),
+        ({"custom_getter": lambda *a: None}, TypeError, "custom_getter must be"),
+        ({"custom_getter": "round_robin"}, TypeError, "custom_getter must be"),
+        ({"update_rule": "momentum"}, ValueError, "update_rule must be one of"),
+        ({"use_locking": "yes"}, TypeError, "use_locking must be a bool"),
+        ({"name": ""}, TypeError, "name must be a non-empty str"),
+    ],
+)
+def test_agn_bad_arguments(kwargs, error, match):
+    m = _model()
+    inner = _sgd(m, momentum=0.9)
+    before = copy.deepcopy(inner.state_dict())
+    args = {"num_worker": 2, **kwargs}
+    with pytest.raises(error, match=match):
+        distoptim.AGNOptimizer(inner, **args)
+    assert inner.state_dict() == before
+
+
+@pytest.mark.parametrize("cls", ["AGNOptimizer", "DownpourOptimizer", "ElasticAverageOptimizer"])
+def test_wrapped_must_be_a_torch_optimizer(cls):
+    with pytest.raises(TypeError, match=r"wraps a torch\.optim\.Optimizer"):
+        getattr(distoptim, cls)([torch.zeros(2)], 1)
+
+
+@pytest.mark.parametrize("rate", [0, -0.1, 1.5, float("nan"), "0.1"])
+def test_easgd_bad_moving_rate(rate):
+    with pytest.raises(ValueError, match="moving_rate"):
+        distoptim.ElasticAverageOptimizer(_sgd(_model()), 2, moving_rate=rate)
+
+
+def test_easgd_default_moving_rate_is_tf_contrib():
+    opt = distoptim.ElasticAverageOptimizer(_sgd(_model()), 4, communication_period=8)
+    assert opt.moving_rate == pytest.approx(0.9 / (8 * 4))
+
+
+def test_step_before_initialization_says_what_to_call():
+    m = _model()
+    opt = distoptim.AGNOptimizer(_sgd(m), 2, custom_getter=AGNCustomGetter(num_ps=1))
+    before = [p.detach().clone() for p in m.parameters()]
+    m(torch.ones(1, 2)).sum().backward()
+    with pytest.raises(RuntimeError, match="make_session_run_hook"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
+    assert opt.iterations == 0 and opt.local_step == 0
+    with pytest.raises(RuntimeError, match="not connected"):
+        opt.center_variables()
+
+
+def test_hook_outside_a_cluster_and_bad_hook_arguments():
+    opt = distoptim.AGNOptimizer(_sgd(_model()), 2)
+    with pytest.raises(RuntimeError, match="not part of an AGN cluster"):
+        opt.make_session_run_hook(True, 0).begin()
+    with pytest.raises(TypeError, match="is_chief must be a bool"):
+        opt.make_session_run_hook("yes", 0)
+    with pytest.raises(ValueError, match="task_index"):
+        opt.make_session_run_hook(True, -1)
+    with pytest.raises(ValueError, match="task_index must be < num_worker"):
+        opt.get_init_op(2)
+
+
+def test_delegates_slots_and_state_dict():
+    m = _model()
+    opt = distoptim.AGNOptimizer(_sgd(m, momentum=0.9), 1)
+    m(torch.ones(1, 2)).sum().backward()
+    opt.wrapped.step()  # local optimizer state exists
+    assert opt.get_slot_names() == ["momentum_buffer"]
+    assert (
+        opt.get_slot(m.weight, "momentum_buffer") is opt.wrapped.state[m.weight]["momentum_buffer"]
+    )
+    assert opt.get_name() == "AGNOptimizer"
+    sd = opt.state_dict()
+    assert sd["wrapper"] == {"local_step": 0, "global_step": 0}
+    sd["wrapper"] = {"local_step": 7, "global_step": 3}
+    opt.load_state_dict(sd)
+    assert (opt.local_step, opt.global_step) == (7, 3)
+    sd["wrapper"] = {"local_step": -1}
+    with pytest.raises(ValueError, match="local_step"):
+        opt.load_state_dict(sd)
+
+
+def test_cluster_and_spawn_bad_input():
+    with pytest.raises(RuntimeError, match="torchrun environment"):
+        Cluster.from_env(num_ps=1)
+    fn = test_cluster_and_spawn_bad_input
+    for kwargs, match in [
+        ({"num_worker": 0}, "num_worker"),
+        ({"num_worker": 1, "num_ps": 0}, "num_ps"),
+        ({"num_worker": 1, "timeout": -1}, "timeout"),
+        ({"num_worker": 1, "checkpoint_every": 5}, "needs checkpoint_dir"),
+        ({"num_worker": 1, "checkpoint_every": 0, "checkpoint_dir": "/tmp/x"}, "checkpoint_every"),
+        ({"num_worker": 1, "strategy": "random"}, "strategy"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            spawn(fn, **kwargs)
+    with pytest.raises(TypeError, match="args must be a tuple"):
+        spawn(fn, 1, args=[1])
+    with pytest.raises(TypeError, match="worker_fn must be callable"):
+        spawn(None, 1)
+
+
+# ---- placement ---------------------------------------------------------------------------------
+def test_getter_round_robin_and_size_balanced():
+    params = [torch.zeros(1000), torch.zeros(10), torch.zeros(10), torch.zeros(10)]
+    assert AGNCustomGetter(num_ps=2).placement(params) == [0, 1, 0, 1]
+    assert AGNCustomGetter(2, "size_balanced").placement(params) == [0, 1, 1, 1]
+    assert AGNCustomGetter().placement(params, num_ps=3) == [0, 1, 2, 0]
+    with pytest.raises(ValueError, match="no num_ps"):
+        AGNCustomGetter().placement(params)
+    with pytest.raises(ValueError, match="num_ps"):
+        AGNCustomGetter(num_ps=0)
+    with pytest.raises(ValueError, match="strategy"):
+        AGNCustomGetter(strategy="greedy")
+
+
+def test_flat_layout_views_share_storage_and_flatten_copies():
+    ts = [torch.randn(2, 3), torch.randn(4, dtype=torch.float64), torch.randn(5)]
+    layout = FlatLayout([(t.shape, t.dtype) for t in ts])
+    assert layout.sizes == {"float32": 11, "float64": 4}
+    flats = layout.flatten(ts)
+    views = layout.views(flats)
+    assert all(torch.equal(a, b) for a, b in zip(ts, views))
+    views[2].fill_(1.0)
+    assert torch.equal(flats["float32"][6:], torch.ones(5))
+    assert not torch.equal(ts[2], torch.ones(5))
+    with pytest.raises(ValueError, match="1-D tensor of 11"):
+        layout.check(
+            {"float32": torch.zeros(3), "float64": torch.zeros(4, dtype=torch.float64)}, "x"
+        )
+
+
+# ---- one shard, called directly ----------------------------------------------------------------
+def _spec(rule, params, opt=None, use_locking=True):
+    return TableSpec(
+        algorithm="test",
+        rule=rule,
+        param_indices=list(range(len(params))),
+        shapes=[tuple(p.shape) for p in params],
+        dtypes=[p.dtype for p in params],
+        use_locking=use_locking,
+        optimizer_cls=None if opt is None else type(opt),
+        defaults={} if opt is None else dict(opt.defaults),
+        groups=[]
+        if opt is None
+        else [
+            (
+                0,
+                {k: v for k, v in opt.param_groups[0].items() if k != "params"},
+                list(range(len(params))),
+            )
+        ],
+    )
+
+
+def test_shard_applies_server_optimizer_refuses_nan_and_resumes(tmp_path):
+    params = [torch.nn.Parameter(torch.ones(2, 2)), torch.nn.Parameter(torch.zeros(3))]
+    ref_opt = torch.optim.SGD(params, lr=0.5, momentum=0.9)
+    spec = _spec(ApplyOptimizer(), params, ref_opt)
+    layout = spec.layout()
+    ps = ParameterServer(0, 1, 2, checkpoint_dir=tmp_path, checkpoint_every=2)
+    with pytest.raises(RuntimeError, match="no center variables"):
+        ps.pull("t", 1, "test", layout.signature(), 0.0)
+    ps.seed("t", spec, layout.flatten(params))
+    grads = [torch.full((2, 2), 0.25), torch.arange(3.0)]
+    for task in (0, 1):
+        r = ps.commit("t", task, 0, layout.flatten(grads), None, False)
+        assert not r.refused and r.version == task + 1 and r.staleness == task
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        ref_opt.step()
+        assert all(torch.equal(a, b) for a, b in zip(layout.views(r.flats), params))
+    bad = layout.flatten([torch.full((2, 2), float("nan")), torch.zeros(3)])
+    r = ps.commit("t", 1, 2, bad, None, False)
+    assert r.refused and r.version == 2
+    assert all(torch.equal(a, b) for a, b in zip(layout.views(r.flats), params))
+    with pytest.raises(ValueError, match="must build the same model"):
+        ps.pull("t", 1, "test", FlatLayout([((4,), torch.float32)]).signature(), 0.0)
+    with pytest.raises(ValueError, match="seeded by the chief as test"):
+        ps.pull("t", 1, "other", layout.signature(), 0.0)
+    with pytest.raises(ValueError, match="commit payload"):
+        ps.commit("t", 1, 2, {"float32": torch.zeros(5)}, None, False)
+
+    # checkpoint written at version 2; a new shard resumes center, optimizer state, counters
+    ps2 = ParameterServer(0, 1, 2, checkpoint_dir=tmp_path)
+    rep = ps2.report()["tables"]["t"]
+    assert rep["resumed"] and rep["counters"]["version"] == 2
+    assert rep["counters"]["commits"] == {0: 1, 1: 1}
+    assert all(torch.equal(a, b) for a, b in zip(rep["center"], params))
+    r = ps2.commit("t", 0, 2, layout.flatten(grads), None, False)
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    ref_opt.step()  # same momentum buffer as the checkpointed one
+    assert all(torch.equal(a, b) for a, b in zip(layout.views(r.flats), params))
+    with pytest.raises(ValueError, match="num_ps=1"):
+        ParameterServer(0, 2, 2, checkpoint_dir=tmp_path)
+
+
+def test_shard_lock_serializes_concurrent_commits():
+    params = [torch.zeros(1000)]
+    spec = _spec(AddUpdate(), params)
+    layout = spec.layout()
+    ps = ParameterServer(0, 1, 4)
+    ps.seed("t", spec, layout.flatten(params))
+    one = layout.flatten([torch.ones(1000)])
+
+    def work(task):
+        for _ in range(100):
+            ps.commit("t", task, 0, one, None, False)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    rep = ps.report()["tables"]["t"]
+    assert torch.equal(rep["center"][0], torch.full((1000,), 400.0))
+    assert rep["counters"]["version"] == 400
+    assert rep["counters"]["commits"] == {0: 100, 1: 100, 2: 100, 3: 100}
+    assert sum(rep["counters"]["staleness"].values()) == 400
+
+
+def test_wait_for_workers_ends_on_finish_or_death():
+    ps = ParameterServer(0, 1, 3)
+    ps.finish(0, failed=False)
+    probes = []
+
+    def probe(pending):
+        probes.append(list(pending))
+        if len(probes) == 1:
+            ps.finish(2, failed=False)  # finished meanwhile: never counted dead
+            return [1, 2]
+        return []
+
+    ps.wait_for_workers(probe, probe_period_s=0.01, timeout_s=10)
+    rep = ps.report()
+    assert rep["dead_workers"] == [1] and rep["finished_workers"] == [0, 2]
+    ps3 = ParameterServer(0, 1, 1)
+    with pytest.raises(TimeoutError, match="neither finished nor died"):
+        ps3.wait_for_workers(lambda pending: [], probe_period_s=0.01, timeout_s=0.05)
+    assert math.isfinite(rep["wall_time_s"])
