@@ -1,0 +1,249 @@
+"""Benchmark: CrossShardOptimizer vs DDP vs a naive per-tensor all-reduce, on local gloo ranks.
+
+Same model, data and inner optimizer (SGD) for every method, side by side in one run; the
+methods are interleaved round-robin so a change in machine load hits all of them alike. A
+timed iteration is ``zero_grad -> forward -> backward -> step`` (the step includes the
+gradient reduction); its time is the slowest rank's (MAX all-reduce, outside the timing).
+
+Cases (issue 3):
+* ``mlp5m``   -- an MLP of ~5.0M parameters in 100 tensors (50 Linear layers, width 316);
+* ``small500`` -- 500 small tensors (250 Linear layers, width 32; 264k parameters).
+
+Methods: ``local`` (no communication: the compute floor), ``cross_shard`` (overlap off),
+``cross_shard_overlap``, ``ddp`` (``DistributedDataParallel`` + SGD), ``naive`` (one blocking
+``dist.all_reduce`` per gradient tensor). Plus bucket bandwidth: reducing ~5M float32 gradients
+in 100 tensors with the bucketed reducer (pack + all-reduce) vs one ``dist.all_reduce`` of a
+flat tensor of the same bytes.
+
+Run::
+
+    python benchmarks/cross_shard.py            # ~2-3 minutes on 2 cores
+    python benchmarks/cross_shard.py --quick    # a smoke run
+
+Prints medians and ratios; writes ``benchmarks/results/cross_shard.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from distoptim import CrossShardOptimizer
+from distoptim.comm.bucket import Bucket, BucketPlan
+from distoptim.comm.compression import WireFormat
+from distoptim.comm.reducer import BucketAllReduce, ReduceRound
+from distoptim.comm.stats import CommStats
+from distoptim.launch import spawn
+
+CASES = {"mlp5m": (316, 50, 32), "small500": (32, 250, 32)}  # width, depth, batch
+METHODS = ["local", "cross_shard", "cross_shard_overlap", "ddp", "naive"]
+RESULTS = Path(__file__).resolve().parent / "results" / "cross_shard.json"
+
+
+def _model(width: int, depth: int) -> nn.Module:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*layers)
+
+
+def _iteration(method: str, case: str, rank: int, world: int) -> tuple[Callable[[], None], Any]:
+    """One training iteration of ``method`` on ``case``, as a closure (and its owner)."""
+    width, depth, batch = CASES[case]
+    model = _model(width, depth)
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(batch, width, generator=g)
+    y = torch.randn(batch, width, generator=g)
+    if method == "ddp":
+        net: nn.Module = DDP(model)
+        opt: Any = torch.optim.SGD(net.parameters(), lr=1e-3)
+    elif method.startswith("cross_shard"):
+        net = model
+        opt = CrossShardOptimizer(
+            torch.optim.SGD(model.parameters(), lr=1e-3), overlap=method.endswith("overlap")
+        )
+    else:
+        net = model
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    params = list(model.parameters())
+
+    def run() -> None:
+        opt.zero_grad()
+        F.mse_loss(net(x), y).backward()
+        if method == "naive":
+            for p in params:
+                dist.all_reduce(p.grad)
+                p.grad.div_(world)
+        opt.step()
+
+    return run, (net, opt)
+
+
+def _bandwidth(rank: int, world: int, repeats: int) -> dict[str, Any]:
+    """Bucketed reduction of 100 tensors (~5M float32) vs one all-reduce of the same bytes."""
+    width, depth, _ = CASES["mlp5m"]
+    params = [p.detach().requires_grad_() for p in _model(width, depth).parameters()]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    numel = sum(p.numel() for p in params)
+    flat = torch.randn(numel)
+    stats = CommStats()
+    reducer = BucketAllReduce(None, world, WireFormat.parse(None), stats)
+    plans = {cap: BucketPlan(params, cap_bytes=cap << 20) for cap in (25, 5)}
+
+    def bucketed(plan: BucketPlan) -> Callable[[], None]:
+        def run() -> None:
+            ReduceRound(
+                plan,
+                reducer,
+                grads_of=lambda b: [params[i].grad for i in b.members],
+                buffer_of=Bucket.persistent_buffer,
+                divisor=1,
+            ).wait_all()
+
+        return run
+
+    fns: dict[str, Callable[[], None]] = {"single_all_reduce": lambda: dist.all_reduce(flat)}
+    for cap, plan in plans.items():
+        fns[f"bucketed_cap{cap}mb"] = bucketed(plan)
+    # the same collectives on already-packed buffers: separates the pack copy from the wire
+    packed = plans[25]
+    bucketed(packed)()
+
+    def comm_only() -> None:
+        pending = [reducer.launch(b, b.persistent_buffer(), 1) for b in packed.buckets]
+        for p in pending:
+            reducer.finish(p)
+
+    fns["bucketed_cap25mb_comm_only"] = comm_only
+    times = _round_robin(fns, warmup=2, iters=3, repeats=repeats)
+    out: dict[str, Any] = {"bytes": numel * 4, "tensors": len(params)}
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        out[name] = {"median_s": med, "GB_per_s": numel * 4 / med / 1e9, "samples": len(ts)}
+    for cap, plan in plans.items():
+        out[f"bucketed_cap{cap}mb"]["buckets"] = len(plan)
+    out["bucketed_cap25mb_comm_only"]["buckets"] = len(packed)
+    return out
+
+
+def _round_robin(
+    fns: dict[str, Callable[[], None]], warmup: int, iters: int, repeats: int
+) -> dict[str, list[float]]:
+    """Time each fn ``iters`` times per repeat, interleaving fns; slowest rank per sample."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            for _ in range(iters):
+                dist.barrier()
+                t0 = time.perf_counter()
+                fn()
+                dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+                times[name].append(dt.item())
+    return times
+
+
+def _bench(rank: int, world: int, iters: int, repeats: int) -> dict[str, Any]:
+    torch.set_flush_denormal(True)
+    out: dict[str, Any] = {"cases": {}}
+    for case in CASES:
+        runs = {m: _iteration(m, case, rank, world) for m in METHODS}
+        times = _round_robin({m: r[0] for m, r in runs.items()}, 3, iters, repeats)
+        n_params = sum(p.numel() for p in runs["local"][1][0].parameters())
+        n_tensors = len(list(runs["local"][1][0].parameters()))
+        case_out: dict[str, Any] = {"params": n_params, "tensors": n_tensors, "methods": {}}
+        for m, ts in times.items():
+            case_out["methods"][m] = {"median_s": statistics.median(ts), "samples": len(ts)}
+        cs = runs["cross_shard"][1][1].comm_stats
+        case_out["cross_shard_collectives_per_step"] = (cs.collectives - 1) / (
+            len(times["cross_shard"]) + 3
+        )
+        out["cases"][case] = case_out
+        for _, (_, opt) in runs.items():
+            if isinstance(opt, CrossShardOptimizer):
+                opt.remove_hooks()
+    out["bandwidth"] = _bandwidth(rank, world, repeats)
+    return out
+
+
+def _ratios(result: dict[str, Any]) -> dict[str, Any]:
+    r: dict[str, Any] = {}
+    for case, c in result["cases"].items():
+        med = {m: v["median_s"] for m, v in c["methods"].items()}
+        best_cs = min(med["cross_shard"], med["cross_shard_overlap"])
+        r[case] = {
+            "cross_shard_vs_ddp": med["cross_shard"] / med["ddp"],
+            "cross_shard_overlap_vs_ddp": med["cross_shard_overlap"] / med["ddp"],
+            "naive_vs_best_cross_shard (speedup)": med["naive"] / best_cs,
+        }
+    bw = result["bandwidth"]
+    single = bw["single_all_reduce"]["GB_per_s"]
+    r["bandwidth"] = {k: v["GB_per_s"] / single for k, v in bw.items() if k.startswith("bucketed")}
+    return r
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--iters", type=int, default=5, help="timed iterations per repeat")
+    parser.add_argument("--repeats", type=int, default=10, help="round-robin repeats")
+    parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    parser.add_argument("--no-save", action="store_true", help="do not write the JSON")
+    args = parser.parse_args()
+    iters, repeats = (2, 2) if args.quick else (args.iters, args.repeats)
+    load_before = os.getloadavg()
+    t0 = time.perf_counter()
+    result = spawn(_bench, 2, args=(iters, repeats), timeout=900)[0]
+    wall = time.perf_counter() - t0
+    result["ratios"] = _ratios(result)
+    result["machine"] = {
+        "cpus": os.cpu_count(),
+        "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "ranks": 2,
+        "backend": "gloo (loopback), 1 intra-op thread per rank",
+        "note": "shared 2-core machine; other jobs may have run at the same time",
+    }
+    result["wall_s"] = wall
+    result["command"] = "python benchmarks/cross_shard.py" + (" --quick" if args.quick else "")
+
+    for case, c in result["cases"].items():
+        print(f"\n{case}: {c['params']:,} params in {c['tensors']} tensors (median step, ms)")
+        ddp = c["methods"]["ddp"]["median_s"]
+        for m, v in c["methods"].items():
+            print(f"  {m:<22}{v['median_s'] * 1e3:9.2f}   x{v['median_s'] / ddp:5.2f} of DDP")
+    print("\nratios:", json.dumps(result["ratios"], indent=2))
+    bw = result["bandwidth"]
+    print(f"\nbandwidth, {bw['bytes'] / 1e6:.1f} MB in {bw['tensors']} tensors:")
+    for k, v in bw.items():
+        if isinstance(v, dict):
+            print(f"  {k:<28}{v['median_s'] * 1e3:9.2f} ms  {v['GB_per_s']:.2f} GB/s")
+    print(f"\nload average before/after: {load_before} / {result['machine']['loadavg_after']}")
+    print(f"wall time {wall:.0f} s")
+    if not args.no_save:
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"saved {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
