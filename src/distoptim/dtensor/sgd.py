@@ -13,8 +13,11 @@ One step, in order
    whose placements differ from its parameter's (``Partial``, ``Replicate`` for a ``Shard(0)``
    parameter, ...) is redistributed to the parameter's placements.
 3. Clipping (:mod:`distoptim.dtensor.clip`) on the local shards with mesh-correct norms.
-4. One foreach update per bucket of local shards sharing (param group, mesh, placements,
-   dtype, device) -- never per-tensor DTensor dispatch. Keras form, ``v`` = slot ``"m"``::
+4. One update per bucket of local shards sharing (param group, mesh, placements, dtype,
+   device) -- never per-tensor DTensor dispatch: torch's fused multi-tensor SGD kernel on CPU
+   and CUDA (see :func:`_fused_update` for how the Keras form maps onto it), ``torch._foreach_*``
+   elsewhere, or the ``torch.compile``-fused body with ``jit_compile=True``. Keras form,
+   ``v`` = slot ``"m"``::
 
        momentum == 0:  w -= lr * g
        else:           v = momentum * v - lr * g
@@ -127,6 +130,42 @@ def _foreach_update(
         torch._foreach_add_(ws, gs, alpha=-lr)
     else:
         torch._foreach_add_(ws, ms)
+
+
+_FUSED_DEVICES = ("cpu", "cuda")
+_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _fused_update(
+    ws: list[torch.Tensor],
+    gs: list[torch.Tensor],
+    ms: list[torch.Tensor] | None,
+    lr: float,
+    momentum: float,
+    nesterov: bool,
+) -> None:
+    """The same math with torch's fused SGD kernel (one pass per call, CPU and CUDA).
+
+    ``torch._fused_sgd_`` computes ``buf = mu*buf + (1 - dampening)*g; w -= lr_t*buf``
+    (no Nesterov, no weight decay). With ``dampening = 1 + lr`` the first line is exactly
+    Keras' ``v = mu*v - lr*g`` on the slot itself, and ``lr_t = -1`` gives ``w += v``.
+    Nesterov ``w += mu*v - lr*g`` is two calls: ``w -= lr*g`` (no buffer), then the buffer
+    call with ``lr_t = -mu``. Memory traffic: 20 B/element (fp32) without Nesterov, 32 with --
+    against 44 for the four foreach passes.
+    """
+    kw = {"weight_decay": 0.0, "nesterov": False, "maximize": False, "is_first_step": False}
+    if ms is None or nesterov:
+        torch._fused_sgd_(ws, gs, [], momentum=0.0, lr=lr, dampening=0.0, **kw)
+    if ms is not None:
+        torch._fused_sgd_(
+            ws,
+            gs,
+            ms,
+            momentum=momentum,
+            lr=-momentum if nesterov else -1.0,
+            dampening=1.0 + lr,
+            **kw,
+        )
 
 
 def _jit_body(
@@ -622,7 +661,10 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
                     RuntimeWarning,
                     stacklevel=4,
                 )
-        _foreach_update(ws, gs, ms, lr, momentum, nesterov)
+        if ws[0].device.type in _FUSED_DEVICES and ws[0].dtype in _FUSED_DTYPES:
+            _fused_update(ws, gs, ms, lr, momentum, nesterov)
+        else:
+            _foreach_update(ws, gs, ms, lr, momentum, nesterov)
 
     def update_step(self, gradient: torch.Tensor, variable: torch.Tensor) -> None:
         """Apply the rule to one variable (no clipping, no EMA, ``iterations`` unchanged).
