@@ -307,6 +307,22 @@ def _state_and_subgroups(rank: int, world: int, out: dict[str, Any]) -> None:
     out["state/get_slot"] = torch.equal(
         opt2.get_slot(clone[0].weight, "exp_avg"), opt.get_slot(model[0].weight, "exp_avg")
     )
+    # add_param_group and freezing re-plan the buckets (and re-check agreement) on every rank
+    model = _mlp()
+    opt = CrossShardOptimizer(torch.optim.SGD(model[0].parameters(), lr=0.1), overlap=True)
+    opt.add_param_group({"params": list(model[2].parameters())})
+    loss_fn(model, 0).backward()
+    opt.step()
+    model[0].weight.requires_grad_(False)  # noticed at the next step boundary
+    for k in (1, 2):
+        opt.zero_grad()
+        loss_fn(model, k).backward()
+        opt.step()
+    flat = _flat(model)
+    out["replan/params_in_plan"] = len(opt.bucket_plan.params)
+    out["replan/replicas_equal"] = all(torch.equal(f, flat) for f in _gather(flat))
+    out["replan/fingerprints"] = opt.comm_stats.collectives - 3 * len(opt.bucket_plan)
+    opt.remove_hooks()
     # subgroups of one: every rank on its own, no gradient collective at all
     model = _mlp()
     opt = CrossShardOptimizer(_sgd(model), group_assignment=[[0], [1]])
@@ -445,6 +461,9 @@ def test_state_dict_round_trip_slots_and_subgroups_of_one(
         assert out["state/slots"] == ["exp_avg", "exp_avg_sq", "step"]
         assert out["state/variables"] == 4 * 3
         assert out["state/get_slot"]
+        assert out["replan/params_in_plan"] == 3  # 4 params, one frozen
+        assert out["replan/replicas_equal"]
+        assert out["replan/fingerprints"] == 2  # once per parameter list
         assert out["solo/num_shards"] == 1
         assert out["solo/collectives"] == 0
         assert _close(out["solo"], _reference(PLAIN, [rank], 2, "mean"))
