@@ -203,7 +203,7 @@ def _ratios(result: dict[str, Any]) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--iters", type=int, default=5, help="timed iterations per repeat")
-    parser.add_argument("--repeats", type=int, default=10, help="round-robin repeats")
+    parser.add_argument("--repeats", type=int, default=16, help="round-robin repeats")
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
     parser.add_argument("--no-save", action="store_true", help="do not write the JSON")
     args = parser.parse_args()
