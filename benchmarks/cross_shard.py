@@ -224,6 +224,7 @@ def main() -> None:
         "note": "shared 2-core machine; other jobs may have run at the same time",
     }
     result["wall_s"] = wall
+    result["settings"] = {"iters_per_repeat": iters, "repeats": repeats}
     result["command"] = "python benchmarks/cross_shard.py" + (" --quick" if args.quick else "")
 
     for case, c in result["cases"].items():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from distoptim.comm.bucket import BucketPlan
 from distoptim.comm.compression import WireFormat
@@ -89,3 +91,37 @@ def test_ring_bytes_and_fingerprint_sensitivity() -> None:
     frozen = _params((3, torch.float32), (2, torch.float32))
     frozen[0].requires_grad_(False)
     assert digest(a, {}) != digest(frozen, {})
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(
+        st.tuples(st.integers(1, 40), st.sampled_from(["f32", "f64", "f16"])),
+        min_size=1,
+        max_size=25,
+    ),
+    cap=st.integers(1, 200),
+    first=st.one_of(st.none(), st.integers(1, 200)),
+)
+def test_plan_invariants(sizes: list[tuple[int, str]], cap: int, first: int | None) -> None:
+    dtypes = {"f32": torch.float32, "f64": torch.float64, "f16": torch.float16}
+    params = _params(*[(n, dtypes[d]) for n, d in sizes])
+    plan = BucketPlan(params, cap_bytes=cap, first_cap_bytes=first)
+    seen = sorted(i for b in plan.buckets for i in b.members)
+    assert seen == list(range(len(params)))  # every parameter exactly once
+    first_of: dict[torch.dtype, int] = {}
+    for b in plan.buckets:
+        first_of.setdefault(b.dtype, b.index)
+        assert b.members == sorted(b.members, reverse=True)  # ready (reverse) order
+        assert all(params[i].dtype == b.dtype for i in b.members)
+        limit = min(first, cap) if first is not None and first_of[b.dtype] == b.index else cap
+        assert len(b.members) == 1 or b.payload_bytes <= limit
+        offsets = [0]
+        for i in b.members[:-1]:
+            offsets.append(offsets[-1] + params[i].numel())
+        assert b.offsets == offsets
+        for i in b.members:
+            assert plan.bucket_of[i] == b.index and b.members[plan.slot_of[i]] == i
+    # buckets open in ready order: each bucket's first member precedes the next bucket's
+    heads = [b.members[0] for b in plan.buckets]
+    assert heads == sorted(heads, reverse=True)
