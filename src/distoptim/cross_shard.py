@@ -155,7 +155,7 @@ class CrossShardOptimizer(WrappedOptimizer):
         bucket_cap_mb: payload cap of one gradient bucket in MiB (DDP's default, 25).
         overlap: launch each bucket's all-reduce from backward hooks as soon as its last
             gradient is ready; ``step()`` then only waits (see :mod:`distoptim.comm.overlap`).
-            Results are the same as without overlap.
+            Results are those of ``overlap=False`` (up to the summation order of >2 ranks).
         compression: ``None``, ``"fp16"`` or ``"bf16"``: the wire dtype of float32/float64
             buckets; the reduced result is stored and applied in the parameter dtype.
         backward_passes_per_step: ``N`` backward passes accumulate locally before one reduction;
