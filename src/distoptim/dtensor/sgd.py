@@ -648,7 +648,8 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
             key = (ws[0].device, ws[0].dtype)
             lr_t = self._lr_tensors.get(key)
             if lr_t is None:
-                lr_t = self._lr_tensors[key] = torch.empty((), dtype=ws[0].dtype, device=key[0])
+                lr_dtype = torch.float64 if ws[0].dtype == torch.float64 else torch.float32
+                lr_t = self._lr_tensors[key] = torch.empty((), dtype=lr_dtype, device=key[0])
             lr_t.fill_(lr)
             try:
                 self._jit_fn(ws, gs, ms or [], lr_t, momentum, nesterov)
