@@ -78,6 +78,8 @@ class AGNOptimizer(AsyncWorkerOptimizer):
         lam = self.communication_period
         if self.update_rule == "gradient":
             assert link.acc is not None
-            return {k: a / lam for k, a in link.acc.items()}
+            for a in link.acc.values():  # in place: the accumulator is zeroed after the reply
+                a.div_(lam)
+            return link.acc
         assert link.pulled is not None
         return {k: (v - link.pulled[k]) / lam for k, v in link.local().items()}

@@ -205,7 +205,18 @@ def _build_optimizer(spec: TableSpec, views: list[torch.Tensor]) -> torch.optim.
 
 
 def _finite(flats: dict[str, torch.Tensor]) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in flats.values() if t.is_floating_point())
+    """True iff every element is finite.
+
+    Fast path: a sum reduction (no temporary the size of the buffer) is finite only if every
+    term is (NaN and Inf propagate); a non-finite sum may also be an overflow of finite terms,
+    so only then is the exact element-wise test run.
+    """
+    for t in flats.values():
+        if not t.is_floating_point():
+            continue
+        if not math.isfinite(float(t.sum())) and not bool(torch.isfinite(t).all()):
+            return False
+    return True
 
 
 class _Table:
@@ -452,8 +463,8 @@ class ParameterServer:
                 if hparams and table.optimizer is not None:
                     _set_hparams(table, hparams)
                 rule.apply(table.views, table.layout.views(payload), table.optimizer)
-            if reply is None:
-                reply = table.snapshot()
+            if reply is None:  # without locking a reply may show a concurrent update, as in TF
+                reply = table.snapshot() if table.spec.use_locking else dict(table.flats)
             with table.stats_lock:
                 if accept:
                     table.version += 1

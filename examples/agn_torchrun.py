@@ -1,0 +1,125 @@
+"""Asynchronous training with AGNOptimizer on a parameter server, under torchrun or locally.
+
+One script for every role: the first ``--num-ps`` ranks become parameter-server shards and
+serve; the other ranks are workers (rank ``num_ps`` is the chief, task 0). Each worker trains the
+same MLP on its own shard of a synthetic regression set, commits every ``--period`` steps and
+never waits for the others. ``--algo downpour`` / ``easgd`` run the baselines instead.
+
+Under torchrun, one node: 1 PS + 2 workers::
+
+    torchrun --standalone --nproc-per-node 3 examples/agn_torchrun.py
+
+Several nodes (rank 0, the PS, lands on the node with ``--node-rank 0``; run on every node)::
+
+    torchrun --nnodes 2 --nproc-per-node 4 --node-rank N --rdzv-backend c10d \\
+             --rdzv-endpoint HOST0:29500 examples/agn_torchrun.py --num-ps 2
+
+(``TP_SOCKET_IFNAME=eth0`` picks the network interface TensorPipe uses if the default one is
+not reachable from the other nodes.)
+
+Locally without torchrun (``distoptim.agn.spawn``: same code path, local processes)::
+
+    python examples/agn_torchrun.py --local 2
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import distoptim
+from distoptim.agn import Cluster, spawn
+
+
+def _dataset(n: int = 4096, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 16, generator=g)
+    w = 0.25 * torch.randn(16, 1, generator=g)
+    return x, torch.sin(x @ w) + 0.05 * torch.randn(n, 1, generator=g)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)  # the chief's initial values seed the centers; the others pull them
+    return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1))
+
+
+def _optimizer(algo: str, model: nn.Module, ctx: Cluster, period: int) -> torch.optim.Optimizer:
+    inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if algo == "agn":
+        return distoptim.AGNOptimizer(
+            inner, ctx.num_worker, ctx.custom_getter, communication_period=period
+        )
+    if algo == "downpour":
+        return distoptim.DownpourOptimizer(inner, ctx.num_worker, ctx.custom_getter, period)
+    return distoptim.ElasticAverageOptimizer(inner, ctx.num_worker, ctx.custom_getter, period)
+
+
+def train(ctx: Cluster, algo: str, steps: int, period: int) -> float:
+    """One worker's loop; returns the full-data loss of the center at the end."""
+    x, y = _dataset()
+    xs, ys = x[ctx.task_index :: ctx.num_worker], y[ctx.task_index :: ctx.num_worker]
+    model = _model()
+    opt = _optimizer(algo, model, ctx, period)
+    hook = opt.make_session_run_hook(ctx.is_chief, ctx.task_index)
+    hook.begin()
+    hook.after_create_session()
+    g = torch.Generator().manual_seed(ctx.task_index)
+    for step in range(1, steps + 1):
+        idx = torch.randint(len(xs), (64,), generator=g)
+        opt.zero_grad()
+        F.mse_loss(model(xs[idx]), ys[idx]).backward()
+        opt.step()
+        if ctx.is_chief and step % (steps // 5) == 0:
+            print(f"[worker 0] step {step:4d}  global_step {opt.global_step:4d}", flush=True)
+    center = _model()
+    with torch.no_grad():
+        for p, c in zip(center.parameters(), opt.center_variables()):
+            p.copy_(c)
+        return float(F.mse_loss(center(x), y))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--algo", choices=("agn", "downpour", "easgd"), default="agn")
+    ap.add_argument("--num-ps", type=int, default=1, help="parameter-server shards")
+    ap.add_argument("--steps", type=int, default=300, help="steps per worker")
+    ap.add_argument("--period", type=int, default=10, help="communication_period")
+    ap.add_argument("--checkpoint-dir", default=None, help="PS checkpoints (resume on restart)")
+    ap.add_argument("--local", type=int, default=0, metavar="N", help="spawn N local workers")
+    args = ap.parse_args()
+    fn_args = (args.algo, args.steps, args.period)
+
+    if args.local:
+        result = spawn(
+            train,
+            args.local,
+            num_ps=args.num_ps,
+            args=fn_args,
+            checkpoint_dir=args.checkpoint_dir,
+        )
+        print(f"center loss per worker: {[round(v, 4) for v in result.worker_results]}")
+        print(f"stats: {result.stats.as_dict()}")
+        return
+
+    cluster = Cluster.from_env(num_ps=args.num_ps, checkpoint_dir=args.checkpoint_dir)
+    if cluster.is_ps:
+        report = cluster.serve()
+        cluster.shutdown()
+        s = report.stats
+        print(
+            f"[ps {report.shard}] done: global_step {s.global_step}, commits "
+            f"{s.commits_per_worker}, dead workers {s.dead_workers}, "
+            f"staleness {s.staleness_histogram}",
+            flush=True,
+        )
+        return
+    with cluster:  # tells the shards this worker finished (or failed), then leaves
+        loss = train(cluster, *fn_args)
+    print(f"[worker {cluster.task_index}] center loss {loss:.4f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
