@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -33,13 +32,19 @@ def _data(steps: int):
     return w0, grads
 
 
-def _as_grad(full: torch.Tensor, mesh: DeviceMesh, placements, world: int) -> DTensor:
-    """``full`` as a DTensor gradient with ``placements`` (Partial: each rank holds a share)."""
-    if any(isinstance(p, Partial) for p in placements):
-        rank = dist.get_rank()
-        share = full * (rank + 1) / (world * (world + 1) / 2)  # unequal shares summing to full
-        return DTensor.from_local(share, mesh, placements, run_check=False)
-    return distribute_tensor(full, mesh, placements)
+def _as_grad(full: torch.Tensor, mesh: DeviceMesh, placements) -> DTensor:
+    """``full`` as a DTensor gradient with ``placements``. Along a Partial mesh dimension of
+    size n the rank at coordinate c holds the share (c+1) / (n(n+1)/2): unequal, summing to 1."""
+    plain = [Replicate() if isinstance(p, Partial) else p for p in placements]
+    local = distribute_tensor(full, mesh, plain).to_local()
+    coord = mesh.get_coordinate()
+    for dim, p in enumerate(placements):
+        if isinstance(p, Partial):
+            n = mesh.size(dim)
+            local = local * (coord[dim] + 1) / (n * (n + 1) / 2)
+    return DTensor.from_local(
+        local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride()
+    )
 
 
 def _kwargs():
@@ -63,7 +68,7 @@ def _check_against_single_process(rank, world, mesh, mesh2):
     opt = SGD(ps, **_kwargs())
     for t in range(steps):
         for p, g, m, gp in zip(ps, grads[t], meshes, g_pl):
-            p.grad = _as_grad(g, m, gp, world)
+            p.grad = _as_grad(g, m, gp)
         opt.step()
     ref = [w.clone().requires_grad_() for w in w0]
     ro = SGD(ref, **_kwargs())
@@ -191,7 +196,8 @@ def _check_checkpoint(rank, world, mesh, ckpt_dir):
 
 def _mesh_worker(rank: int, world: int, ckpt_dir: str) -> dict:
     mesh = init_device_mesh("cpu", (world,))
-    mesh2 = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "tp"))
+    # a second mesh, 2-D: dim 0 of size 1, dim 1 spans the ranks (Replicate there is real)
+    mesh2 = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
     out = {}
     out["max_diff"] = _check_against_single_process(rank, world, mesh, mesh2)
     out["norms"] = _check_norms(rank, world, mesh, mesh2)
