@@ -235,11 +235,10 @@ def test_shard_lock_serializes_concurrent_commits():
     layout = spec.layout()
     ps = ParameterServer(0, 1, 4)
     ps.seed("t", spec, layout.flatten(params))
-    one = layout.flatten([torch.ones(1000)])
 
     def work(task):
-        for _ in range(100):
-            ps.commit("t", task, 0, one, None, False)
+        for _ in range(100):  # a payload is consumed by the shard (its buffers carry the reply)
+            ps.commit("t", task, 0, layout.flatten([torch.ones(1000)]), None, False)
 
     threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
     for t in threads:

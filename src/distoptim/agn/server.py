@@ -448,7 +448,10 @@ class ParameterServer:
         hparams: dict[int, dict[str, Any]] | None,
         refused_by_worker: bool,
     ) -> CommitReply:
-        """Apply one commit of worker ``task`` (see the module docstring for the math)."""
+        """Apply one commit of worker ``task`` (see the module docstring for the math).
+
+        ``payload`` is consumed: its buffers may be reused for the reply.
+        """
         table = self._table(name)
         if not refused_by_worker:
             table.layout.check(payload, "commit payload")
@@ -463,8 +466,16 @@ class ParameterServer:
                 if hparams and table.optimizer is not None:
                     _set_hparams(table, hparams)
                 rule.apply(table.views, table.layout.views(payload), table.optimizer)
-            if reply is None:  # without locking a reply may show a concurrent update, as in TF
-                reply = table.snapshot() if table.spec.use_locking else dict(table.flats)
+            if reply is None and not table.spec.use_locking:
+                reply = dict(table.flats)  # may show a concurrent update, as TF's without locking
+            elif reply is None and accept:
+                # the payload's buffers are ours and spent: reuse them for the snapshot (no
+                # allocation of a model-sized buffer per commit)
+                reply = payload
+                for k, v in table.flats.items():
+                    reply[k].copy_(v)
+            elif reply is None:
+                reply = table.snapshot()
             with table.stats_lock:
                 if accept:
                     table.version += 1

@@ -58,6 +58,7 @@ class _ShardLink:
     version: int = 0  # the shard's version at this worker's last pull
     acc: dict[str, torch.Tensor] | None = None  # AGN's accumulator a, flat
     acc_views: list[torch.Tensor] = field(default_factory=list)
+    acc_is_zero: bool = True  # a == 0 logically; the next accumulate overwrites instead of adding
     pulled: dict[str, torch.Tensor] | None = None  # the center as last pulled, flat
     sent_hparams: dict[int, dict[str, Any]] = field(default_factory=dict)
 
@@ -178,9 +179,7 @@ class AsyncWorkerOptimizer(WrappedOptimizer):
     def _reset_to(self, link: _ShardLink, center: dict[str, torch.Tensor]) -> None:
         """Local copy := center, accumulator := 0, last pull := center."""
         link.assign(center)
-        if link.acc is not None:
-            for t in link.acc.values():
-                t.zero_()
+        link.acc_is_zero = True  # saves a pass over a: the next step writes g instead of adding it
         if self._keeps_pulled:
             link.pulled = center
 
@@ -347,16 +346,24 @@ class AsyncWorkerOptimizer(WrappedOptimizer):
                 "opt.get_init_op(task_index)())"
             )
         conn = self._require_connected()
+        if any(p.grad is not None and p.grad.is_sparse for link in conn.links for p in link.params):
+            raise TypeError(f"{self._name} does not support sparse gradients")
         if self._keeps_accumulator:
             for link in conn.links:
                 pairs = [
                     (a, p.grad) for a, p in zip(link.acc_views, link.params) if p.grad is not None
                 ]
-                if any(g.is_sparse for _, g in pairs):
-                    raise TypeError(f"{self._name} does not support sparse gradients")
-                if pairs:
-                    accs = [a for a, _ in pairs]
-                    torch._foreach_add_(accs, [g.to(a.dtype) for a, g in pairs])
+                accs = [a for a, _ in pairs]
+                grads = [g.to(a.dtype) for a, g in pairs]
+                if link.acc_is_zero:  # a = 0 + g, written directly; params without grad: 0
+                    if len(pairs) < len(link.params):
+                        for t in link.acc.values():  # type: ignore[union-attr]
+                            t.zero_()
+                    if pairs:
+                        torch._foreach_copy_(accs, grads)
+                    link.acc_is_zero = False
+                elif pairs:
+                    torch._foreach_add_(accs, grads)
 
     def _after_inner_step(self) -> None:
         self.local_step += 1
