@@ -112,6 +112,24 @@ def test_both_kernels_match_the_reference(kernel, momentum, nesterov):
     assert all(torch.equal(a, b) for a, b in zip(gs, g_before))
 
 
+def test_non_contiguous_parameters_and_gradients_are_updated_right():
+    """The fused kernel needs contiguous tensors; others must take the stride-aware path."""
+    gen = torch.Generator().manual_seed(6)
+    p = torch.randn(3, 4, generator=gen).t().requires_grad_()  # a transposed leaf
+    q = torch.randn(4, 3, generator=gen, requires_grad=True)  # contiguous, same bucket
+    assert p.is_leaf and not p.is_contiguous()
+    ref = [p.detach().clone().contiguous(), q.detach().clone()]
+    vs = [torch.zeros(4, 3), torch.zeros(4, 3)]
+    opt = SGD([p, q], lr=0.1, momentum=0.9, nesterov=True)
+    for _ in range(3):
+        g = [torch.randn(4, 3, generator=gen), torch.randn(3, 4, generator=gen).t()]
+        opt.apply_gradients([(g[0], p), (g[1], q)])  # contiguous grad for p, transposed for q
+        _foreach_update(ref, g, vs, 0.1, 0.9, True)
+    torch.testing.assert_close(p.detach(), ref[0])
+    torch.testing.assert_close(q.detach(), ref[1])
+    torch.testing.assert_close(opt.get_slot(p, "m"), vs[0])
+
+
 def test_torch_lr_scheduler_drives_param_groups():
     p = torch.ones(3, requires_grad=True)
     opt = SGD([p], lr=1.0)

@@ -662,10 +662,36 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
                     RuntimeWarning,
                     stacklevel=4,
                 )
-        if ws[0].device.type in _FUSED_DEVICES and ws[0].dtype in _FUSED_DTYPES:
-            _fused_update(ws, gs, ms, lr, momentum, nesterov)
-        else:
+        if ws[0].device.type not in _FUSED_DEVICES or ws[0].dtype not in _FUSED_DTYPES:
             _foreach_update(ws, gs, ms, lr, momentum, nesterov)
+            return
+        # The fused kernel walks raw memory: it is only right for contiguous tensors (a
+        # transposed parameter with a contiguous gradient would be updated elementwise wrong).
+        # Anything else takes the stride-aware foreach path.
+        odd = [
+            i
+            for i in range(len(ws))
+            if not (
+                ws[i].is_contiguous()
+                and gs[i].is_contiguous()
+                and (ms is None or ms[i].is_contiguous())
+            )
+        ]
+        if not odd:
+            _fused_update(ws, gs, ms, lr, momentum, nesterov)
+            return
+        skip = set(odd)
+        keep = [i for i in range(len(ws)) if i not in skip]
+        for idx, fn in ((keep, _fused_update), (odd, _foreach_update)):
+            if idx:
+                fn(
+                    [ws[i] for i in idx],
+                    [gs[i] for i in idx],
+                    None if ms is None else [ms[i] for i in idx],
+                    lr,
+                    momentum,
+                    nesterov,
+                )
 
     def update_step(self, gradient: torch.Tensor, variable: torch.Tensor) -> None:
         """Apply the rule to one variable (no clipping, no EMA, ``iterations`` unchanged).
