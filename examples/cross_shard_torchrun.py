@@ -39,11 +39,10 @@ def _dataset(n: int = 4096, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 def train(rank: int, world_size: int, epochs: int, batch: int) -> float:
     torch.manual_seed(0)  # same initial weights on every rank
-    device = (
-        torch.device("cuda", rank % torch.cuda.device_count())
-        if dist.get_backend() == "nccl"
-        else torch.device("cpu")
-    )
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl":  # one GPU per local rank (LOCAL_RANK is set by torchrun)
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(device)
     model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1)).to(device)
     opt = distoptim.CrossShardOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), overlap=True)
     x, y = _dataset()
