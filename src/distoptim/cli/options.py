@@ -34,7 +34,7 @@ DEFAULTS: dict[str, Any] = {
     "communication_period": [10],
     "epochs": 30,
     "batch_size": 16,
-    "optimizer": "momentum",
+    "optimizer": "adam",
     "seed": 0,
     "repeats": 1,
     "num_ps": 1,
@@ -42,7 +42,10 @@ DEFAULTS: dict[str, Any] = {
     "timeout": 900.0,
     "out": "distoptim-results",
 }
-"""``distoptim compare`` with no arguments: 4 workers, λ = 10, 30 epochs of digits."""
+"""``distoptim compare`` with no arguments: 4 workers, λ = 10, 30 epochs of digits, batch 16
+per worker, Adam (lr 0.001): every algorithm reaches > 94 % validation accuracy. (With SGD +
+momentum 0.9 at lr 0.05, DOWNPOUR's un-normalized commits of 4 workers diverge -- the
+instability the AGN paper is about; see ``--optimizer``/``--lr``.)"""
 
 
 class UsageError(ValueError):
@@ -150,8 +153,8 @@ def _add_common(p: argparse.ArgumentParser, grid: bool) -> None:
         "--optimizer",
         choices=OPTIMIZERS,
         default=DEFAULTS["optimizer"],
-        help="torch optimizer every algorithm wraps: sgd, momentum (SGD, momentum 0.9) or adam "
-        "(default %(default)s)",
+        help="torch optimizer every algorithm wraps (AGN's server runs the same kind): sgd, "
+        "momentum (SGD, momentum 0.9) or adam (default %(default)s)",
     )
     p.add_argument(
         "--lr",

@@ -134,7 +134,9 @@ class RunProgress:
             self.loss = event["loss"]
         if event["kind"] == "eval":
             self.acc = event["acc"]
-        if event["kind"] == "start" and not self._started:
+        # the first evaluation (made at step 0, as soon as the evaluating worker is ready)
+        # marks the start: from then on the run has a history worth keeping
+        if event["kind"] == "eval" and not self._started:
             self._started = True
             self.display._started(self)
         self.display._update(self)
@@ -238,7 +240,10 @@ class ProgressDisplay:
         if self.mode == "rich" and self._progress is not None:
             self._progress.start_task(self._tasks[run.index])
         elif self.mode == "plain":
-            self._print(f"[{run.index + 1}/{self._count}] {run.label}: training started")
+            self._print(
+                f"[{run.index + 1}/{self._count}] {run.label}: training started "
+                f"(val acc {_fmt_pct(run.acc).strip()} at step 0)"
+            )
 
     def _update(self, run: RunProgress) -> None:
         if self.mode == "rich" and self._progress is not None:

@@ -81,7 +81,7 @@ _ASYNC_CLASS = {
     "easgd": "ElasticAverageOptimizer",
 }
 OPTIMIZERS = ("sgd", "momentum", "adam")
-DEFAULT_LR = {"sgd": 0.1, "momentum": 0.05, "adam": 0.002}
+DEFAULT_LR = {"sgd": 0.05, "momentum": 0.01, "adam": 0.001}
 """Per-optimizer learning rate when ``--lr`` is not given (tuned on digits, see README)."""
 
 
@@ -401,22 +401,29 @@ def partial_record(
 
 
 @contextlib.contextmanager
-def _link_env(link_env: str | None) -> Iterator[None]:
-    """Children inherit the emulated link through the environment (nothing to do when None)."""
+def _child_env(link_env: str | None) -> Iterator[None]:
+    """Environment the worker processes inherit for the duration of one run.
+
+    * ``DISTOPTIM_LINK``: the emulated link, when one is asked for (children read it on their
+      first message; nothing else is needed for the transports to honour it);
+    * ``TORCH_CPP_LOG_LEVEL=ERROR`` unless the user set it: the RPC agents log a C++ warning
+      for every connection a finished worker closes, which would bury the progress display.
+    """
     from distoptim.comm.link import ENV_VAR
 
-    if link_env is None:
-        yield
-        return
-    before = os.environ.get(ENV_VAR)
-    os.environ[ENV_VAR] = link_env
+    wanted = {"TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")}
+    if link_env is not None:
+        wanted[ENV_VAR] = link_env
+    before = {k: os.environ.get(k) for k in wanted}
+    os.environ.update(wanted)
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop(ENV_VAR, None)
-        else:
-            os.environ[ENV_VAR] = before
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def run_local(
@@ -433,7 +440,7 @@ def run_local(
         if why is not None:
             raise AlgorithmUnavailableError(f"algorithm {cfg.algo!r} is unavailable: {why}")
     record = RunRecord(cfg)
-    with _link_env(link_env):
+    with _child_env(link_env):
         if cfg.algo == "sync":
             from distoptim.launch import spawn
 
@@ -513,7 +520,7 @@ def run_torchrun(
             "'distoptim train --algo " + cfg.algo + "' locally, or use distoptim.agn directly"
         )
     rank = int(os.environ.get("RANK", "0"))
-    with _link_env(link_env):
+    with _child_env(link_env):
         outs = torchrun_main(
             _sync_worker_gathered,
             cfg,

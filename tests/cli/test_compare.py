@@ -1,0 +1,192 @@
+"""`distoptim compare` end to end with every algorithm, the λ grid, Ctrl-C, and torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from distoptim.cli.main import main
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_compare_every_algorithm_end_to_end(tmp_path, capsys):
+    out = tmp_path / "out"
+    code = main(
+        [
+            "compare",
+            "--workers",
+            "2",
+            "--communication-period",
+            "4",
+            "--epochs",
+            "3",
+            "--progress",
+            "plain",
+            "--out",
+            str(out),
+        ]
+    )
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["status"] == "complete"
+    runs = {r["config"]["algo"]: r for r in doc["runs"]}
+    assert sorted(runs) == ["agn", "downpour", "easgd", "sync"]
+    for algo, r in runs.items():
+        assert r["status"] == "ok", (algo, r["error"])
+        assert r["val_acc"] > 0.3 and r["train_acc"] > 0.3, (algo, r["val_acc"])  # chance 0.1
+        assert r["history"][0]["t"] == pytest.approx(0.0, abs=5.0)
+        assert r["history"][-1]["samples"] == 2 * 3 * ((1438 // 2) // 16) * 16
+        assert r["bytes_moved"] > 0 and r["wall_time_s"] > 0
+    for algo in ("agn", "downpour", "easgd"):
+        r = runs[algo]
+        assert r["communication_kind"] == "commits"
+        # every worker commits every 4 of its 3 * 44 local steps
+        assert r["communications"] == 2 * (3 * 44 // 4)
+        assert r["temporal_efficiency"] > 0
+        assert sum(r["stats"]["staleness_histogram"].values()) == r["communications"]
+    assert runs["sync"]["temporal_efficiency"] == pytest.approx(1.0)
+    table = captured.out
+    for name in ("| sync", "| AGN", "| DOWNPOUR", "| EASGD", "temporal eff."):
+        assert name in table
+    assert "training started" in captured.err and "done in" in captured.err
+    png = (out / "accuracy_vs_time.png").read_bytes()
+    assert png[:4] == b"\x89PNG" and len(png) > 20_000
+
+
+def test_compare_sweeps_the_lambda_grid(tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["compare", "--algos", "easgd", "--workers", "1", "--communication-period", "2,5"]
+    assert main([*argv, "--epochs", "2", "--progress", "none", "--out", str(out)]) == 0
+    doc = json.loads((out / "results.json").read_text())
+    cells = [(r["algorithm"], r["workers"], r["communication_period"]) for r in doc["summary"]]
+    assert cells == [("easgd", 1, 2), ("easgd", 1, 5)]
+    commits = [r["communications"] for r in doc["runs"]]
+    assert commits == [2 * 89 // 2, 2 * 89 // 5]  # 89 local steps per epoch on one worker
+    assert all(r["val_acc"] > 0.3 for r in doc["runs"])
+    assert doc["runs"][0]["temporal_efficiency"] is None  # no sync run to compare with
+
+
+# ---------------------------------------------------------------------------------------------
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            if c not in found:
+                found.add(c)
+                todo.append(c)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline") as fh:
+            return fh.read().replace("\0", " ")
+    except OSError:
+        return ""
+
+
+def _wait_gone(pids: set[int], timeout: float) -> bool:
+    """Wait (on pidfds, not by polling) until every pid has exited; False on timeout."""
+    deadline = time.monotonic() + timeout
+    for pid in pids:
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue
+        try:
+            sel = selectors.DefaultSelector()
+            sel.register(fd, selectors.EVENT_READ)
+            if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
+                return False
+        finally:
+            os.close(fd)
+    return True
+
+
+def _read_until(proc: subprocess.Popen, needle: str, timeout: float) -> str:
+    """Read the child's stderr line by line until ``needle`` shows up (bounded)."""
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stderr, selectors.EVENT_READ)
+    seen = ""
+    deadline = time.monotonic() + timeout
+    while needle not in seen:
+        left = deadline - time.monotonic()
+        assert left > 0, f"no {needle!r} within {timeout}s; got:\n{seen}"
+        if sel.select(timeout=left):
+            line = proc.stderr.readline()
+            assert line, f"the command ended before {needle!r}:\n{seen}"
+            seen += line
+    return seen
+
+
+@pytest.mark.parametrize("algo", ["sync", "agn"])
+def test_ctrl_c_stops_every_worker_and_keeps_partial_results(tmp_path, algo):
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "distoptim.cli.main", "compare", "--algos", f"{algo},easgd"]
+    cmd += ["--workers", "2", "--epochs", "100000", "--progress", "plain", "--out", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _read_until(proc, "training started", timeout=120)
+        spawned = _descendants(proc.pid)
+        helpers = {p for p in spawned if "resource_tracker" in _cmdline(p)}
+        workers = spawned - helpers
+        assert len(workers) >= 2  # 2 ranks (sync) or 1 PS + 2 workers (agn)
+        proc.send_signal(signal.SIGINT)  # to the parent only, as a test can
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, stderr
+    assert "interrupted" in stderr and "Traceback" not in stderr
+    # the parent reaps its workers before it exits; multiprocessing's resource tracker leaves
+    # by itself when the parent's end of its pipe closes -- wait for that exit, bounded
+    assert not [p for p in workers if _alive(p)], "worker processes outlived Ctrl-C"
+    assert _wait_gone(helpers, timeout=30), "multiprocessing helper outlived the command"
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["status"] == "interrupted"
+    assert [r["status"] for r in doc["runs"]] == ["interrupted"]  # easgd never started
+    assert doc["runs"][0]["history"], "the progress that reached the parent is kept"
+    assert "interrupted" in stdout  # the table marks the row
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
+def test_train_module_under_torchrun(tmp_path):
+    out = tmp_path / "out"
+    cmd = ["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "distoptim.cli.train"]
+    cmd += ["--algo", "sync", "--epochs", "2", "--progress", "none", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((out / "results.json").read_text())
+    run = doc["runs"][0]
+    assert run["config"]["workers"] == 2 and run["status"] == "ok" and run["val_acc"] > 0.5
+    assert run["communications"] >= 2 * 44 and run["stats"]["bytes_sent_per_rank"][1] > 0
+    assert proc.stdout.count("| sync") == 1  # rank 0 alone prints the table
