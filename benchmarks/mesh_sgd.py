@@ -64,25 +64,32 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time(fn, reps: int, warmup: int, device: torch.device, barrier=None) -> list[float]:
+def _time_interleaved(
+    fns: dict[str, Any], reps: int, warmup: int, device: torch.device, barrier=None
+) -> dict[str, list[float]]:
+    """Per-step times of every callable, run round-robin (one step each per round) so that
+    load from other processes on a shared machine hits all contenders alike."""
+    live = {k: f for k, f in fns.items() if callable(f)}
     for _ in range(warmup):
-        fn()
-    out = []
+        for f in live.values():
+            f()
+    out: dict[str, list[float]] = {k: [] for k in live}
     for _ in range(reps):
-        if barrier is not None:
-            barrier()
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        out.append(time.perf_counter() - t0)
+        for name, f in live.items():
+            if barrier is not None:
+                barrier()
+            _sync(device)
+            t0 = time.perf_counter()
+            f()
+            _sync(device)
+            out[name].append(time.perf_counter() - t0)
     return out
 
 
-def _copy_time(numel: int, dtype, device, reps, warmup) -> float:
+def _copy_fn(numel: int, dtype, device):
     src = torch.randn(numel, device=device).to(dtype)
     dst = torch.empty_like(src)
-    return statistics.median(_time(lambda: dst.copy_(src), reps, warmup, device))
+    return lambda: dst.copy_(src)
 
 
 def _optimizers(params: list[torch.Tensor], jit: bool) -> dict[str, Any]:
@@ -160,10 +167,10 @@ def run_plain(args, dtype_name: str, jit: bool) -> dict:
     numel = sum(p.numel() for p in params)
     runs = _optimizers(params, jit=jit)
     extra = {k: runs.pop(k) for k in list(runs) if k.startswith("_")}
-    times = {}
-    for name, fn in runs.items():
-        times[name] = fn if isinstance(fn, str) else _time(fn, args.reps, args.warmup, device)
-    copy_s = _copy_time(numel, dtype, device, args.reps, args.warmup)
+    runs["_copy"] = _copy_fn(numel, dtype, device)
+    times: dict[str, Any] = _time_interleaved(runs, args.reps, args.warmup, device)
+    copy_s = statistics.median(times.pop("_copy"))
+    times.update({k: v for k, v in runs.items() if isinstance(v, str)})
     res = _summarize(times, numel, torch.empty((), dtype=dtype).element_size(), copy_s)
     res.update({"numel": numel, "tensors": len(params), "dtype": dtype_name, **extra})
     return res
@@ -184,13 +191,12 @@ def _dtensor_rank(rank: int, world: int, args_dict: dict) -> dict:
     local_numel = sum(p.to_local().numel() for p in params)
     runs = _optimizers(params, jit=False)
     barrier = torch.distributed.barrier
-    times = {}
-    reps = args_dict["reps"]
-    for name, fn in runs.items():
-        times[name] = (
-            fn if isinstance(fn, str) else _time(fn, reps, 2, torch.device("cpu"), barrier)
-        )
-    copy_s = _copy_time(local_numel, torch.float32, torch.device("cpu"), reps, 2)
+    runs["_copy"] = _copy_fn(local_numel, torch.float32, torch.device("cpu"))
+    times: dict[str, Any] = _time_interleaved(
+        runs, args_dict["reps"], 2, torch.device("cpu"), barrier
+    )
+    copy_s = statistics.median(times.pop("_copy"))
+    times.update({k: v for k, v in runs.items() if isinstance(v, str)})
     return {"times": times, "copy_s": copy_s, "local_numel": local_numel}
 
 
