@@ -141,6 +141,23 @@ def test_torch_lr_scheduler_drives_param_groups():
     assert torch.allclose(p.detach(), torch.full((3,), 1 - 1 - 0.5 - 0.25))
 
 
+def test_learning_rate_can_be_set_keras_style():
+    p = torch.ones(2, requires_grad=True)
+    opt = SGD([p], learning_rate=0.1)
+    assert opt.learning_rate == 0.1
+    opt.learning_rate = 0.5
+    p.grad = torch.ones(2)
+    opt.step()
+    assert torch.allclose(p.detach(), torch.full((2,), 0.5))
+    assert opt.get_config()["learning_rate"] == 0.5
+    opt.learning_rate = ExponentialDecay(1.0, 1, 0.5)  # at iterations=1: 0.5
+    opt.step()
+    assert torch.allclose(p.detach(), torch.zeros(2))
+    with pytest.raises(ValueError):
+        opt.learning_rate = -1.0
+    assert isinstance(opt.learning_rate, ExponentialDecay)
+
+
 def test_param_groups_have_their_own_hyperparameters():
     a, b = torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True)
     opt = SGD([{"params": [a]}, {"params": [b], "lr": 0.5, "momentum": 0.9}], lr=0.1)

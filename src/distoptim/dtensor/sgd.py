@@ -762,6 +762,21 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
             return self._schedule
         return float(self.param_groups[0]["lr"])
 
+    @learning_rate.setter
+    def learning_rate(self, value: float | Callable[[int], float]) -> None:
+        """Keras' ``opt.learning_rate = x``: a number sets every group's ``lr``; a callable
+        becomes the schedule. ``get_config`` reports the new value."""
+        if callable(value) and not isinstance(value, torch.Tensor):
+            _check_lr(value(self.iterations), "learning_rate schedule")
+            self._schedule = value
+        else:
+            lr = _check_lr(value)
+            self._schedule = None
+            for g in self.param_groups:
+                g["lr"] = lr
+            self.defaults["lr"] = lr
+        self._learning_rate = value
+
     def get_config(self) -> dict[str, Any]:
         """The constructor arguments as a JSON-serializable dict (no variables, no state).
 
