@@ -146,6 +146,21 @@ def _equivalence(rank: int, world: int, out: dict[str, Any]) -> None:
         out[f"tf/{reduction}/iterations"] = opt.iterations
 
 
+class _DefinedBackwards(nn.Module):
+    """Layers registered in the reverse of the order forward uses them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.c = nn.Linear(8, 3)
+        self.b = nn.Linear(8, 8)
+        self.a = nn.Linear(6, 8)
+        self.double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
 def _overlap_facts(rank: int, world: int, out: dict[str, Any]) -> None:
     x, y = _data(world)
     rows = _rows([rank])
@@ -153,22 +168,44 @@ def _overlap_facts(rank: int, world: int, out: dict[str, Any]) -> None:
     def loss_of(m: nn.Module, k: int) -> torch.Tensor:
         return F.mse_loss(m(x[k, rows]), y[k, rows])
 
+    # one parameter per bucket; registration order is the reverse of the ready order, so the
+    # first step barely overlaps, then the buckets follow the observed order (DDP's rebuild)
+    flats = {}
+    for overlap in (False, True):
+        model = _DefinedBackwards()
+        opt = CrossShardOptimizer(_sgd(model), overlap=overlap, bucket_cap_mb=1e-9)
+        nb = len(opt.bucket_plan)
+        order_before = list(opt.bucket_plan.order)
+        counts = []
+        for k in range(STEPS):
+            opt.zero_grad()
+            loss_of(model, k).backward()
+            opt.step()
+            counts.append((opt.comm_stats.overlapped, opt.comm_stats.collectives))
+        flats[overlap] = _flat(model)
+        if overlap:
+            out["overlap/buckets"] = nb
+            out["overlap/counts"] = counts
+            out["overlap/reordered"] = opt.bucket_plan.order != order_before
+            opt.remove_hooks()
+    out["overlap/reordered_equal"] = torch.equal(flats[False], flats[True])
+
     model = _mlp()
     opt = CrossShardOptimizer(_sgd(model), overlap=True)
     nb = len(opt.bucket_plan)
     loss_of(model, 0).backward()
     local = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-    out["overlap/launched_in_backward"] = (opt.comm_stats.overlapped, nb)
     opt.step()
     after = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
     out["overlap/grad_stays_local"] = torch.equal(local, after) and not all(
         torch.equal(g, local) for g in _gather(local)
     )
+    overlapped = opt.comm_stats.overlapped
     before = opt.comm_stats.collectives
     # the TF path never runs the hooks: exactly one round of bucket collectives, none overlapped
     opt.minimize(lambda: loss_of(model, 1))
     out["overlap/tf_collectives"] = (opt.comm_stats.collectives - before, nb)
-    out["overlap/tf_overlapped"] = opt.comm_stats.overlapped
+    out["overlap/tf_overlapped"] = opt.comm_stats.overlapped - overlapped
     # .grad edited after backward launched the reduction (per-replica clipping; two backward
     # passes): step() reduces again, with a warning -- the same result as overlap=False
     results = {}
@@ -394,12 +431,19 @@ def test_overlap_launches_in_backward_and_never_changes_results(
     two_ranks: list[dict[str, Any]],
 ) -> None:
     for out in two_ranks:
-        launched, buckets = out["overlap/launched_in_backward"]
-        assert launched == buckets >= 1
+        nb = out["overlap/buckets"]
+        (o1, c1), (o2, c2), (o3, c3) = out["overlap/counts"]
+        assert nb == 6
+        assert o1 < nb - 1  # registration order: the first bucket is ready last
+        assert out["overlap/reordered"]
+        assert o2 - o1 == o3 - o2 == nb - 1  # rebuilt: all but the last launch mid-backward
+        assert c1 == 1 + nb + 1  # fingerprint, buckets, ready-order broadcast (once)
+        assert c2 - c1 == c3 - c2 == nb
+        assert out["overlap/reordered_equal"]
         assert out["overlap/grad_stays_local"]
         sent, buckets = out["overlap/tf_collectives"]
         assert sent == buckets  # the TF path is not reduced twice
-        assert out["overlap/tf_overlapped"] == launched
+        assert out["overlap/tf_overlapped"] == 0
         assert out["overlap/stale_warnings/False"] == 0
         assert out["overlap/stale_warnings/True"] == 1  # warned once, not per step
         assert out["overlap/stale_equal"]
@@ -461,10 +505,10 @@ def test_compression_is_close_and_sends_fewer_bytes(two_ranks: list[dict[str, An
         assert torch.allclose(out["compress/fp16"], exact, rtol=0, atol=2e-3)
         assert torch.allclose(out["compress/bf16"], exact, rtol=0, atol=2e-2)
         assert not torch.equal(out["compress/fp16"], exact)  # it really went through fp16
-        fingerprint = 40
-        full = out["compress/None/bytes"] - fingerprint
-        assert out["compress/fp16/bytes"] - fingerprint == full // 4  # float64 -> float16
-        assert out["compress/bf16/bytes"] - fingerprint == full // 4
+        control = 40 + 4 * 8  # fingerprint all-gather + ready-order broadcast (4 params)
+        full = out["compress/None/bytes"] - control
+        assert out["compress/fp16/bytes"] - control == full // 4  # float64 -> float16
+        assert out["compress/bf16/bytes"] - control == full // 4
         # comm.link.transmit is paid once per collective, with the bytes counted in comm_stats
         assert all(out[f"compress/{c}/transmit"] for c in (None, "fp16", "bf16"))
 
@@ -481,7 +525,8 @@ def test_state_dict_round_trip_slots_and_subgroups_of_one(
         assert out["state/get_slot"]
         assert out["replan/params_in_plan"] == 3  # 4 params, one frozen
         assert out["replan/replicas_equal"]
-        assert out["replan/fingerprints"] == 2  # once per parameter list
+        # once per parameter list: the fingerprint and the ready-order broadcast
+        assert out["replan/fingerprints"] == 2 * 2
         assert out["solo/num_shards"] == 1
         assert out["solo/collectives"] == 0
         assert _close(out["solo"], _reference(PLAIN, [rank], 2, "mean"))

@@ -231,6 +231,7 @@ class CrossShardOptimizer(WrappedOptimizer):
         self._plan: BucketPlan = BucketPlan([], 1)
         self._index_of: dict[int, int] = {}
         self._overlap: BackwardOverlap | None = None
+        self._order_synced = False
         self._refresh_plan()
 
     # ---- public read-only facts --------------------------------------------------------------
@@ -266,24 +267,54 @@ class CrossShardOptimizer(WrappedOptimizer):
         key = self._current_key()
         if key == self._plan_key:
             return
+        params = [p for p in self._all_params() if p.requires_grad]
+        self._install_plan(params, order=None)
+        self._index_of = {id(p): i for i, p in enumerate(params)}
+        self._plan_key = key
+        self._agreed = self._num_shards == 1
+        self._order_synced = False
+
+    def _install_plan(self, params: list[torch.Tensor], order: list[int] | None) -> None:
         if self._overlap is not None:
             self._overlap.reset()
             self._overlap.detach()
             self._overlap = None
-        params = [p for p in self._all_params() if p.requires_grad]
         self._plan = BucketPlan(
             params,
             cap_bytes=max(1, int(self.bucket_cap_mb * _MIB)),
             first_cap_bytes=_FIRST_BUCKET_BYTES if self.overlap else None,
+            order=order,
         )
-        self._index_of = {id(p): i for i, p in enumerate(params)}
-        self._plan_key = key
-        self._agreed = self._num_shards == 1
         if self.overlap and self._num_shards > 1:
             self._overlap = BackwardOverlap(
-                self._plan, self.backward_passes_per_step, self._grad_round
+                self._plan, self.backward_passes_per_step, self._grad_round, self._stats
             )
             self._overlap.attach()
+
+    def _sync_ready_order(self) -> None:
+        """DDP's bucket rebuild: after the first overlapped step, follow the observed order.
+
+        Gradients may become ready in another order than reverse registration (modules
+        defined in one order, called in another); a bucket then waits for a late member and
+        holds back every bucket after it. The order seen by the group's first rank (observed
+        parameters first, the rest as before) is broadcast, so every rank rebuilds the same
+        buckets, once per parameter list. Ranks call this at the same ``step()``.
+        """
+        observed = self._overlap.observed if self._overlap is not None else []
+        plan = self._plan
+        seen = set(observed)
+        order = list(observed) + [i for i in plan.order if i not in seen]
+        t = torch.tensor(order, dtype=torch.int64, device=self._comm_device())
+        nbytes = t.numel() * t.element_size()  # approximate: a pipelined broadcast forwards it
+        link.transmit(nbytes)
+        src = 0 if self._group is None else dist.get_global_rank(self._group, 0)
+        dist.broadcast(t, src=src, group=self._group)
+        self._stats.collectives += 1
+        self._stats.bytes_sent += nbytes
+        self._order_synced = True
+        agreed = t.tolist()
+        if agreed != plan.order:
+            self._install_plan(plan.params, agreed)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -302,17 +333,18 @@ class CrossShardOptimizer(WrappedOptimizer):
             "backward_passes_per_step": self.backward_passes_per_step,
             "num_shards": self._num_shards,
         }
-        backend = dist.get_backend(self._group)
-        device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if backend == "nccl"
-            else torch.device("cpu")
-        )
+        device = self._comm_device()
         nbytes = 5 * 8 * (self._num_shards - 1)  # all-gather: (n - 1) messages of 5 int64 words
         link.transmit(nbytes)
         self._stats.collectives += check_agreement(self._plan.params, options, self._group, device)
         self._stats.bytes_sent += nbytes
         self._agreed = True
+
+    def _comm_device(self) -> torch.device:
+        """Where small control messages live: the current GPU for NCCL, else the CPU."""
+        if dist.get_backend(self._group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     def _plan_caps(self) -> tuple[int, bool]:
         return (int(self.bucket_cap_mb * _MIB), self.overlap)
@@ -387,6 +419,8 @@ class CrossShardOptimizer(WrappedOptimizer):
         else:
             with swapped_grads(self._all_params(), self._reduced_pairs(rnd)):
                 self._wrapped.step()
+        if self._overlap is not None and not self._order_synced:
+            self._sync_ready_order()
         self._refresh_plan()
         self.iterations += 1
         return loss

@@ -125,3 +125,12 @@ def test_plan_invariants(sizes: list[tuple[int, str]], cap: int, first: int | No
     # buckets open in ready order: each bucket's first member precedes the next bucket's
     heads = [b.members[0] for b in plan.buckets]
     assert heads == sorted(heads, reverse=True)
+
+
+def test_plan_follows_a_given_ready_order_and_rejects_a_bad_one() -> None:
+    params = _params(*[(4, torch.float32)] * 4)  # 16 B each
+    plan = BucketPlan(params, cap_bytes=32, order=[2, 0, 3, 1])
+    assert plan.order == [2, 0, 3, 1]
+    assert [b.members for b in plan.buckets] == [[2, 0], [3, 1]]
+    with pytest.raises(ValueError, match=r"permutation of range\(4\)"):
+        BucketPlan(params, cap_bytes=32, order=[0, 1, 1, 2])

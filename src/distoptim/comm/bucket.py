@@ -126,11 +126,13 @@ class BucketPlan:
     """The bucket layout for an ordered list of parameters (their registration order).
 
     ``params`` keeps registration order (index ``i`` = the ``i``-th parameter). Buckets are
-    filled in *reverse* registration order (the order backward usually produces gradients),
-    one open bucket per ``(dtype, device)``; a bucket is closed when the next parameter would
-    push its payload past ``cap_bytes`` (``first_cap_bytes`` for the first bucket of each
-    ``(dtype, device)``: a small first bucket lets the first collective start early in
-    backward, as DDP's 1 MiB first bucket does).
+    filled in ready ``order`` -- by default *reverse* registration order (the order backward
+    usually produces gradients); pass the order observed in a real backward to follow the
+    model instead, as DDP's bucket rebuild does -- with one open bucket per
+    ``(dtype, device)``. A bucket is closed when the next parameter would push its payload past
+    ``cap_bytes`` (``first_cap_bytes`` for the first bucket of each ``(dtype, device)``: a
+    small first bucket lets the first collective start early in backward, as DDP's 1 MiB first
+    bucket does).
     """
 
     def __init__(
@@ -138,9 +140,15 @@ class BucketPlan:
         params: Sequence[torch.Tensor],
         cap_bytes: int,
         first_cap_bytes: int | None = None,
+        order: Sequence[int] | None = None,
     ) -> None:
         if cap_bytes <= 0:
             raise ValueError(f"cap_bytes must be > 0, got {cap_bytes}")
+        n = len(params)
+        ready = list(reversed(range(n))) if order is None else [int(i) for i in order]
+        if sorted(ready) != list(range(n)):
+            raise ValueError(f"order must be a permutation of range({n}), got {ready}")
+        self.order: list[int] = ready
         first_cap = cap_bytes if first_cap_bytes is None else min(first_cap_bytes, cap_bytes)
         self.params: list[torch.Tensor] = list(params)
         self.buckets: list[Bucket] = []
@@ -148,7 +156,7 @@ class BucketPlan:
         self.slot_of: list[int] = [-1] * len(self.params)
         open_: dict[tuple[torch.dtype, torch.device], Bucket] = {}
         first_of: dict[tuple[torch.dtype, torch.device], int] = {}
-        for i in reversed(range(len(self.params))):
+        for i in ready:
             p = self.params[i]
             key = (p.dtype, p.device)
             nbytes = p.numel() * p.element_size()

@@ -32,6 +32,7 @@ from torch.autograd import Variable
 
 from distoptim.comm.bucket import BucketPlan
 from distoptim.comm.reducer import ReduceRound
+from distoptim.comm.stats import CommStats
 
 __all__ = ["BackwardOverlap"]
 
@@ -41,6 +42,9 @@ class BackwardOverlap:
 
     ``new_round()`` makes the :class:`ReduceRound` of a step (reading ``.grad``). State per
     step: ``passes`` (backward passes finished since :meth:`reset`) and the round in flight.
+    ``observed`` is the order in which gradients became ready in the last completed launching
+    pass (parameter indices), for a DDP-style bucket rebuild. ``stats.overlapped`` counts the
+    buckets launched while that pass still had gradients to produce.
     """
 
     def __init__(
@@ -48,14 +52,19 @@ class BackwardOverlap:
         plan: BucketPlan,
         passes_per_step: int,
         new_round: Callable[[], ReduceRound],
+        stats: CommStats,
     ) -> None:
         self.plan = plan
         self.passes_per_step = passes_per_step
         self._new_round = new_round
+        self._stats = stats
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._round: ReduceRound | None = None
         self._ready = [0] * len(plan)
         self._callback_queued = False
+        self._fired: list[int] = []  # param indices, in hook order, of the launching pass
+        self._launched_at: list[int] = []  # len(_fired) when each bucket was launched
+        self.observed: list[int] = []
         self.passes = 0
 
     # ---- hooks ----------------------------------------------------------------------------
@@ -83,6 +92,8 @@ class BackwardOverlap:
         self._round = None
         self._ready = [0] * len(self.plan)
         self._callback_queued = False  # also recovers from a backward that raised midway
+        self._fired = []
+        self._launched_at = []
         self.passes = 0
 
     def take_round(self) -> tuple[ReduceRound | None, bool]:
@@ -108,6 +119,7 @@ class BackwardOverlap:
             self._callback_queued = True
         if self.passes != self.passes_per_step - 1:
             return  # an accumulation pass (or one past the N-th): nothing to send now
+        self._fired.append(index)
         self._ready[self.plan.bucket_of[index]] += 1
         if self._round is None:
             self._round = self._new_round()
@@ -116,7 +128,8 @@ class BackwardOverlap:
         while rnd.next_bucket < len(buckets) and self._ready[rnd.next_bucket] == len(
             buckets[rnd.next_bucket].members
         ):
-            rnd.launch_next(overlapped=True)
+            rnd.launch_next()
+            self._launched_at.append(len(self._fired))
 
     def _on_backward_done(self) -> None:
         self._callback_queued = False
@@ -126,6 +139,10 @@ class BackwardOverlap:
         if self._round is None:
             self._round = self._new_round()
         self._round.launch_remaining()  # buckets with a member that got no gradient this pass
+        # overlapped = launched before the pass's last gradient was ready
+        self._stats.overlapped += sum(1 for at in self._launched_at if at < len(self._fired))
+        self.observed = self._fired
+        self._fired, self._launched_at = [], []
 
 
 def _grad_ready(ref: weakref.ref[BackwardOverlap], index: int, param: torch.Tensor) -> None:

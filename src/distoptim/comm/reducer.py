@@ -57,9 +57,7 @@ class BucketAllReduce:
         self.wire = wire
         self.stats = stats
 
-    def launch(
-        self, bucket: Bucket, buffer: torch.Tensor, divisor: float, *, overlapped: bool = False
-    ) -> PendingReduce:
+    def launch(self, bucket: Bucket, buffer: torch.Tensor, divisor: float) -> PendingReduce:
         """Start reducing the packed ``buffer`` of ``bucket`` (``buffer /= divisor`` first)."""
         if divisor != 1:
             buffer.div_(divisor)  # before encoding: a float16 sum then stays in range
@@ -71,8 +69,6 @@ class BucketAllReduce:
             work = dist.all_reduce(wire, group=self.group, async_op=True)
             self.stats.collectives += 1
             self.stats.bytes_sent += nbytes
-            if overlapped:
-                self.stats.overlapped += 1
         return PendingReduce(bucket, buffer, wire, work)
 
     def finish(self, pending: PendingReduce) -> torch.Tensor:
@@ -112,13 +108,13 @@ class ReduceRound:
         """Index of the next bucket to launch (``len(plan)`` once all are in flight)."""
         return len(self.pending)
 
-    def launch_next(self, *, overlapped: bool = False) -> None:
+    def launch_next(self) -> None:
         bucket = self.plan.buckets[self.next_bucket]
         buffer = self.buffer_of(bucket)
         grads = self.grads_of(bucket)
         bucket.pack(buffer, grads)
         self._inputs.append([(g, -1 if g is None else g._version) for g in grads])
-        pending = self.reducer.launch(bucket, buffer, self.divisor, overlapped=overlapped)
+        pending = self.reducer.launch(bucket, buffer, self.divisor)
         self.pending.append(pending)
 
     def launch_remaining(self) -> None:

@@ -23,10 +23,11 @@ def ring_allreduce_bytes(nbytes: int, group_size: int) -> int:
 class CommStats:
     """Running totals since construction (this rank only).
 
-    * ``collectives``: collectives launched (bucket all-reduces and the one-time fingerprint).
+    * ``collectives``: collectives launched (bucket all-reduces, plus the one-time fingerprint
+      and, with overlap, ready-order agreement per parameter list).
     * ``bytes_sent``: bytes this rank put on the wire (ring model, wire dtype).
-    * ``overlapped``: bucket all-reduces launched from a backward hook, i.e. while backward was
-      still computing other gradients (0 without ``overlap=True``).
+    * ``overlapped``: bucket all-reduces launched while backward still had gradients to
+      produce, i.e. really overlapped with computation (0 without ``overlap=True``).
     """
 
     collectives: int = 0
