@@ -8,7 +8,10 @@ when every member of a bucket is ready the bucket is launched -- but only in buc
 the ones after it and every rank issues the same collectives in the same order. At the end of
 the step's last backward pass (an autograd engine callback, the moment DDP's
 ``finalize_backward`` runs) the buckets that did not fill -- parameters without a gradient in
-that pass -- are launched too. Nothing waits in backward: ``step()`` waits.
+that pass -- are launched too. Nothing waits in backward: ``step()`` waits. The hooks also
+record the order gradients became ready (``observed``), which the optimizer uses once per
+parameter list to rebuild the buckets in that order, as DDP rebuilds its buckets after the
+first iteration.
 
 Gradient accumulation: with ``passes_per_step = N`` only the N-th backward pass since the last
 reset launches anything; the first N-1 accumulate locally into ``.grad``.
