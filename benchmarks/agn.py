@@ -12,6 +12,8 @@ Side by side in one run, on local processes (loopback, TensorPipe), with the pap
   every worker stepping as fast as it can at λ=1 (fixed gradients: this measures the PS path,
   not the model's compute); then 4 workers on 2 shards vs 1.
 * ``2 shards vs 1`` -- the round trip of one worker with the model split over 2 shards.
+* ``10 Gbit/s`` -- the 1-shard round trip again with an emulated 10 Gbit/s link
+  (``distoptim.comm.link``; both the AGN path and the echo pay the same wire time).
 
 Run::
 
@@ -41,6 +43,8 @@ from torch import nn
 
 import distoptim
 from distoptim.agn import spawn
+from distoptim.agn.flat import nbytes
+from distoptim.comm.link import ENV_VAR, Link, transmit
 
 SIZES = (784, 1000, 2000, 1000, 10)
 
@@ -54,7 +58,13 @@ def _mlp() -> nn.Module:
 
 
 def _echo(payload: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    transmit(nbytes(payload))  # the reply's wire time, as a shard pays it (no-op without a link)
     return payload
+
+
+def _echo_call(dst: str, payload: dict[str, torch.Tensor]) -> torch.futures.Future:
+    transmit(nbytes(payload))  # the request's wire time, as a worker pays it
+    return rpc.rpc_async(dst, _echo, args=(payload,))
 
 
 def _setup(ctx) -> tuple[nn.Module, distoptim.AGNOptimizer]:
@@ -82,12 +92,12 @@ def _round_trip(ctx, reps: int) -> dict[str, Any]:
         c = time.perf_counter() - t
         t = time.perf_counter()
         if ctx.num_ps == 1:
-            rpc.rpc_sync("ps:0", _echo, args=(flat,))
+            _echo_call("ps:0", flat).wait()
         else:  # the same bytes split over the shards, in parallel, as a commit is
             half = n // 2
             futs = [
-                rpc.rpc_async("ps:0", _echo, args=({"float32": flat["float32"][:half].clone()},)),
-                rpc.rpc_async("ps:1", _echo, args=({"float32": flat["float32"][half:].clone()},)),
+                _echo_call("ps:0", {"float32": flat["float32"][:half].clone()}),
+                _echo_call("ps:1", {"float32": flat["float32"][half:].clone()}),
             ]
             for f in futs:
                 f.wait()
@@ -117,8 +127,17 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a smoke run (few repetitions)")
     ap.add_argument("--reps", type=int, default=None, help="round trips per configuration")
     ap.add_argument("--seconds", type=float, default=None, help="throughput window per run")
+    ap.add_argument(
+        "--link",
+        default=None,
+        metavar="LATENCY_MS,MBPS",
+        help="emulate a slower network for both the AGN path and the echo (e.g. 0.05,10000)",
+    )
+    ap.add_argument("--rt-only", action="store_true", help="only the round-trip comparison")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "agn.json"))
     args = ap.parse_args()
+    if args.link:
+        Link.from_env(args.link)  # validates
     reps = args.reps or (5 if args.quick else 25)
     seconds = args.seconds or (2.0 if args.quick else 6.0)
     results: dict[str, Any] = {
@@ -129,32 +148,51 @@ def main() -> None:
             "loadavg_start": _load(),
         },
         "model": "MLP 784-1000-2000-1000-10 (float32)",
+        "link": args.link or "loopback (no emulation)",
     }
 
     print(f"round trip, {reps} reps each (interleaved) ...", flush=True)
-    rt: dict[int, dict[str, float]] = {}
-    for num_ps in (1, 2):
+    rt: dict[str, dict[str, float]] = {}
+    cases = [("1ps", 1, args.link), ("2ps", 2, args.link)]
+    if not args.link:  # plus an emulated 10 Gbit/s network (50 us latency), for both paths
+        cases.append(("1ps_10gbit", 1, "0.05,10000"))
+    for key, num_ps, link in cases:
+        if link:
+            os.environ[ENV_VAR] = link  # the spawned processes inherit it
+        else:
+            os.environ.pop(ENV_VAR, None)
         out = spawn(_round_trip, 1, num_ps=num_ps, args=(reps,), timeout=300).worker_results[0]
-        rt[num_ps] = {
+        rt[key] = {
+            "link": link or "loopback",
             "commit_ms": 1e3 * statistics.median(out["commit_s"]),
             "echo_ms": 1e3 * statistics.median(out["echo_s"]),
             "commit_min_ms": 1e3 * min(out["commit_s"]),
             "echo_min_ms": 1e3 * min(out["echo_s"]),
         }
-        r = rt[num_ps]
+        r = rt[key]
         r["ratio"] = r["commit_ms"] / r["echo_ms"]
         r["ratio_min"] = r["commit_min_ms"] / r["echo_min_ms"]  # best case: least disturbed
         results["params"] = out["params"]
         print(
-            f"  {num_ps} shard(s): AGN commit+pull median {r['commit_ms']:.1f} ms (min "
+            f"  {key} ({r['link']}): AGN commit+pull median {r['commit_ms']:.1f} ms (min "
             f"{r['commit_min_ms']:.1f}), raw echo median {r['echo_ms']:.1f} ms (min "
             f"{r['echo_min_ms']:.1f}); ratio {r['ratio']:.2f}x of medians, {r['ratio_min']:.2f}x "
             "of minima (target <= 1.5x)",
             flush=True,
         )
-    results["round_trip"] = {str(k): v for k, v in rt.items()}
-    results["round_trip_2_vs_1_shard"] = rt[2]["commit_ms"] / rt[1]["commit_ms"]
+    if args.link:
+        os.environ[ENV_VAR] = args.link
+    else:
+        os.environ.pop(ENV_VAR, None)
+    results["round_trip"] = rt
+    results["round_trip_2_vs_1_shard"] = rt["2ps"]["commit_ms"] / rt["1ps"]["commit_ms"]
 
+    if args.rt_only:
+        results["machine"]["loadavg_end"] = _load()
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+        print(f"wrote {args.out}")
+        return
     print(f"commits/s, {seconds:g} s per run ...", flush=True)
     tp: dict[str, dict[str, float]] = {}
     for num_worker, num_ps in ((1, 1), (2, 1), (4, 1), (4, 2)):
@@ -186,10 +224,10 @@ def main() -> None:
     results["machine"]["loadavg_end"] = _load()
 
     print("\nsummary")
-    for k in (1, 2):
+    for k, r in rt.items():
         print(
-            f"  round trip vs raw echo ({k} shard(s)): {rt[k]['ratio']:.2f}x medians, "
-            f"{rt[k]['ratio_min']:.2f}x minima  (target <= 1.5x)"
+            f"  round trip vs raw echo ({k}, {r['link']}): {r['ratio']:.2f}x medians, "
+            f"{r['ratio_min']:.2f}x minima  (target <= 1.5x)"
         )
     print(f"  round trip 2 shards / 1 shard: {results['round_trip_2_vs_1_shard']:.2f}x")
     for k, v in results["scaling_vs_1_worker"].items():

@@ -271,3 +271,33 @@ def test_wait_for_workers_ends_on_finish_or_death():
     with pytest.raises(TimeoutError, match="neither finished nor died"):
         ps3.wait_for_workers(lambda pending: [], probe_period_s=0.01, timeout_s=0.05)
     assert math.isfinite(rep["wall_time_s"])
+
+
+class _KeepsGrad(torch.optim.SGD):
+    """An optimizer whose state keeps the gradient tensor itself (not a copy)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["last_grad"] = p.grad
+        return super().step(closure)
+
+
+def test_reply_buffer_reuse_never_touches_optimizer_state_or_live_center():
+    params = [torch.nn.Parameter(torch.zeros(4))]
+    spec = _spec(ApplyOptimizer(), params, _KeepsGrad(params, lr=1.0))
+    layout = spec.layout()
+    ps = ParameterServer(0, 1, 1)
+    ps.seed("t", spec, layout.flatten(params))
+    r = ps.commit("t", 0, 0, layout.flatten([torch.ones(4)]), None, False)
+    assert torch.equal(r.flats["float32"], torch.full((4,), -1.0))
+    kept = ps._tables["t"].optimizer.state[ps._tables["t"].views[0]]["last_grad"]
+    assert torch.equal(kept, torch.ones(4))  # the kept gradient was not overwritten by the reply
+
+    # use_locking=False: additive commits reply with the live center (no snapshot)
+    spec = _spec(AddUpdate(), params, use_locking=False)
+    ps.seed("u", spec, layout.flatten([torch.zeros(4)]))
+    r = ps.commit("u", 0, 0, layout.flatten([torch.ones(4)]), None, False)
+    assert r.flats["float32"] is ps._tables["u"].flats["float32"]
+    assert torch.equal(r.flats["float32"], torch.ones(4)) and r.version == 1

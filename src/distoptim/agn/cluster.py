@@ -519,6 +519,12 @@ def spawn(
     names = [f"ps {i}" for i in range(num_ps)] + [f"worker {t}" for t in range(num_worker)]
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     started = time.monotonic()
+    # Children inherit the environment at start: unless the user chose a level, keep their C++
+    # logs to errors -- a local shut-down without a global barrier makes TensorPipe log a
+    # "pipe closed" warning per connection, which is expected here and says nothing useful.
+    quiet = "TORCH_CPP_LOG_LEVEL" not in os.environ
+    if quiet:
+        os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
     try:
         outcomes = run_processes(
             _spawn_main,
@@ -530,6 +536,8 @@ def spawn(
             num_threads=num_threads,
         )
     finally:
+        if quiet:
+            os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
         del store
     wall = time.monotonic() - started
     for o in outcomes[:num_ps]:

@@ -468,7 +468,7 @@ class ParameterServer:
                 rule.apply(table.views, table.layout.views(payload), table.optimizer)
             if reply is None and not table.spec.use_locking:
                 reply = dict(table.flats)  # may show a concurrent update, as TF's without locking
-            elif reply is None and accept:
+            elif reply is None and accept and not _holds(table.optimizer, payload):
                 # the payload's buffers are ours and spent: reuse them for the snapshot (no
                 # allocation of a model-sized buffer per commit)
                 reply = payload
@@ -566,6 +566,18 @@ class ParameterServer:
             "finished_workers": finished,
             "wall_time_s": time.monotonic() - self.started,
         }
+
+
+def _holds(optimizer: torch.optim.Optimizer | None, flats: dict[str, torch.Tensor]) -> bool:
+    """Whether ``optimizer``'s state keeps a reference into ``flats`` (e.g. a kept gradient)."""
+    if optimizer is None:
+        return False
+    ptrs = {t.untyped_storage().data_ptr() for t in flats.values()}
+    return any(
+        isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() in ptrs
+        for state in optimizer.state.values()
+        for v in state.values()
+    )
 
 
 def _set_hparams(table: _Table, hparams: dict[int, dict[str, Any]]) -> None:
