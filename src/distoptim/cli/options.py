@@ -303,12 +303,19 @@ def make_plan(args: argparse.Namespace, world_size: int | None = None) -> Plan:
     else:
         algos, repeats = args.algos, args.repeats
     workers = list(args.workers)
-    if world_size is not None:
-        if workers not in (DEFAULTS["workers"], [world_size]):
+    if world_size is not None:  # torchrun decides: all ranks (sync), or all but the PS shards
+        n = world_size if algos[0] == "sync" else world_size - args.num_ps
+        if n < 1:
             raise UsageError(
-                f"--workers {workers[0]} disagrees with torchrun's {world_size} processes"
+                f"torchrun started {world_size} processes: {algos[0]} with --num-ps "
+                f"{args.num_ps} needs at least {args.num_ps + 1}"
             )
-        workers = [world_size]
+        if workers not in (DEFAULTS["workers"], [n]):
+            raise UsageError(
+                f"--workers {workers[0]} disagrees with torchrun's {world_size} processes "
+                f"({n} workers)"
+            )
+        workers = [n]
     if any(w > 256 for w in workers):
         raise UsageError(f"--workers {max(workers)} is too many for one machine (at most 256)")
     if any(a != "sync" for a in algos):

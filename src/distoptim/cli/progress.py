@@ -74,20 +74,25 @@ class Reporter:
 
 
 class LineSink:
-    """A sink for a worker's own events that prints one line per evaluation (torchrun rank 0)."""
+    """A sink for a worker's own events (under torchrun, where there is no parent process):
+    prints a line at the first evaluation and at each quarter of the run."""
 
     def __init__(self, label: str, total: int, stream: TextIO | None = None) -> None:
         self.label = label
         self.total = max(1, total)
         self.stream = stream if stream is not None else sys.stderr
         self._world = 1
+        self._quarter = -1
 
     def put(self, event: dict[str, Any]) -> None:
-        if event["kind"] == "eval":
-            # rank 0 speaks for the group: every rank has processed the same number of samples
-            done = min(100.0, 100.0 * event["samples"] * self._world / self.total)
+        if event["kind"] != "eval":
+            return
+        # this rank speaks for all: every worker processes about as many samples as it does
+        done = min(1.0, event["samples"] * self._world / self.total)
+        if int(4 * done) > self._quarter:
+            self._quarter = int(4 * done)
             print(
-                f"{self.label}: {done:5.1f}% val acc {100 * event['acc']:.1f}% "
+                f"{self.label}: {100 * done:5.1f}% val acc {100 * event['acc']:.1f}% "
                 f"(val loss {event['loss']:.3f})",
                 file=self.stream,
                 flush=True,

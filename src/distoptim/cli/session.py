@@ -163,11 +163,11 @@ def run_plan(
 
 
 def run_torchrun(plan: Plan, argv: Sequence[str]) -> int:
-    """This process is one rank of a torchrun job; rank 0 writes the outputs and the table."""
+    """This process is one rank of a torchrun job; the reporting rank (sync: rank 0; async: the
+    chief, the first worker) writes the outputs and prints the table."""
     cfg = plan.configs[0]
-    rank = int(os.environ.get("RANK", "0"))
     sink = None
-    if rank == 0 and plan.progress != "none":
+    if plan.progress != "none":  # only the reporting rank (sync rank 0 / the chief) uses it
         sink = LineSink(f"{cfg.label} (torchrun)", cfg.total_samples(len(plan.data.y_train)))
         sink.set_world(cfg.workers)
     try:

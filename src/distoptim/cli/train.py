@@ -34,6 +34,10 @@ Run under torchrun (multi-node), one process per rank::
     torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST0:29500 \\
         -m distoptim.cli.train --algo sync --epochs 30 --out results/
 
+With an async ``--algo`` the first ``--num-ps`` ranks are parameter-server shards and the rest
+are workers (8 processes, ``--num-ps 1``: 7 workers); the chief (the first worker) writes the
+outputs.
+
 Outside torchrun ``python -m distoptim.cli.train ...`` is the same as ``distoptim train ...``.
 """
 
@@ -476,7 +480,10 @@ def _sync_outputs(record: RunRecord, outs: Sequence[dict[str, Any]]) -> tuple[li
 
 
 def _async_outputs(record: RunRecord, result: Any) -> tuple[list, list]:
-    """Counters of a parameter-server run into ``record``; returns (events, final center)."""
+    """Counters of a parameter-server run into ``record``; returns (events, final center).
+
+    ``result``: what ``distoptim.agn.spawn`` returns (``worker_results``, ``stats``, ``center``).
+    """
     outs = [o for o in result.worker_results if o is not None]
     stats = result.stats
     record.communications = int(sum(stats.commits_per_worker.values()))
@@ -507,20 +514,19 @@ def _sync_worker_gathered(
 def run_torchrun(
     cfg: RunConfig, data: Dataset, sink: Any = None, link_env: str | None = None
 ) -> RunRecord | None:
-    """This process is one rank of a torchrun job: train; rank 0 returns the record.
+    """This process is one rank of a torchrun job: train; one rank returns the record.
 
-    The process group comes from torchrun's environment (gloo: the model lives on the CPU).
-    ``sink``: where rank 0's progress events go (other ranks report nothing).
+    sync: every rank trains in torchrun's process group (gloo: the model lives on the CPU);
+    rank 0 returns the record. Async: the first ``cfg.num_ps`` ranks serve as parameter-server
+    shards and the others are workers (``distoptim.agn.Cluster.from_env``); the chief (worker 0)
+    returns the record. ``sink``: where the reporting rank's progress events go.
     """
-    from distoptim.launch import torchrun_main
-
-    if cfg.is_async:
-        raise AlgorithmUnavailableError(
-            f"{cfg.algo!r} under torchrun is not wired into the command line; run "
-            "'distoptim train --algo " + cfg.algo + "' locally, or use distoptim.agn directly"
-        )
-    rank = int(os.environ.get("RANK", "0"))
     with _child_env(link_env):
+        if cfg.is_async:
+            return _torchrun_async(cfg, data, sink)
+        from distoptim.launch import torchrun_main
+
+        rank = int(os.environ.get("RANK", "0"))
         outs = torchrun_main(
             _sync_worker_gathered,
             cfg,
@@ -533,6 +539,79 @@ def run_torchrun(
         return None
     record = RunRecord(cfg)
     events, final = _sync_outputs(record, outs)
+    _finish_record(record, data, events, final)
+    return record
+
+
+def _to_bytes(value: Any) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
+def _from_bytes(data: bytes) -> Any:
+    import io
+
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _torchrun_async(cfg: RunConfig, data: Dataset, sink: Any) -> RunRecord | None:
+    """One rank of an async torchrun job; the chief gathers what it needs to report.
+
+    The shards' reports (final center, counters) and the workers' progress events reach the
+    chief through torchrun's rendezvous store (``MASTER_ADDR:MASTER_PORT``): each worker puts
+    its events there before it leaves the cluster, each shard its report once it stopped
+    serving; the chief, after leaving, waits for them (bounded by ``cfg.timeout``).
+    """
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from distoptim.agn import Cluster
+    from distoptim.agn.cluster import merge_reports
+
+    wait = timedelta(seconds=cfg.timeout)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=wait
+    )
+    prefix = f"distoptim-cli/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    cluster = Cluster.from_env(num_ps=cfg.num_ps)
+    if cluster.is_ps:
+        try:
+            report = cluster.serve(timeout=cfg.timeout)
+        finally:
+            cluster.shutdown()
+        store.set(f"{prefix}report/{report.shard}", _to_bytes(report))
+        return None
+    ok = False
+    try:
+        out = _async_worker(cluster, cfg, data, sink if cluster.is_chief else None, False)
+        store.set(f"{prefix}events/{cluster.task_index}", _to_bytes(out["events"]))
+        ok = True
+    finally:
+        cluster.shutdown(failed=not ok)
+    if not cluster.is_chief:
+        return None
+    keys = [f"{prefix}report/{s}" for s in range(cfg.num_ps)]
+    store.wait(keys, wait)
+    reports = [_from_bytes(store.get(k)) for k in keys]
+    stats, centers, _ = merge_reports(
+        reports, cluster.num_worker, max(r.wall_time_s for r in reports)
+    )
+    finished = sorted({t for r in reports for t in r.finished_workers})
+    keys = [f"{prefix}events/{t}" for t in finished]
+    store.wait(keys, wait)
+    results: list[Any] = [None] * cluster.num_worker
+    for t, k in zip(finished, keys):
+        results[t] = {"events": _from_bytes(store.get(k))}
+    result = SimpleNamespace(
+        worker_results=results, stats=stats, center=next(iter(centers.values()))
+    )
+    record = RunRecord(cfg)
+    events, final = _async_outputs(record, result)
     _finish_record(record, data, events, final)
     return record
 
