@@ -103,6 +103,24 @@ def _single_worker(ctx, out_dir: str) -> dict:
     _init(opt, ctx)
     out["easgd"] = _train(opt, m, ctx, 4)
 
+    # the TF path: minimize(loss) and apply_gradients go through the same step
+    m = _model(5)
+    opt = distoptim.AGNOptimizer(
+        torch.optim.SGD(m.parameters(), lr=LR), 1, communication_period=2, name="tf"
+    )
+    _init(opt, ctx)
+    x, y = _batch(0, 0)
+    gs = torch.tensor(0)
+    opt.minimize(lambda: (m(x) - y).pow(2).mean(), global_step=gs)
+    pairs = opt.compute_gradients(lambda: (m(x) - y).pow(2).mean())
+    out["tf_iterations"] = opt.apply_gradients(pairs, global_step=gs)
+    out["tf"] = {
+        "global_step": opt.global_step,
+        "tf_global_step": int(gs),
+        "local": [p.detach().clone() for p in m.parameters()],
+        "center": opt.center_variables(),
+    }
+
     # NaN in a commit: refused by the worker's cross-shard check (two shards)...
     m = _model(4)
     opt = distoptim.AGNOptimizer(
@@ -283,7 +301,7 @@ def test_agn_one_worker_lambda4_is_tf_contrib_exact(single):
 
 def test_two_shards_each_hold_their_share(single):
     # round-robin by parameter: weight on ps:0, bias on ps:1, for every optimizer
-    assert set(single.placement) == {
+    assert set(single.placement) == {"tf"} | {
         "agn4",
         "delta",
         "DownpourOptimizer",
@@ -409,3 +427,11 @@ def test_sigkill_of_one_worker_does_not_stop_the_others(pair):
     per = result.stats.per_optimizer["kill"]
     assert per["commits_per_worker"][0] == 20 and per["commits_per_worker"][1] == 2
     assert per["global_step"] == 22
+
+
+def test_tf_minimize_and_apply_gradients_commit_like_step(single):
+    out = single.worker_results[0]
+    tf = out["tf"]
+    assert out["tf_iterations"] == 2 and tf["tf_global_step"] == 2
+    assert tf["global_step"] == 1  # λ=2: the second update committed
+    assert all(torch.equal(a, b) for a, b in zip(tf["local"], tf["center"]))
