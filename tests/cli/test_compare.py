@@ -175,7 +175,9 @@ def test_ctrl_c_stops_every_worker_and_keeps_partial_results(tmp_path, algo):
     doc = json.loads((out / "results.json").read_text())
     assert doc["status"] == "interrupted"
     assert [r["status"] for r in doc["runs"]] == ["interrupted"]  # easgd never started
-    assert doc["runs"][0]["history"], "the progress that reached the parent is kept"
+    partial = doc["runs"][0]
+    assert partial["history"], "the progress that reached the parent is kept"
+    assert partial["val_acc"] == partial["history"][-1]["val_acc"] and partial["wall_time_s"] >= 0
     assert "interrupted" in stdout  # the table marks the row
 
 

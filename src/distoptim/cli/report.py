@@ -95,7 +95,11 @@ def _mean(values: list[float]) -> float | None:
 
 
 def summarize(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
-    """One row per (algorithm, workers, λ): means over the finished repeats, plus spread."""
+    """One row per (algorithm, workers, λ): means over the finished repeats, plus spread.
+
+    A cell none of whose runs finished (interrupted, failed) shows its runs' last validation
+    accuracy and time so far, and its status next to the algorithm's name.
+    """
     cells: dict[tuple[str, int, int | None], list[RunRecord]] = {}
     for r in records:
         lam = None if r.config.algo == "sync" else r.config.communication_period
@@ -103,7 +107,9 @@ def summarize(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
     rows = []
     for (algo, workers, lam), runs in cells.items():
         ok = [r for r in runs if r.status == "ok"]
-        val = [r.val_acc for r in ok if r.val_acc is not None]
+        # a cell with no finished run shows how far its runs got (last evaluation, time so far)
+        pool = ok or runs
+        val = [r.val_acc for r in pool if r.val_acc is not None]
         row: dict[str, Any] = {
             "algorithm": algo,
             "workers": workers,
@@ -111,7 +117,7 @@ def summarize(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
             "runs": len(runs),
             "finished": len(ok),
             "status": "ok" if len(ok) == len(runs) else ",".join(sorted({r.status for r in runs})),
-            "wall_time_s": _mean([r.wall_time_s for r in ok if r.wall_time_s is not None]),
+            "wall_time_s": _mean([r.wall_time_s for r in pool if r.wall_time_s is not None]),
             "train_acc": _mean([r.train_acc for r in ok if r.train_acc is not None]),
             "val_acc": _mean(val),
             "val_acc_std": statistics.stdev(val) if len(val) > 1 else None,

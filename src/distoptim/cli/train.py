@@ -390,9 +390,16 @@ def _finish_record(
 def partial_record(
     cfg: RunConfig, events: list[dict[str, Any]], status: str, error: str
 ) -> RunRecord:
-    """A record for a run that did not finish: the history its workers had reported so far."""
+    """A record for a run that did not finish: the history its workers had reported so far.
+
+    ``val_acc``/``val_loss`` are the last evaluation before the run stopped; ``wall_time_s``
+    and ``samples`` how far it got. Train accuracy stays unknown (no final parameters).
+    """
     record = RunRecord(cfg, status=status, error=error)
     t0, record.history = build_history(events)
+    if record.history:
+        record.val_acc = record.history[-1]["val_acc"]
+        record.val_loss = record.history[-1]["val_loss"]
     if t0 is not None:
         latest = [e["t"] for e in events]
         record.wall_time_s = max(latest) - t0
