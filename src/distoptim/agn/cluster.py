@@ -52,6 +52,7 @@ __all__ = [
     "ParameterServerError",
     "ShardReport",
     "current_cluster",
+    "merge_reports",
     "spawn",
 ]
 
