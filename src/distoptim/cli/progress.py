@@ -161,6 +161,7 @@ class RunProgress:
             self._handle(event)
 
     def __enter__(self) -> RunProgress:
+        self.display._starting(self)
         self._thread.start()
         return self
 
@@ -241,8 +242,13 @@ class ProgressDisplay:
         with self._lock:
             print(text, file=self.stream, flush=True)
 
+    def _starting(self, run: RunProgress) -> None:
+        if self.mode == "rich" and self._progress is not None:
+            self._progress.update(self._tasks[run.index], note="starting processes…")
+
     def _started(self, run: RunProgress) -> None:
         if self.mode == "rich" and self._progress is not None:
+            self._progress.update(self._tasks[run.index], note="")
             self._progress.start_task(self._tasks[run.index])
         elif self.mode == "plain":
             self._print(
