@@ -297,10 +297,17 @@ class Cluster:
             rpc_timeout=self.rpc_timeout,
             num_worker_threads=max(16, self.num_worker + 8),
         )
-        with warnings.catch_warnings():
-            # rpc's start-up exchanges device maps over a gloo group the old way; not ours
-            warnings.filterwarnings("ignore", message="You are using a Backend")
-            rpc.init_rpc(self.name, rank=rank, world_size=world_size, rpc_backend_options=options)
+        try:
+            with warnings.catch_warnings():
+                # rpc's start-up exchanges device maps over a gloo group the old way; not ours
+                warnings.filterwarnings("ignore", message="You are using a Backend")
+                rpc.init_rpc(
+                    self.name, rank=rank, world_size=world_size, rpc_backend_options=options
+                )
+        except BaseException:
+            if self.is_ps:
+                _server.install(None)
+            raise
         _CURRENT = self
 
     @classmethod
