@@ -12,7 +12,7 @@ trip. The algorithms (:mod:`~distoptim.agn.agn`, :mod:`~distoptim.agn.downpour`,
 * ``_absorb(link, sent, reply)``: what the local copy becomes afterwards (default: the center);
 * ``_server_rule()``: how the shard applies a commit (:class:`~distoptim.agn.server.ServerRule`).
 
-A worker step, in order: validate (initialized?) → ``_accumulate()`` (AGN: ``a += g``) → the
+A worker step, in order: validate (initialized?) → accumulate (AGN: ``a += g``) → the
 wrapped optimizer's ``step()`` on the local parameters → ``local_step += 1`` → if
 ``local_step % λ == 0``: commit and absorb. Nothing waits for other workers.
 
