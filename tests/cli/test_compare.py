@@ -43,7 +43,7 @@ def test_compare_every_algorithm_end_to_end(tmp_path, capsys):
     assert sorted(runs) == ["agn", "downpour", "easgd", "sync"]
     for algo, r in runs.items():
         assert r["status"] == "ok", (algo, r["error"])
-        assert r["val_acc"] > 0.3 and r["train_acc"] > 0.3, (algo, r["val_acc"])  # chance 0.1
+        assert r["val_acc"] > 0.5 and r["train_acc"] > 0.5, (algo, r["val_acc"])  # chance 0.1
         assert r["history"][0]["t"] == pytest.approx(0.0, abs=5.0)
         assert r["history"][-1]["samples"] == 2 * 3 * ((1438 // 2) // 16) * 16
         assert r["bytes_moved"] > 0 and r["wall_time_s"] > 0
