@@ -66,3 +66,16 @@ def test_train_on_a_user_npz(tmp_path, capsys):
         "classes": 3,
     }
     assert doc["runs"][0]["val_acc"] > 0.8  # chance is 1/3
+
+
+def test_a_failed_run_is_recorded_and_the_next_one_still_runs(tmp_path, capsys):
+    out = tmp_path / "out"
+    # 50 ms cannot even start a Python process: every run times out and is killed
+    argv = ["compare", "--algos", "sync", "--workers", "1,2", "--epochs", "1", "--timeout", "0.05"]
+    assert main([*argv, "--progress", "none", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("failed: ProcessTimeoutError") == 2  # the second run was still attempted
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["status"] == "failed"
+    assert [r["status"] for r in doc["runs"]] == ["failed", "failed"]
+    assert "did not finish within 0.05s" in doc["runs"][0]["error"]
