@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
 
 from distoptim.cli.main import main
+from distoptim.comm.link import ENV_VAR
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -55,6 +57,7 @@ def test_train_on_a_user_npz(tmp_path, capsys):
     np.savez(path, x=x, y=y + 10)
     out = tmp_path / "out"
     argv = ["train", "--algo", "sync", "--workers", "2", "--epochs", "5", "--batch-size", "8"]
+    argv += ["--link-latency-ms", "1", "--link-mbps", "1000"]  # an emulated link, too
     code = main([*argv, "--dataset", str(path), "--progress", "none", "--out", str(out)])
     assert code == 0
     doc = json.loads((out / "results.json").read_text())
@@ -66,6 +69,8 @@ def test_train_on_a_user_npz(tmp_path, capsys):
         "classes": 3,
     }
     assert doc["runs"][0]["val_acc"] > 0.8  # chance is 1/3
+    assert doc["link"] == {"latency_ms": 1.0, "mbps": 1000.0}
+    assert os.environ.get(ENV_VAR) is None  # only the children had it
 
 
 def test_a_failed_run_is_recorded_and_the_next_one_still_runs(tmp_path, capsys):
