@@ -149,6 +149,7 @@ def test_torchrun_main_outside_torchrun_says_how(monkeypatch):
 
 
 _TORCHRUN_SCRIPT = """
+import os
 import sys
 import torch
 import torch.distributed as dist
@@ -156,6 +157,8 @@ from distoptim.launch import torchrun_main
 
 
 def work(rank, world_size, out):
+    # an optimizer made while the group exists imports torch._dynamo (see launch.py)
+    torch.optim.SGD([torch.zeros(2, requires_grad=True)], lr=0.1)
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t)
     with open(f"{out}.{rank}", "w") as f:
@@ -163,6 +166,9 @@ def work(rank, world_size, out):
 
 
 torchrun_main(work, sys.argv[1], backend="gloo")
+threads = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+with open(f"{sys.argv[1]}.threads.{os.environ['RANK']}", "w") as f:
+    f.write(" ".join(sorted(threads)))
 """
 
 
@@ -177,3 +183,6 @@ def test_same_function_runs_under_torchrun(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     subprocess.run([*cmd, str(script), str(out)], check=True, timeout=100, capture_output=True)
     assert sorted((tmp_path / f"out.{r}").read_text() for r in range(2)) == ["0 2 3", "1 2 3"]
+    # the group is really gone after torchrun_main: no gloo thread left to abort at exit
+    for r in range(2):
+        assert "gloo" not in (tmp_path / f"out.threads.{r}").read_text()

@@ -322,6 +322,18 @@ def torchrun_env(rank: int, world_size: int, port: int, host: str = "127.0.0.1")
     }
 
 
+def _import_dynamo_before_groups() -> None:
+    """Import ``torch._dynamo`` before any process group exists.
+
+    The first ``torch.optim.Optimizer`` imports ``torch._dynamo``; when that happens while a
+    gloo group exists, the group outlives ``destroy_process_group`` (torch 2.13, seen here), so
+    gloo's worker threads run on into interpreter shutdown, and one that still holds the last
+    reference to a Python tensor aborts the process there ("terminate called without an active
+    exception", SIGABRT). Importing it first lets ``destroy_process_group`` join those threads.
+    """
+    import torch._dynamo  # noqa: F401
+
+
 def _with_process_group(
     fn: Callable[..., Any], backend: str | None, timeout: float, args: tuple[Any, ...]
 ) -> Any:
@@ -330,6 +342,7 @@ def _with_process_group(
     world_size = int(os.environ["WORLD_SIZE"])
     owns_group = not dist.is_initialized()
     if owns_group:
+        _import_dynamo_before_groups()
         dist.init_process_group(
             backend=backend,
             init_method="env://",
