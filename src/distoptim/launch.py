@@ -51,6 +51,7 @@ __all__ = [
     "ProcessTimeoutError",
     "RankFailedError",
     "run_processes",
+    "import_dynamo_before_groups",
     "spawn",
     "torchrun_env",
     "torchrun_main",
@@ -322,7 +323,7 @@ def torchrun_env(rank: int, world_size: int, port: int, host: str = "127.0.0.1")
     }
 
 
-def _import_dynamo_before_groups() -> None:
+def import_dynamo_before_groups() -> None:
     """Import ``torch._dynamo`` before any process group exists.
 
     The first ``torch.optim.Optimizer`` imports ``torch._dynamo``; when that happens while a
@@ -330,6 +331,8 @@ def _import_dynamo_before_groups() -> None:
     gloo's worker threads run on into interpreter shutdown, and one that still holds the last
     reference to a Python tensor aborts the process there ("terminate called without an active
     exception", SIGABRT). Importing it first lets ``destroy_process_group`` join those threads.
+    Every entry point that creates groups calls this first (``rpc.init_rpc`` makes a gloo group
+    too).
     """
     import torch._dynamo  # noqa: F401
 
@@ -342,7 +345,7 @@ def _with_process_group(
     world_size = int(os.environ["WORLD_SIZE"])
     owns_group = not dist.is_initialized()
     if owns_group:
-        _import_dynamo_before_groups()
+        import_dynamo_before_groups()
         dist.init_process_group(
             backend=backend,
             init_method="env://",

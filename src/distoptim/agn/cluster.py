@@ -43,7 +43,12 @@ import torch.distributed.rpc as rpc
 
 from distoptim.agn import server as _server
 from distoptim.agn.getter import STRATEGIES, AGNCustomGetter
-from distoptim.launch import RankFailedError, run_processes, torchrun_env
+from distoptim.launch import (
+    RankFailedError,
+    import_dynamo_before_groups,
+    run_processes,
+    torchrun_env,
+)
 
 __all__ = [
     "Cluster",
@@ -297,6 +302,7 @@ class Cluster:
             rpc_timeout=self.rpc_timeout,
             num_worker_threads=max(16, self.num_worker + 8),
         )
+        import_dynamo_before_groups()  # rpc's gloo group must not outlive shutdown
         try:
             with warnings.catch_warnings():
                 # rpc's start-up exchanges device maps over a gloo group the old way; not ours
