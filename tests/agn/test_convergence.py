@@ -40,10 +40,12 @@ def _train(ctx) -> dict:
         ctx.num_worker,
         communication_period=5,
     )
+    # the untrained model (same seed on every worker); measured before the init hook because a
+    # late worker pulls a center that the others may already have moved
+    start = _loss(model, x, y)
     hook = opt.make_session_run_hook(ctx.is_chief, ctx.task_index)
     hook.begin()
     hook.after_create_session()
-    start = _loss(model, x, y)
     g = torch.Generator().manual_seed(ctx.task_index)
     for _ in range(STEPS):
         idx = torch.randint(len(xs), (32,), generator=g)
