@@ -51,8 +51,11 @@ __all__ = [
     "ProcessTimeoutError",
     "RankFailedError",
     "run_processes",
+    "from_bytes",
     "import_dynamo_before_groups",
+    "require_torchrun_env",
     "spawn",
+    "to_bytes",
     "torchrun_env",
     "torchrun_main",
 ]
@@ -117,13 +120,15 @@ def _die_with_parent() -> None:
         libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
-def _dumps(value: Any) -> bytes:
+def to_bytes(value: Any) -> bytes:
+    """``value`` (tensors included) as bytes, for a pipe or a store between our processes."""
     buf = io.BytesIO()
     torch.save(value, buf)
     return buf.getvalue()
 
 
-def _loads(data: bytes) -> Any:
+def from_bytes(data: bytes) -> Any:
+    """The inverse of :func:`to_bytes` (trusted data only: it unpickles)."""
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
@@ -143,7 +148,7 @@ def _child_main(
         torch.set_num_threads(num_threads)
     try:
         value = fn(*args)
-        payload = ("ok", _dumps(value), None)
+        payload = ("ok", to_bytes(value), None)
     except BaseException as exc:  # report everything, SystemExit and KeyboardInterrupt too
         tb = traceback.format_exc()
         try:
@@ -290,7 +295,7 @@ def _collect(
         else:
             proc.join(_KILL_GRACE)
             if status == "ok":
-                return ProcessOutcome(i, name, True, value=_loads(blob), exitcode=proc.exitcode)
+                return ProcessOutcome(i, name, True, value=from_bytes(blob), exitcode=proc.exitcode)
             exc = None
             if blob is not None:
                 with contextlib.suppress(Exception):
@@ -397,6 +402,17 @@ def spawn(
     return [o.value for o in outcomes]
 
 
+def require_torchrun_env(caller: str, local_alternative: str) -> None:
+    """Raise a clear ``RuntimeError`` unless torchrun's rendezvous variables are set."""
+    needed = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    missing = [k for k in needed if k not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"{caller} needs the torchrun environment; {', '.join(missing)} not set. "
+            f"Start the script with torchrun, or use {local_alternative} for a local run."
+        )
+
+
 def torchrun_main(
     fn: Callable[..., Any],
     *args: Any,
@@ -415,14 +431,7 @@ def torchrun_main(
 
     where ``my_script.py`` ends with ``torchrun_main(train)``.
     """
-    missing = [
-        k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
-    ]
-    if missing:
-        raise RuntimeError(
-            f"torchrun_main needs the torchrun environment; {', '.join(missing)} not set. "
-            "Start the script with torchrun, or use distoptim.launch.spawn for a local run."
-        )
+    require_torchrun_env("torchrun_main", "distoptim.launch.spawn")
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     return _with_process_group(fn, backend, timeout, tuple(args))

@@ -46,6 +46,7 @@ from distoptim.agn.getter import STRATEGIES, AGNCustomGetter
 from distoptim.launch import (
     RankFailedError,
     import_dynamo_before_groups,
+    require_torchrun_env,
     run_processes,
     torchrun_env,
 )
@@ -329,14 +330,7 @@ class Cluster:
     ) -> Cluster:
         """Join the cluster described by torchrun's environment (``RANK``, ``WORLD_SIZE``,
         ``MASTER_ADDR``, ``MASTER_PORT``): the first ``num_ps`` ranks serve, the rest work."""
-        missing = [
-            k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
-        ]
-        if missing:
-            raise RuntimeError(
-                f"Cluster.from_env needs the torchrun environment; {', '.join(missing)} not set. "
-                "Start the script with torchrun, or use distoptim.agn.spawn for a local run."
-            )
+        require_torchrun_env("Cluster.from_env", "distoptim.agn.spawn")
         return cls(
             rank=int(os.environ["RANK"]),
             world_size=int(os.environ["WORLD_SIZE"]),

@@ -60,6 +60,7 @@ import torch.nn.functional as F
 from distoptim.cli.datasets import Dataset, shard_indices
 from distoptim.cli.model import build_model, evaluate, load_parameters
 from distoptim.cli.progress import Reporter
+from distoptim.launch import from_bytes, to_bytes
 
 __all__ = [
     "ALGORITHMS",
@@ -550,20 +551,6 @@ def run_torchrun(
     return record
 
 
-def _to_bytes(value: Any) -> bytes:
-    import io
-
-    buf = io.BytesIO()
-    torch.save(value, buf)
-    return buf.getvalue()
-
-
-def _from_bytes(data: bytes) -> Any:
-    import io
-
-    return torch.load(io.BytesIO(data), weights_only=False)
-
-
 def _torchrun_async(cfg: RunConfig, data: Dataset, sink: Any) -> RunRecord | None:
     """One rank of an async torchrun job; the chief gathers what it needs to report.
 
@@ -591,12 +578,12 @@ def _torchrun_async(cfg: RunConfig, data: Dataset, sink: Any) -> RunRecord | Non
             report = cluster.serve(timeout=cfg.timeout)
         finally:
             cluster.shutdown()
-        store.set(f"{prefix}report/{report.shard}", _to_bytes(report))
+        store.set(f"{prefix}report/{report.shard}", to_bytes(report))
         return None
     ok = False
     try:
         out = _async_worker(cluster, cfg, data, sink if cluster.is_chief else None, False)
-        store.set(f"{prefix}events/{cluster.task_index}", _to_bytes(out["events"]))
+        store.set(f"{prefix}events/{cluster.task_index}", to_bytes(out["events"]))
         ok = True
     finally:
         cluster.shutdown(failed=not ok)
@@ -604,7 +591,7 @@ def _torchrun_async(cfg: RunConfig, data: Dataset, sink: Any) -> RunRecord | Non
         return None
     keys = [f"{prefix}report/{s}" for s in range(cfg.num_ps)]
     store.wait(keys, wait)
-    reports = [_from_bytes(store.get(k)) for k in keys]
+    reports = [from_bytes(store.get(k)) for k in keys]
     stats, centers, _ = merge_reports(
         reports, cluster.num_worker, max(r.wall_time_s for r in reports)
     )
@@ -613,7 +600,7 @@ def _torchrun_async(cfg: RunConfig, data: Dataset, sink: Any) -> RunRecord | Non
     store.wait(keys, wait)
     results: list[Any] = [None] * cluster.num_worker
     for t, k in zip(finished, keys):
-        results[t] = {"events": _from_bytes(store.get(k))}
+        results[t] = {"events": from_bytes(store.get(k))}
     result = SimpleNamespace(
         worker_results=results, stats=stats, center=next(iter(centers.values()))
     )
