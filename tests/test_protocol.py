@@ -1,4 +1,4 @@
-"""The TF-style protocol on a plain torch.optim.SGD wrapper (SPEC section 1)."""
+"""The TF-style protocol on a plain torch.optim.SGD wrapper (docs/protocol.md)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,15 @@
 """distoptim: TensorFlow's distributed optimizers, rebuilt on ``torch.distributed``.
 
-The public names are resolved lazily: ``import distoptim`` stays cheap and does not load
-``torch.distributed.rpc`` or DTensor until an optimizer that needs them is touched.
+The public names, and the subpackages ``distoptim.launch``, ``distoptim.agn``,
+``distoptim.dtensor``, ``distoptim.comm`` and ``distoptim.cli``, are resolved lazily:
+``import distoptim`` stays cheap and loads the parameter server or DTensor only when something
+that needs them is touched.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+import importlib as _importlib
+import typing as _typing
 
 from distoptim._version import __version__
 
@@ -24,6 +26,9 @@ _EXPORTS: dict[str, str] = {
     "TFOptimizerProtocol": "distoptim.protocol",
 }
 
+# subpackages and modules reachable as attributes (``distoptim.launch.spawn``)
+_SUBMODULES = ("agn", "checks", "cli", "comm", "cross_shard", "dtensor", "launch", "protocol")
+
 __all__ = [
     "AGNCustomGetter",
     "AGNOptimizer",
@@ -37,7 +42,8 @@ __all__ = [
     "__version__",
 ]
 
-if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+if _typing.TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from distoptim import agn, cli, comm, dtensor, launch  # noqa: F401
     from distoptim.agn.agn import AGNOptimizer
     from distoptim.agn.downpour import DownpourOptimizer
     from distoptim.agn.easgd import ElasticAverageOptimizer
@@ -47,14 +53,16 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from distoptim.protocol import TFOptimizerProtocol, WrappedOptimizer
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
+def __getattr__(name: str) -> object:
+    if name in _SUBMODULES:
+        value: object = _importlib.import_module(f"distoptim.{name}")
+    elif name in _EXPORTS:
+        value = getattr(_importlib.import_module(_EXPORTS[name]), name)
+    else:
         raise AttributeError(f"module 'distoptim' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+    return sorted({*__all__, *_SUBMODULES})

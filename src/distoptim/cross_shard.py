@@ -1,10 +1,10 @@
 """CrossShardOptimizer: synchronous data parallelism around any ``torch.optim.Optimizer``.
 
-Owns the user-facing semantics of ``tf.compat.v1.tpu.CrossShardOptimizer`` (SPEC section 2):
-argument validation, the (sub)group a replica reduces with, loss scaling on the TF path, the
-divisor on the PyTorch path, and the glue from ``.grad`` / ``(grad, var)`` pairs to the
-communication machinery in :mod:`distoptim.comm` (buckets, async all-reduce rounds, overlap
-hooks, wire compression, the parameter-list fingerprint).
+Owns the user-facing semantics of ``tf.compat.v1.tpu.CrossShardOptimizer``
+(``docs/cross_shard.md``): argument validation, the (sub)group a replica reduces with, loss
+scaling on the TF path, the divisor on the PyTorch path, and the glue from ``.grad`` /
+``(grad, var)`` pairs to the communication machinery in :mod:`distoptim.comm` (buckets, async
+all-reduce rounds, overlap hooks, wire compression, the parameter-list fingerprint).
 
 The two paths, for ``n = num_shards`` replicas, ``N = backward_passes_per_step`` and local
 gradients ``g_r`` (rank ``r``'s gradient of its own, unscaled loss)::
@@ -42,14 +42,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distoptim.comm import link
 from distoptim.comm.bucket import Bucket, BucketPlan
 from distoptim.comm.compression import WireFormat
-from distoptim.comm.fingerprint import check_agreement
+from distoptim.comm.fingerprint import MESSAGE_BYTES, check_agreement
 from distoptim.comm.overlap import BackwardOverlap
 from distoptim.comm.reducer import BucketAllReduce, ReduceRound
 from distoptim.comm.stats import CommStats
-from distoptim.protocol import GradsAndVars, WrappedOptimizer, swapped_grads
+from distoptim.protocol import GradsAndVars, WrappedOptimizer, run_closure, swapped_grads
 
 __all__ = ["CrossShardOptimizer", "Reduction"]
 
@@ -77,7 +76,8 @@ class Reduction(str, enum.Enum):
 
 
 def _check_group_assignment(value: object, world_size: int | None) -> list[list[int]] | None:
-    """Validate ``group_assignment`` (rules of SPEC section 2); ``world_size=None``: form only."""
+    """Validate ``group_assignment`` (TF's ``tpu.cross_replica_sum`` rules: equal-size groups
+    partitioning ``range(world_size)``); ``world_size=None``: form only."""
     if value is None:
         return None
     if not isinstance(value, (list, tuple)) or not value:
@@ -305,12 +305,10 @@ class CrossShardOptimizer(WrappedOptimizer):
         seen = set(observed)
         order = list(observed) + [i for i in plan.order if i not in seen]
         t = torch.tensor(order, dtype=torch.int64, device=self._comm_device())
-        nbytes = t.numel() * t.element_size()  # approximate: a pipelined broadcast forwards it
-        link.transmit(nbytes)
+        # approximate: a pipelined broadcast forwards the message once per rank
+        self._stats.send(t.numel() * t.element_size())
         src = 0 if self._group is None else dist.get_global_rank(self._group, 0)
         dist.broadcast(t, src=src, group=self._group)
-        self._stats.collectives += 1
-        self._stats.bytes_sent += nbytes
         self._order_synced = True
         agreed = t.tolist()
         if agreed != plan.order:
@@ -333,11 +331,9 @@ class CrossShardOptimizer(WrappedOptimizer):
             "backward_passes_per_step": self.backward_passes_per_step,
             "num_shards": self._num_shards,
         }
-        device = self._comm_device()
-        nbytes = 5 * 8 * (self._num_shards - 1)  # all-gather: (n - 1) messages of 5 int64 words
-        link.transmit(nbytes)
-        self._stats.collectives += check_agreement(self._plan.params, options, self._group, device)
-        self._stats.bytes_sent += nbytes
+        # all-gather: this rank forwards (n - 1) fixed-size messages
+        self._stats.send(MESSAGE_BYTES * (self._num_shards - 1))
+        check_agreement(self._plan.params, options, self._group, self._comm_device())
         self._agreed = True
 
     def _comm_device(self) -> torch.device:
@@ -393,10 +389,7 @@ class CrossShardOptimizer(WrappedOptimizer):
         """
         if self._applying_pairs:  # TF path: the swapped-in grads are already reduced
             return super().step(closure)
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         rnd = None
         if self._overlap is not None:
             rnd, stale = self._overlap.take_round()

@@ -106,6 +106,13 @@ class ProcessOutcome:
     exitcode: int | None = None
     exception: BaseException | None = None
 
+    def headline(self) -> str:
+        """One line saying what went wrong: ``Type: message``, the last error line, or the exit."""
+        if self.exception is not None:
+            return f"{type(self.exception).__name__}: {self.exception}"
+        text = (self.error or "").strip()
+        return text.splitlines()[-1] if text else f"exit code {self.exitcode}"
+
 
 # ---------------------------------------------------------------------------------------------
 # child side
@@ -262,7 +269,7 @@ def run_processes(
                 if not outcome.ok:
                     if fail_fast:
                         raise RankFailedError(
-                            i, names[i], _headline(outcome), outcome.error
+                            i, names[i], outcome.headline(), outcome.error
                         ) from outcome.exception
                     if on_failure is not None:
                         on_failure(outcome)
@@ -273,14 +280,6 @@ def run_processes(
         for c in conns:
             c.close()
     return [o for o in outcomes if o is not None]
-
-
-def _headline(outcome: ProcessOutcome) -> str:
-    if outcome.exception is not None:
-        return f"{type(outcome.exception).__name__}: {outcome.exception}"
-    if outcome.error and outcome.error.strip():
-        return outcome.error.strip().splitlines()[-1]
-    return f"exit code {outcome.exitcode}"
 
 
 def _collect(

@@ -24,21 +24,30 @@ from typing import Any
 
 import torch
 
+from distoptim.checks import type_name as _type_name
+
 Loss = torch.Tensor | Callable[[], torch.Tensor]
 GradsAndVars = list[tuple[torch.Tensor | None, torch.Tensor]]
 
-__all__ = ["GradsAndVars", "TFOptimizerProtocol", "WrappedOptimizer"]
+__all__ = ["GradsAndVars", "TFOptimizerProtocol", "WrappedOptimizer", "run_closure"]
 
 
-def _type_name(x: object) -> str:
-    return torch.typename(x) if isinstance(x, torch.Tensor) else type(x).__name__
+def run_closure(closure: Callable[[], Any] | None) -> Any:
+    """``closure()`` with gradients enabled (``step`` may run under ``no_grad``), or None.
+
+    ``torch.optim`` optimizers evaluate a ``step(closure)``'s closure this way; every distoptim
+    ``step`` does the same before it touches ``.grad``.
+    """
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
 
 
 def _resolve_loss(loss: Loss) -> torch.Tensor:
     """Evaluate a callable loss and check that the result is a differentiable scalar."""
     if callable(loss) and not isinstance(loss, torch.Tensor):
-        with torch.enable_grad():
-            loss = loss()
+        loss = run_closure(loss)
     if not isinstance(loss, torch.Tensor):
         raise TypeError(
             "loss must be a scalar torch.Tensor or a zero-argument callable returning one, "
@@ -142,7 +151,10 @@ def swapped_grads(
 
 
 class TFOptimizerProtocol:
-    """The TF ``Optimizer`` methods (SPEC section 1), mixed into a ``torch.optim.Optimizer``.
+    """The TF ``Optimizer`` methods, mixed into a ``torch.optim.Optimizer``.
+
+    The semantics are TF 1.x's ``tf.compat.v1.train.Optimizer`` in eager mode; see
+    ``docs/protocol.md`` for the exact contract of each method.
 
     Subclasses are ``torch.optim.Optimizer`` subclasses whose ``step()`` increments
     ``self.iterations`` once per applied update. Hooks a subclass may override:
@@ -394,10 +406,7 @@ class WrappedOptimizer(TFOptimizerProtocol, torch.optim.Optimizer):
         """Runs after the wrapped optimizer's ``step()`` (e.g. commit to a server)."""
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         self._before_inner_step()
         self._wrapped.step()
         self._after_inner_step()
@@ -428,11 +437,22 @@ class WrappedOptimizer(TFOptimizerProtocol, torch.optim.Optimizer):
         """Extra state of a subclass (tensors allowed); stored under ``"wrapper"``."""
         return {}
 
-    def _load_wrapper_state_dict(self, state: dict[str, Any]) -> None:
+    def _check_wrapper_state_dict(self, state: Any) -> None:
+        """Raise if ``state`` (the ``"wrapper"`` entry) cannot be loaded; change nothing.
+
+        :meth:`load_state_dict` calls it before it loads anything, so a bad entry leaves the
+        optimizer (wrapped one included) untouched. Subclasses with wrapper state override it
+        together with :meth:`_load_wrapper_state_dict`.
+        """
+        if not isinstance(state, dict):
+            raise TypeError(f"state_dict['wrapper'] must be a dict, got {_type_name(state)}")
         if state:
             raise ValueError(
                 f"{type(self).__name__} keeps no wrapper state, got keys {sorted(state)}"
             )
+
+    def _load_wrapper_state_dict(self, state: dict[str, Any]) -> None:
+        """Load the (already checked) ``"wrapper"`` entry; must not raise."""
 
     def state_dict(self) -> dict[str, Any]:
         sd = self._wrapped.state_dict()
@@ -448,6 +468,8 @@ class WrappedOptimizer(TFOptimizerProtocol, torch.optim.Optimizer):
         wrapper = sd.pop("wrapper", {})
         if iterations is not None and (not isinstance(iterations, int) or iterations < 0):
             raise ValueError(f"state_dict['iterations'] must be an int >= 0, got {iterations!r}")
+        self._check_wrapper_state_dict(wrapper)  # validate everything before changing anything
+        _check_inner_state_dict(self._wrapped, sd)
         self._wrapped.load_state_dict(sd)
         self._load_wrapper_state_dict(wrapper)
         if iterations is not None:
@@ -455,3 +477,28 @@ class WrappedOptimizer(TFOptimizerProtocol, torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._wrapped!r})"
+
+
+def _check_inner_state_dict(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
+    """The checks ``torch.optim.Optimizer.load_state_dict`` makes, without loading anything.
+
+    torch raises only after it may have run load-state-dict pre-hooks; doing its structural
+    checks first keeps a failing ``load_state_dict`` free of side effects.
+    """
+    groups = sd.get("param_groups")
+    if not isinstance(groups, list) or not isinstance(sd.get("state"), dict):
+        raise ValueError(
+            "state_dict must hold the wrapped optimizer's 'state' (dict) and 'param_groups' "
+            f"(list), got keys {sorted(sd)}"
+        )
+    if len(groups) != len(opt.param_groups):
+        raise ValueError(
+            f"loaded state dict has {len(groups)} parameter groups, the wrapped "
+            f"{type(opt).__name__} has {len(opt.param_groups)}"
+        )
+    for i, (saved, mine) in enumerate(zip(groups, opt.param_groups)):
+        if not isinstance(saved, dict) or len(saved.get("params", ())) != len(mine["params"]):
+            raise ValueError(
+                f"loaded state dict's parameter group {i} does not match the size of the "
+                f"wrapped {type(opt).__name__}'s group {i} ({len(mine['params'])} parameters)"
+            )

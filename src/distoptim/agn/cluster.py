@@ -553,7 +553,7 @@ def spawn(
             raise RankFailedError(o.index, o.name, o.error or "failed", o.error) from o.exception
     for o in outcomes[num_ps:]:
         if not o.ok and o.exitcode == 0:  # it raised (the error was reported), it did not die
-            raise RankFailedError(o.index, o.name, _headline(o), o.error) from o.exception
+            raise RankFailedError(o.index, o.name, o.headline(), o.error) from o.exception
     reports = [o.value for o in outcomes[:num_ps]]
     stats, centers, placement = merge_reports(reports, num_worker, wall)
     dead = set(stats.dead_workers) | {o.index - num_ps for o in outcomes[num_ps:] if not o.ok}
@@ -565,10 +565,3 @@ def spawn(
         centers=centers,
         placement=placement,
     )
-
-
-def _headline(outcome: Any) -> str:
-    if outcome.exception is not None:
-        return f"{type(outcome.exception).__name__}: {outcome.exception}"
-    text = (outcome.error or "").strip()
-    return text.splitlines()[-1] if text else f"exit code {outcome.exitcode}"

@@ -421,7 +421,7 @@ class AsyncWorkerOptimizer(WrappedOptimizer):
     def _wrapper_state_dict(self) -> dict[str, Any]:
         return {"local_step": self.local_step, "global_step": self.global_step}
 
-    def _load_wrapper_state_dict(self, state: dict[str, Any]) -> None:
+    def _check_wrapper_state_dict(self, state: Any) -> None:
         if not isinstance(state, dict) or set(state) - {"local_step", "global_step"}:
             raise ValueError(
                 f"{type(self).__name__} wrapper state has keys local_step and global_step, "
@@ -430,5 +430,7 @@ class AsyncWorkerOptimizer(WrappedOptimizer):
         for k in ("local_step", "global_step"):
             if k in state:
                 _check_int(k, state[k], 0)
+
+    def _load_wrapper_state_dict(self, state: dict[str, Any]) -> None:
         self.local_step = state.get("local_step", self.local_step)
         self.global_step = state.get("global_step", self.global_step)

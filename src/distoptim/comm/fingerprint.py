@@ -17,9 +17,11 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["ParameterMismatchError", "check_agreement", "digest"]
+__all__ = ["MESSAGE_BYTES", "ParameterMismatchError", "check_agreement", "digest"]
 
 _WORDS = 4  # 32-byte digest as four int64 words
+MESSAGE_BYTES = 8 * (1 + _WORDS)
+"""Bytes of one rank's message in :func:`check_agreement`: the count and the digest words."""
 
 
 class ParameterMismatchError(RuntimeError):
@@ -40,11 +42,11 @@ def check_agreement(
     options: Mapping[str, object],
     group: dist.ProcessGroup | None,
     device: torch.device,
-) -> int:
+) -> None:
     """All-gather ``(count, digest)`` over ``group``; raise :class:`ParameterMismatchError`.
 
-    Returns the number of collectives launched (1). ``device`` is where the small message lives
-    (CPU for gloo, the current CUDA device for NCCL).
+    One collective (:data:`MESSAGE_BYTES` per rank; the caller accounts it). ``device`` is
+    where the small message lives (CPU for gloo, the current CUDA device for NCCL).
     """
     words = torch.frombuffer(bytearray(digest(params, options)), dtype=torch.int64)
     mine = torch.cat([torch.tensor([len(params)], dtype=torch.int64), words]).to(device)
@@ -66,7 +68,6 @@ def check_agreement(
             "dtypes and requires_grad, in the same order) with the same reduction, "
             "bucket_cap_mb, compression, overlap and backward_passes_per_step."
         )
-    return 1
 
 
 def _hex(words: torch.Tensor) -> str:

@@ -3,7 +3,7 @@
 Owns the collective calls for gradient buckets. :class:`BucketAllReduce` turns one packed bucket
 buffer into an in-flight ``dist.all_reduce(async_op=True)`` (dividing first when averaging,
 encoding to the wire dtype, counting the collective and paying the emulated link via
-``comm.link.transmit``) and finishes it (wait, decode back into the buffer). :class:`ReduceRound`
+:meth:`CommStats.send`) and finishes it (wait, decode back into the buffer). :class:`ReduceRound`
 is one step's worth of those, launched strictly in bucket order -- the invariant that keeps
 every rank's collectives paired even when some ranks launch a bucket from a backward hook and
 others only at ``step()``.
@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from distoptim.comm import link
 from distoptim.comm.bucket import Bucket, BucketPlan
 from distoptim.comm.compression import WireFormat
 from distoptim.comm.stats import CommStats, ring_allreduce_bytes
@@ -65,10 +64,8 @@ class BucketAllReduce:
         work = None
         if self.group_size > 1:
             nbytes = ring_allreduce_bytes(wire.numel() * wire.element_size(), self.group_size)
-            link.transmit(nbytes)
+            self.stats.send(nbytes)
             work = dist.all_reduce(wire, group=self.group, async_op=True)
-            self.stats.collectives += 1
-            self.stats.bytes_sent += nbytes
         return PendingReduce(bucket, buffer, wire, work)
 
     def finish(self, pending: PendingReduce) -> torch.Tensor:

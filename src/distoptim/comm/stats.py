@@ -1,8 +1,15 @@
-"""Communication counters of one optimizer: what it launched and what it put on the wire."""
+"""Communication counters of one optimizer: what it launched and what it put on the wire.
+
+Owns the one place where a collective's bytes are accounted: :meth:`CommStats.send` pays the
+emulated link (:func:`distoptim.comm.link.transmit`) and counts the collective and its bytes,
+so what ``comm_stats`` reports is exactly what an emulated slow link charged.
+"""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+
+from distoptim.comm import link
 
 __all__ = ["CommStats", "ring_allreduce_bytes"]
 
@@ -33,6 +40,15 @@ class CommStats:
     collectives: int = 0
     bytes_sent: int = 0
     overlapped: int = 0
+
+    def send(self, nbytes: int, collectives: int = 1) -> None:
+        """Account ``collectives`` launched collectives putting ``nbytes`` on the wire (this rank).
+
+        Pays the emulated link first (a no-op unless one is configured), then counts.
+        """
+        link.transmit(nbytes)
+        self.collectives += collectives
+        self.bytes_sent += nbytes
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
