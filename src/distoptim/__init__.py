@@ -22,19 +22,33 @@ _EXPORTS: dict[str, str] = {
     "DownpourOptimizer": "distoptim.agn.downpour",
     "ElasticAverageOptimizer": "distoptim.agn.easgd",
     "SGD": "distoptim.dtensor.sgd",
+    "DiLoCo": "distoptim.outer.diloco",
+    "LocalSGD": "distoptim.outer.localsgd",
     "WrappedOptimizer": "distoptim.protocol",
     "TFOptimizerProtocol": "distoptim.protocol",
 }
 
 # subpackages and modules reachable as attributes (``distoptim.launch.spawn``)
-_SUBMODULES = ("agn", "checks", "cli", "comm", "cross_shard", "dtensor", "launch", "protocol")
+_SUBMODULES = (
+    "agn",
+    "checks",
+    "cli",
+    "comm",
+    "cross_shard",
+    "dtensor",
+    "launch",
+    "outer",
+    "protocol",
+)
 
 __all__ = [
     "AGNCustomGetter",
     "AGNOptimizer",
     "CrossShardOptimizer",
+    "DiLoCo",
     "DownpourOptimizer",
     "ElasticAverageOptimizer",
+    "LocalSGD",
     "Reduction",
     "SGD",
     "TFOptimizerProtocol",
@@ -43,13 +57,15 @@ __all__ = [
 ]
 
 if _typing.TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from distoptim import agn, cli, comm, dtensor, launch  # noqa: F401
+    from distoptim import agn, cli, comm, dtensor, launch, outer  # noqa: F401
     from distoptim.agn.agn import AGNOptimizer
     from distoptim.agn.downpour import DownpourOptimizer
     from distoptim.agn.easgd import ElasticAverageOptimizer
     from distoptim.agn.getter import AGNCustomGetter
     from distoptim.cross_shard import CrossShardOptimizer, Reduction
     from distoptim.dtensor.sgd import SGD
+    from distoptim.outer.diloco import DiLoCo
+    from distoptim.outer.localsgd import LocalSGD
     from distoptim.protocol import TFOptimizerProtocol, WrappedOptimizer
 
 

@@ -1,0 +1,533 @@
+"""DiLoCo and Streaming DiLoCo: local inner steps, outer steps on averaged pseudo-gradients.
+
+Owns the user-facing semantics of the synchronous outer-optimizer family (``docs/diloco.md``):
+argument validation, the (sub)group of replicas, the sync schedule, how the outer optimizer --
+built by the user over the *model's* parameters -- is applied to the global copy, the mixing of
+local and global values, and checkpoints. What travels, and in which wire format, is
+:mod:`distoptim.outer.exchange`; which parameters sync when is :mod:`distoptim.outer.fragments`.
+
+The algorithm (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of
+Language Models", arXiv 2311.08105, Algorithm 1; fragments, delay and mixing from Douillard et
+al. 2025, "Streaming DiLoCo with overlapping communication", arXiv 2501.18512, Algorithm 2).
+Each of the ``n`` replicas of the group holds local parameters ``θ_r`` and the same global copy
+``θ_g`` (initially the parameters at construction, which must be equal on every replica).
+``step()`` runs the inner optimizer on ``θ_r``; when inner step ``t`` completes and fragment
+``p`` is due (``t ≡ (p + 1)·H/F mod H``, see :mod:`~distoptim.outer.fragments`), for the
+parameters of that fragment::
+
+    Δ       = mean_r (θ_g - θ_r(t))                 all-reduced at t, in the wire format
+    θ_g'    = OuterOpt(θ_g, grad = Δ)               applied at t + τ
+    θ_r     ← alpha·θ_r(t + τ) + (1 - alpha)·θ_g'   on every replica;  θ_g ← θ_g'
+
+With ``F = 1``, ``τ = 0``, ``alpha = 0``: DiLoCo, a sync every ``H`` steps after which every
+replica holds ``θ_g'``. With ``alpha = 0`` and ``τ > 0`` the ``τ`` inner steps a fragment took while
+its sync was in flight are dropped for that fragment (the paper's choice); ``alpha > 0`` keeps a
+share of them.
+
+How the outer optimizer reaches the global copy: ``outer`` is a plain ``torch.optim`` optimizer
+over the same parameter objects as ``inner`` (its state, e.g. Nesterov momentum, is keyed by
+them). At an outer step the fragment's parameters are loaded with ``θ_g``, ``Δ`` is swapped into
+their ``.grad`` (every other ``.grad`` is ``None``, so the outer optimizer updates only the
+fragment), ``outer.step()`` runs, its result is copied back into the global copy, and the
+parameters then take ``alpha·θ_r + (1 - alpha)·θ_g'``. The caller's ``.grad`` are restored
+afterwards.
+No tensor changes identity: schedulers, hooks and ``torch.compile`` keep seeing the same
+parameters, and ``outer`` can be stepped by the user's own scheduler or inspected as usual.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from distoptim.checks import check_finite_hyperparameters, check_int, check_positive, type_name
+from distoptim.comm.fingerprint import MESSAGE_BYTES, ParameterMismatchError, check_agreement
+from distoptim.comm.quantize import parse_wire
+from distoptim.comm.stats import CommStats
+from distoptim.cross_shard import _check_group_assignment
+from distoptim.outer.exchange import FragmentExchange, InFlight
+from distoptim.outer.fragments import Fragment, FragmentSchedule
+from distoptim.protocol import WrappedOptimizer, _check_inner_state_dict, swapped_grads
+
+__all__ = ["DiLoCo"]
+
+_MIB = 1 << 20
+_WRAPPER_KEYS = ("config", "global", "outer", "residuals", "pending", "syncs")
+
+
+@dataclass
+class _Sync:
+    """A fragment's sync between launch (inner step ``launched_at``) and application."""
+
+    fragment: Fragment
+    launched_at: int
+    flight: InFlight
+
+
+class DiLoCo(WrappedOptimizer):
+    """DiLoCo / Streaming DiLoCo over any inner and outer ``torch.optim.Optimizer``.
+
+    Args:
+        inner: the optimizer of the local steps (DiLoCo's paper: AdamW).
+        outer: the optimizer of the global copy, built over exactly ``inner``'s parameters
+            (DiLoCo's paper: ``SGD(lr=0.7, momentum=0.9, nesterov=True)``); it may group them
+            differently and have its own scheduler. It steps once per fragment sync.
+        sync_every: ``H``, inner steps between two syncs of the same fragment (``>= 1``).
+        fragments: ``F``, contiguous fragments balanced by bytes that sync in turn, one every
+            ``H/F`` steps (``H`` divisible by ``F``, ``F <= number of parameters``).
+        fragment_sync_delay: ``τ``, inner steps a sync stays in flight before its outer step
+            is applied (``0 <= τ < H/F``); the collective overlaps those steps.
+        fragment_update_alpha: ``alpha`` in ``[0, 1]``, the share of the local values a fragment
+            keeps when the new global values arrive.
+        wire: ``"fp32"`` (lossless: the parameters' own dtype), ``"bf16"`` or ``"int8"``
+            (per-chunk absmax scaling); see :mod:`distoptim.comm.quantize`.
+        group: ``None`` (all ranks form one group of replicas), a ``group_assignment``
+            (equal-size lists of ranks partitioning the world, as CrossShardOptimizer's; each
+            subgroup runs its own DiLoCo), or an existing ``ProcessGroup``.
+        name: returned by ``get_name()``.
+        error_feedback: with a lossy wire, add what quantization dropped to the next
+            pseudo-gradient of the same fragment (keyword only; default on).
+        bucket_cap_mb: payload cap of one pseudo-gradient bucket in MiB (keyword only).
+
+    Outside an initialized process group (or on a group of one) the optimizer runs as one
+    replica: ``Δ`` is the replica's own and nothing is sent. Before its first collective, and
+    again after ``load_state_dict``, it checks with one small all-gather that every replica of
+    the group has the same parameters, options and step counter
+    (:class:`~distoptim.comm.fingerprint.ParameterMismatchError` on every rank otherwise).
+    """
+
+    def __init__(
+        self,
+        inner: torch.optim.Optimizer,
+        outer: torch.optim.Optimizer,
+        sync_every: int,
+        fragments: int = 1,
+        fragment_sync_delay: int = 0,
+        fragment_update_alpha: float = 0.0,
+        wire: str = "fp32",
+        group: Sequence[Sequence[int]] | dist.ProcessGroup | None = None,
+        name: str = "DiLoCo",
+        *,
+        error_feedback: bool = True,
+        bucket_cap_mb: float = 25,
+    ) -> None:
+        # -- validate everything before any side effect (subgroup creation is collective) --
+        owner = name if isinstance(name, str) else type(self).__name__
+        for arg, value in (("inner", inner), ("outer", outer)):
+            if not isinstance(value, torch.optim.Optimizer):
+                raise TypeError(
+                    f"{owner}: {arg} must be a torch.optim.Optimizer, got {type_name(value)}"
+                )
+        if outer is inner:
+            raise ValueError(
+                f"{owner}: outer must be a separate optimizer over the same parameters as "
+                "inner (its state is the global copy's), not the inner optimizer itself"
+            )
+        if not isinstance(name, str):
+            raise TypeError(f"name must be a str, got {type_name(name)}")
+        sync_every = check_int("sync_every", sync_every, 1)
+        fragments = check_int("fragments", fragments, 1)
+        delay = check_int("fragment_sync_delay", fragment_sync_delay, 0)
+        alpha = _check_alpha(fragment_update_alpha)
+        wire = parse_wire(wire)
+        if not isinstance(error_feedback, bool):
+            raise TypeError(f"error_feedback must be True or False, got {error_feedback!r}")
+        cap = check_positive("bucket_cap_mb", bucket_cap_mb, "MiB")
+        params = [p for g in inner.param_groups for p in g["params"]]
+        _check_same_parameters(owner, params, outer)
+        if fragments > len(params):
+            raise ValueError(
+                f"fragments={fragments} is more than the {len(params)} parameters of the inner "
+                "optimizer: every fragment needs at least one parameter"
+            )
+        if sync_every % fragments:
+            raise ValueError(
+                f"sync_every={sync_every} must be divisible by fragments={fragments} (fragments "
+                "sync in turn, one every sync_every/fragments inner steps)"
+            )
+        if delay >= sync_every // fragments:
+            raise ValueError(
+                f"fragment_sync_delay={delay} must be < sync_every/fragments = "
+                f"{sync_every // fragments}: a fragment's sync must be applied before the next "
+                "fragment's starts"
+            )
+        check_finite_hyperparameters(inner, owner)
+        check_finite_hyperparameters(outer, owner)
+        assignment, group_obj = _check_group(group)
+
+        # -- side effects --
+        group_size = 1
+        if assignment is not None:
+            group_obj, _ = dist.new_subgroups_by_enumeration(assignment)
+        if group_obj is not None:
+            group_size = dist.get_world_size(group_obj)
+        elif dist.is_available() and dist.is_initialized():
+            group_size = dist.get_world_size()
+        super().__init__(inner, name=name)
+        self._outer = outer
+        self.sync_every = sync_every
+        self.fragments = fragments
+        self.fragment_sync_delay = delay
+        self.fragment_update_alpha = alpha
+        self.wire = wire
+        self.error_feedback = error_feedback
+        self.bucket_cap_mb = cap
+        self.group_assignment = assignment
+        self._group = group_obj
+        self._group_size = group_size
+        self._params = params
+        self._stats = CommStats()
+        with torch.no_grad():
+            self._global = [p.detach().clone() for p in params]
+        self._schedule = FragmentSchedule(
+            [p.numel() * p.element_size() for p in params], fragments, sync_every, delay
+        )
+        self._exchanges = [
+            FragmentExchange(
+                params[f.start : f.stop],
+                self._global[f.start : f.stop],
+                wire,
+                group_obj,
+                group_size,
+                self._stats,
+                error_feedback,
+                cap_bytes=max(1, int(cap * _MIB)),
+                keep_payload=delay > 0,
+            )
+            for f in self._schedule.fragments
+        ]
+        self._in_flight: _Sync | None = None
+        self._syncs = 0
+        self._agreed = group_size == 1
+        self._step_being_loaded: int | None = None
+        self._built = True
+
+    # ---- public read-only facts --------------------------------------------------------------
+    @property
+    def outer(self) -> torch.optim.Optimizer:
+        """The outer optimizer (it steps the global copy, once per fragment sync)."""
+        return self._outer
+
+    @property
+    def num_replicas(self) -> int:
+        """Replicas whose pseudo-gradients are averaged: the (sub)group size, 1 outside one."""
+        return self._group_size
+
+    @property
+    def comm_stats(self) -> CommStats:
+        """Collectives launched and bytes this rank sent so far (see :class:`CommStats`)."""
+        return self._stats
+
+    @property
+    def schedule(self) -> FragmentSchedule:
+        """The fragments and the steps at which each syncs."""
+        return self._schedule
+
+    @property
+    def global_parameters(self) -> list[torch.Tensor]:
+        """The global copy ``θ_g``, one tensor per parameter (live; do not modify)."""
+        return self._global
+
+    @property
+    def syncs(self) -> int:
+        """Fragment syncs applied so far (outer steps taken)."""
+        return self._syncs
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if self.__dict__.get("_built"):
+            raise ValueError(
+                f"{self._name} fixes its parameters at construction (the global copy, the "
+                "fragments and the buckets are built from them); build a new optimizer instead"
+            )
+        super().add_param_group(param_group)
+
+    # ---- the step ------------------------------------------------------------------------------
+    def _after_inner_step(self) -> None:
+        """After inner step ``t``: apply the sync due at ``t``, launch the fragment due at ``t``."""
+        t = self.iterations + 1
+        sync = self._in_flight
+        if sync is not None and sync.launched_at + self.fragment_sync_delay == t:
+            self._in_flight = None
+            self._apply(sync)
+        fragment = self._schedule.launching_at(t)
+        if fragment is None:
+            return
+        self._ensure_agreed(t)
+        sync = _Sync(fragment, t, self._exchanges[fragment.index].launch())
+        if self.fragment_sync_delay == 0:
+            self._apply(sync)
+        else:
+            self._in_flight = sync
+
+    def _apply(self, sync: _Sync) -> None:
+        """The outer step of one fragment on the global copy, then the local mix (see module)."""
+        exchange = self._exchanges[sync.fragment.index]
+        if exchange.quantized:
+            self._ensure_agreed(sync.launched_at)  # phase 2 of a quantized mean is a collective
+        mean = exchange.finish(sync.flight)
+        local, global_ = exchange.local, exchange.global_
+        alpha = self.fragment_update_alpha
+        with torch.no_grad():
+            kept = [p.detach().clone() for p in local] if alpha > 0 else None
+            torch._foreach_copy_(local, global_)
+            with swapped_grads(self._params, list(zip(mean, local))):
+                self._outer.step()
+            torch._foreach_copy_(global_, local)
+            if kept is not None:
+                torch._foreach_lerp_(local, kept, alpha)  # alpha·θ_r + (1 - alpha)·θ_g'
+        self._syncs += 1
+
+    def _ensure_agreed(self, t: int) -> None:
+        """One small all-gather: same parameters, options and step on every replica."""
+        if self._agreed:
+            return
+        options = dict(self._config(), step=t, outer=type(self._outer).__name__)
+        self._stats.send(MESSAGE_BYTES * (self._group_size - 1))
+        try:
+            check_agreement(self._params, options, self._group, _comm_device(self._group))
+        except ParameterMismatchError as exc:
+            table = [line for line in str(exc).splitlines() if line.startswith("  rank ")]
+            raise ParameterMismatchError(
+                f"{self._name}: replicas disagree on the parameters, the options or the step "
+                f"counter (this rank: step {t}, {self._config()}):\n"
+                + "\n".join(table)
+                + "\nEvery replica must build the same model, inner and outer optimizers and "
+                f"{type(self).__name__} options, step in lockstep, and load checkpoints "
+                "taken at the same step."
+            ) from None
+        self._agreed = True
+
+    def _config(self) -> dict[str, Any]:
+        return {
+            "sync_every": self.sync_every,
+            "fragments": self.fragments,
+            "fragment_sync_delay": self.fragment_sync_delay,
+            "fragment_update_alpha": self.fragment_update_alpha,
+            "wire": self.wire,
+            "error_feedback": self.error_feedback,
+            "bucket_cap_mb": self.bucket_cap_mb,
+            "num_replicas": self._group_size,
+        }
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def _wrapper_state_dict(self) -> dict[str, Any]:
+        """Global copy, outer state, residuals, the sync in flight (settled) and counters.
+
+        The structure depends only on the configuration, never on the step: ``pending`` always
+        holds every fragment's payload slots (empty lists when ``τ = 0``), and ``fragment`` /
+        ``launched_at`` are -1 when no sync is in flight. So a state_dict of a freshly built
+        optimizer is a valid template for ``torch.distributed.checkpoint.load``.
+        """
+        sync = self._in_flight
+        if sync is not None:  # wait for its collective (local): the slots then hold its payload
+            self._exchanges[sync.fragment.index].settle(sync.flight)
+        return {
+            "config": self._config(),
+            "global": list(self._global),
+            "outer": self._outer.state_dict(),
+            "residuals": [
+                [{"local": r.local, "shard": r.shard} for r in e.residuals] for e in self._exchanges
+            ],
+            "pending": {
+                "fragment": -1 if sync is None else sync.fragment.index,
+                "launched_at": -1 if sync is None else sync.launched_at,
+                "payload": [list(e.slots) for e in self._exchanges],
+            },
+            "syncs": self._syncs,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict`; everything is checked before anything changes.
+
+        The checkpoint must come from the same configuration (options, parameters, group
+        size). A sync that was in flight when it was taken is restored and applied at its step.
+        """
+        step = state_dict.get("iterations") if isinstance(state_dict, dict) else None
+        self._step_being_loaded = step if isinstance(step, int) else self.iterations
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            self._step_being_loaded = None
+
+    def _check_wrapper_state_dict(self, state: Any) -> None:
+        where = "state_dict['wrapper']"
+        if not isinstance(state, dict):
+            raise TypeError(f"{where} must be a dict, got {type_name(state)}")
+        if sorted(state) != sorted(_WRAPPER_KEYS):
+            raise ValueError(
+                f"{where} must have the keys {list(_WRAPPER_KEYS)}, got {sorted(state)} (a "
+                f"{self._name} checkpoint holds its global copy and outer state)"
+            )
+        config = state["config"]
+        if not isinstance(config, dict) or config != self._config():
+            mine = self._config()
+            diff = (
+                sorted(k for k in {*mine, *config} if mine.get(k) != config.get(k))
+                if isinstance(config, dict)
+                else "not a dict"
+            )
+            raise ValueError(
+                f"{where}['config'] is from another configuration (differs in {diff}): "
+                f"checkpoint {config!r}, this optimizer {mine!r}"
+            )
+        _check_tensors(f"{where}['global']", state["global"], [p for p in self._global])
+        if not isinstance(state["outer"], dict):
+            raise TypeError(f"{where}['outer'] must be a dict, got {type_name(state['outer'])}")
+        _check_inner_state_dict(self._outer, state["outer"])
+        residuals = state["residuals"]
+        if not isinstance(residuals, list) or len(residuals) != len(self._exchanges):
+            raise ValueError(f"{where}['residuals'] must be a list of {len(self._exchanges)} lists")
+        for p, (saved, exchange) in enumerate(zip(residuals, self._exchanges)):
+            if not isinstance(saved, list) or len(saved) != len(exchange.residuals):
+                raise ValueError(
+                    f"{where}['residuals'][{p}] must be a list of {len(exchange.residuals)} "
+                    "{'local', 'shard'} dicts"
+                )
+            for k, (entry, mine) in enumerate(zip(saved, exchange.residuals)):
+                if not isinstance(entry, dict) or sorted(entry) != ["local", "shard"]:
+                    raise ValueError(
+                        f"{where}['residuals'][{p}][{k}] must be a dict of local, shard"
+                    )
+                _check_tensors(
+                    f"{where}['residuals'][{p}][{k}]",
+                    [entry["local"], entry["shard"]],
+                    [mine.local, mine.shard],
+                )
+        syncs = state["syncs"]
+        if isinstance(syncs, bool) or not isinstance(syncs, int) or syncs < 0:
+            raise ValueError(f"{where}['syncs'] must be an int >= 0, got {syncs!r}")
+        self._check_pending(state["pending"])
+
+    def _check_pending(self, pending: Any) -> None:
+        """The saved in-flight sync must be the one the schedule has in flight at that step."""
+        where = "state_dict['wrapper']['pending']"
+        if not isinstance(pending, dict) or sorted(pending) != [
+            "fragment",
+            "launched_at",
+            "payload",
+        ]:
+            raise ValueError(f"{where} must be a dict of fragment, launched_at, payload")
+        step = self.iterations if self._step_being_loaded is None else self._step_being_loaded
+        expected = self._schedule.in_flight_after(step)
+        want = (-1, -1) if expected is None else (expected[0].index, expected[1])
+        got = (pending["fragment"], pending["launched_at"])
+        if got != want:
+            raise ValueError(
+                f"{where} says fragment {got[0]!r} launched at step {got[1]!r} is in flight, but "
+                f"at step {step} the schedule has "
+                + (
+                    "nothing in flight"
+                    if expected is None
+                    else f"fragment {want[0]} launched at step {want[1]} in flight"
+                )
+            )
+        payload = pending["payload"]
+        if not isinstance(payload, list) or len(payload) != len(self._exchanges):
+            raise ValueError(f"{where}['payload'] must be a list of {len(self._exchanges)} lists")
+        for p, (saved, exchange) in enumerate(zip(payload, self._exchanges)):
+            _check_tensors(f"{where}['payload'][{p}]", saved, exchange.slots)
+
+    def _load_wrapper_state_dict(self, state: dict[str, Any]) -> None:
+        if self._in_flight is not None:  # its collective was launched on every rank: drain it
+            self._exchanges[self._in_flight.fragment.index].settle(self._in_flight.flight)
+            self._in_flight = None
+        pending = state["pending"]
+        with torch.no_grad():
+            torch._foreach_copy_(self._global, list(state["global"]))
+            for p, exchange in enumerate(self._exchanges):
+                for entry, mine in zip(state["residuals"][p], exchange.residuals):
+                    mine.local.copy_(entry["local"])
+                    mine.shard.copy_(entry["shard"])
+                for saved, slot in zip(pending["payload"][p], exchange.slots):
+                    slot.copy_(saved)
+        self._outer.load_state_dict(state["outer"])
+        if pending["fragment"] >= 0:
+            fragment = self._schedule.fragments[pending["fragment"]]
+            flight = self._exchanges[fragment.index].restore()
+            self._in_flight = _Sync(fragment, pending["launched_at"], flight)
+        self._syncs = state["syncs"]
+        self._agreed = self._group_size == 1
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({self.wrapped!r}, outer={self._outer!r}, "
+            f"sync_every={self.sync_every}, fragments={self.fragments}, "
+            f"fragment_sync_delay={self.fragment_sync_delay}, "
+            f"fragment_update_alpha={self.fragment_update_alpha}, wire={self.wire!r}, "
+            f"num_replicas={self._group_size})"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# argument checks
+# ---------------------------------------------------------------------------------------------
+def _check_alpha(value: Any) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(float(value))
+        or not 0.0 <= float(value) <= 1.0
+    ):
+        raise ValueError(f"fragment_update_alpha must be a number in [0, 1], got {value!r}")
+    return float(value)
+
+
+def _check_same_parameters(
+    owner: str, params: list[torch.Tensor], outer: torch.optim.Optimizer
+) -> None:
+    """``outer`` must hold exactly the parameter objects of ``inner`` (any grouping, any order)."""
+    outer_params = [p for g in outer.param_groups for p in g["params"]]
+    mine = {id(p) for p in params}
+    theirs = {id(p) for p in outer_params}
+    if mine == theirs:
+        return
+    missing = [tuple(p.shape) for p in params if id(p) not in theirs]
+    extra = [tuple(p.shape) for p in outer_params if id(p) not in mine]
+    raise ValueError(
+        f"{owner}: outer must be built over exactly the inner optimizer's parameters (the same "
+        f"tensor objects, e.g. both from model.parameters()); outer lacks {len(missing)} "
+        f"of them (shapes {missing[:5]}) and has {len(extra)} others (shapes {extra[:5]})"
+    )
+
+
+def _check_group(
+    group: Any,
+) -> tuple[list[list[int]] | None, dist.ProcessGroup | None]:
+    """``(group_assignment, None)``, ``(None, process_group)`` or ``(None, None)``."""
+    if group is None:
+        return None, None
+    distributed = dist.is_available() and dist.is_initialized()
+    if isinstance(group, dist.ProcessGroup):
+        if not distributed:
+            raise ValueError("group is a ProcessGroup but torch.distributed is not initialized")
+        return None, group
+    if not distributed:
+        raise ValueError(
+            "group is a group_assignment, which needs an initialized torch.distributed default "
+            "group (init_process_group, torchrun or distoptim.launch.spawn)"
+        )
+    return _check_group_assignment(group, dist.get_world_size()), None
+
+
+def _check_tensors(where: str, saved: Any, mine: Sequence[torch.Tensor]) -> None:
+    if not isinstance(saved, (list, tuple)) or len(saved) != len(mine):
+        raise ValueError(f"{where} must be a list of {len(mine)} tensors, got {type_name(saved)}")
+    for i, (t, ref) in enumerate(zip(saved, mine)):
+        if not isinstance(t, torch.Tensor) or t.shape != ref.shape or t.dtype != ref.dtype:
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type_name(t)
+            raise ValueError(
+                f"{where}[{i}] must be a {ref.dtype} tensor of shape {tuple(ref.shape)}, got {got}"
+            )
+
+
+def _comm_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where small control messages live: the current GPU under NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,167 @@
+"""Single-process references for the outer-optimizer family, built from plain torch optimizers.
+
+One local model copy and inner optimizer per replica, one global model copy and outer
+optimizer; each sync follows the algorithm as the papers write it (no distoptim code except
+the fragment partition, which ``test_fragments.py`` checks on its own). Shared by the
+single-process and the multi-rank tests (spawned children import this module).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distoptim.outer.fragments import partition
+
+STEPS_MAX = 64
+BATCH = 4
+
+
+def mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+
+
+def data(replicas: int, steps: int = STEPS_MAX, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x[r, t]``, ``y[r, t]``: replica ``r``'s batch at inner step ``t`` (0-based)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(replicas, steps, BATCH, 5, generator=g, dtype=torch.float64)
+    y = torch.randn(replicas, steps, BATCH, 3, generator=g, dtype=torch.float64)
+    return x, y
+
+
+def flat(params: Any) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in params])
+
+
+def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(model(x), y)
+
+
+# factories by name, so configurations pickle into spawned children
+INNER: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.02, weight_decay=0.1),
+}
+OUTER: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "nesterov": lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=0.05),
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    """One DiLoCo configuration and run length (``outer=None``: LocalSGD)."""
+
+    inner: str = "sgd"
+    outer: str | None = "nesterov"
+    sync_every: int = 3
+    fragments: int = 1
+    delay: int = 0
+    alpha: float = 0.0
+    steps: int = 9
+    wire: str = "fp32"
+
+    def kwargs(self) -> dict[str, Any]:
+        return {
+            "sync_every": self.sync_every,
+            "fragments": self.fragments,
+            "fragment_sync_delay": self.delay,
+            "fragment_update_alpha": self.alpha,
+            "wire": self.wire,
+        }
+
+
+def build(cfg: Config, model: nn.Module, **extra: Any) -> torch.optim.Optimizer:
+    """The distoptim optimizer of ``cfg`` over ``model``."""
+    import distoptim
+
+    inner = INNER[cfg.inner](model.parameters())
+    if cfg.outer is None:
+        return distoptim.LocalSGD(inner, sync_every=cfg.sync_every, **extra)
+    outer = OUTER[cfg.outer](model.parameters())
+    return distoptim.DiLoCo(inner, outer, **cfg.kwargs(), **extra)
+
+
+def run(
+    cfg: Config,
+    replica: int,
+    replicas: int,
+    start: int = 0,
+    stop: int | None = None,
+    model: nn.Module | None = None,
+    opt: torch.optim.Optimizer | None = None,
+    **extra: Any,
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Steps ``start .. stop - 1`` of replica ``replica`` with the distoptim optimizer."""
+    x, y = data(replicas)
+    if model is None:
+        model = mlp()
+    if opt is None:
+        opt = build(cfg, model, **extra)
+    for t in range(start, cfg.steps if stop is None else stop):
+        opt.zero_grad()
+        loss_of(model, x[replica, t], y[replica, t]).backward()
+        opt.step()
+    return model, opt
+
+
+def simulate(cfg: Config, replicas: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The reference: ``(final local parameters of each replica, final global copy)``, flat."""
+    x, y = data(replicas)
+    base = mlp()
+    models = [copy.deepcopy(base) for _ in range(replicas)]
+    inners = [INNER[cfg.inner](m.parameters()) for m in models]
+    global_model = copy.deepcopy(base)
+    gparams = list(global_model.parameters())
+    outer = None if cfg.outer is None else OUTER[cfg.outer](gparams)
+    sizes = [p.numel() * p.element_size() for p in gparams]
+    frags = partition(sizes, cfg.fragments)
+    period = cfg.sync_every // cfg.fragments
+    pending: tuple[int, int, list[torch.Tensor]] | None = None
+
+    def apply(p: int, mean: list[torch.Tensor]) -> None:
+        lo, hi = frags[p]
+        if outer is None:  # LocalSGD: the average of the replicas
+            for i in range(lo, hi):
+                avg = torch.stack([list(m.parameters())[i].detach() for m in models]).mean(0)
+                with torch.no_grad():
+                    gparams[i].copy_(avg)
+        else:
+            for i, gp in enumerate(gparams):
+                gp.grad = mean[i - lo] if lo <= i < hi else None
+            outer.step()
+        for m in models:
+            ps = list(m.parameters())
+            with torch.no_grad():
+                for i in range(lo, hi):
+                    ps[i].copy_(cfg.alpha * ps[i] + (1 - cfg.alpha) * gparams[i])
+
+    for t in range(1, cfg.steps + 1):
+        for r, (m, inner) in enumerate(zip(models, inners)):
+            inner.zero_grad()
+            loss_of(m, x[r, t - 1], y[r, t - 1]).backward()
+            inner.step()
+        if pending is not None and pending[1] + cfg.delay == t:
+            apply(pending[0], pending[2])
+            pending = None
+        if t % period == 0:
+            p = (t // period - 1) % cfg.fragments
+            lo, hi = frags[p]
+            mean = [
+                torch.stack(
+                    [gparams[i].detach() - list(m.parameters())[i].detach() for m in models]
+                ).mean(0)
+                for i in range(lo, hi)
+            ]
+            pending = (p, t, mean)
+            if cfg.delay == 0:
+                apply(p, mean)
+                pending = None
+    return [flat(m.parameters()) for m in models], flat(gparams)
