@@ -1,5 +1,6 @@
 """distoptim.dtensor.clip on plain tensors against a numpy reference (the mesh cases run in
-test_mesh.py): each rule, their order, and the documented inf/NaN behaviour."""
+test_mesh.py): each rule, which one applies when several are set, and Keras' inf/NaN behaviour
+(Keras' own numbers are in test_keras_fidelity.py)."""
 
 from __future__ import annotations
 
@@ -12,18 +13,18 @@ from distoptim.dtensor.clip import clip_gradients, squared_norms
 
 
 def _np_clip(grads, clipnorm=None, clipvalue=None, global_clipnorm=None):
-    """The rules of GradientsClipOption, written independently in float64 numpy."""
+    """The rule of GradientsClipOption, written independently in float64 numpy: only the first
+    option set applies (clipnorm, global_clipnorm, clipvalue), with Keras' formulas."""
     out = [np.asarray(g, dtype=np.float64).copy() for g in grads]
-    if clipnorm is not None:
-        for i, g in enumerate(out):
-            n = np.sqrt(np.sum(g * g))
-            out[i] = g * (clipnorm / max(n, clipnorm)) if np.isfinite(n) else g * np.nan
-    if global_clipnorm is not None:
-        n = np.sqrt(sum(np.sum(g * g) for g in out))
-        s = global_clipnorm / max(n, global_clipnorm) if np.isfinite(n) else np.nan
-        out = [g * s for g in out]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        if clipnorm is not None:  # tf.clip_by_norm: t * c / max(||t||, c)
+            return [g * clipnorm / np.maximum(np.sqrt(np.sum(g * g)), clipnorm) for g in out]
+        if global_clipnorm is not None:  # tf.clip_by_global_norm
+            n = np.sqrt(sum(np.sum(g * g) for g in out))
+            s = global_clipnorm * min(1.0 / n, 1.0 / global_clipnorm) + (n - n)
+            return [g * s for g in out]
     if clipvalue is not None:
-        out = [np.clip(g, -clipvalue, clipvalue) for g in out]
+        return [np.clip(g, -clipvalue, clipvalue) for g in out]
     return out
 
 
@@ -41,8 +42,8 @@ def _grads(seed=0, scale=3.0):
         {"global_clipnorm": 2.0},
         {"global_clipnorm": 1e6},
         {"clipvalue": 0.5},
-        {"clipnorm": 3.0, "clipvalue": 0.4},  # order: norm first, then value
-        {"global_clipnorm": 2.0, "clipvalue": 0.3},
+        {"clipnorm": 3.0, "clipvalue": 0.4},  # clipvalue ignored (Keras)
+        {"global_clipnorm": 2.0, "clipvalue": 0.3},  # clipvalue ignored (Keras)
     ],
 )
 def test_clipping_matches_numpy_reference(kwargs):
@@ -56,11 +57,20 @@ def test_clipping_matches_numpy_reference(kwargs):
         assert torch.equal(g, b)
 
 
-def test_order_is_norm_then_value_not_the_reverse():
-    g = [torch.tensor([3.0, 4.0], dtype=torch.float64)]
-    got = clip_gradients(g, GradientsClipOption(clipnorm=1.0, clipvalue=0.7))[0]
-    # norm first: [0.6, 0.8] -> value: [0.6, 0.7]; value first would give [0.7, 0.7]/0.99 -> norm 1
-    np.testing.assert_allclose(got.numpy(), [0.6, 0.7])
+def test_only_the_first_option_set_applies():
+    """Keras: clipnorm, then global_clipnorm, then clipvalue -- the first set is the only rule."""
+    g = [torch.tensor([3.0, 4.0], dtype=torch.float64), torch.tensor([0.0, 12.0]).double()]
+    both = GradientsClipOption(clipnorm=1.0, clipvalue=0.7)
+    assert both.rule == "clipnorm" and both.ignored == ("clipvalue",)
+    got = clip_gradients(g, both)
+    alone = clip_gradients(g, GradientsClipOption(clipnorm=1.0))
+    assert all(torch.equal(a, b) for a, b in zip(got, alone))
+    np.testing.assert_allclose(got[0].numpy(), [0.6, 0.8])  # 0.8 > clipvalue: not clamped
+    both = GradientsClipOption(global_clipnorm=1.0, clipvalue=0.1)
+    assert both.rule == "global_clipnorm" and both.ignored == ("clipvalue",)
+    got = clip_gradients(g, both)
+    np.testing.assert_allclose(got[1].numpy(), [0.0, 12.0 / 13.0])
+    assert GradientsClipOption(clipvalue=0.5).ignored == () and GradientsClipOption().rule is None
 
 
 def test_no_option_returns_the_same_objects():
@@ -79,12 +89,16 @@ def test_squared_norms_match_numpy_and_bf16_accumulates_in_fp32():
 
 
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")])
-def test_non_finite_norm_gives_nan_documented(bad):
+def test_non_finite_gradients_follow_keras(bad):
     g = _grads()
     g[1][2] = bad
-    # per-tensor: only the broken tensor becomes NaN
+    # per-tensor, t * c / max(||t||, c): an inf element is NaN, the rest of its tensor 0; a NaN
+    # element makes its tensor NaN; the other tensors are clipped as usual
     got = clip_gradients(g, GradientsClipOption(clipnorm=1.0))
-    assert torch.isnan(got[1]).all()
+    if bad == float("inf"):
+        assert torch.isnan(got[1][2]) and (got[1][torch.arange(7) != 2] == 0).all()
+    else:
+        assert torch.isnan(got[1]).all()
     for i in (0, 2, 3):
         assert torch.isfinite(got[i]).all()
     want = _np_clip([x.numpy() for x in g], clipnorm=1.0)

@@ -113,6 +113,7 @@ _lr = st.one_of(
 )
 
 
+@pytest.mark.filterwarnings("ignore:gradients_clip_option sets")
 @settings(max_examples=60, deadline=None)
 @given(
     lr=_lr,
@@ -148,7 +149,7 @@ def test_config_round_trip(lr, momentum, nesterov, clip, ema, jit, name):
 def test_from_config_rejects_unknown_keys_and_bad_schedules():
     cfg = SGD(learning_rate=0.1).get_config()
     with pytest.raises(ValueError, match="unknown config keys"):
-        SGD.from_config({**cfg, "decay": 0.1})
+        SGD.from_config({**cfg, "lr_decay": 0.1})
     with pytest.raises(ValueError, match="cannot find schedule"):
         SGD.from_config({**cfg, "learning_rate": {"class_name": "nowhere.Nope", "config": {}}})
     with pytest.raises(ValueError, match="from_config"):

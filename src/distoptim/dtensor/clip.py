@@ -1,7 +1,8 @@
 """Gradient clipping with mesh-correct norms: per-tensor norm, global norm, value.
 
 Owns: the norms of *logical* gradients when each process only holds a local shard, and the
-three clipping rules of :class:`~distoptim.dtensor.options.GradientsClipOption`.
+three clipping rules of :class:`~distoptim.dtensor.options.GradientsClipOption` (one applies:
+the first set of clipnorm, global_clipnorm, clipvalue -- Keras' order).
 
 How a norm counts every logical element exactly once
 ----------------------------------------------------
@@ -31,12 +32,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
+from distoptim.dtensor.layout import Layout, layout_of, local_shard
 from distoptim.dtensor.options import GradientsClipOption
 
-__all__ = ["Layout", "clip_gradients", "clip_local_gradients", "squared_norms"]
-
-Layout = tuple[DeviceMesh, tuple[Any, ...]] | None
-"""``(mesh, placements)`` of a DTensor, or ``None`` for a plain (process-local) tensor."""
+__all__ = ["clip_gradients", "clip_local_gradients", "squared_norms"]
 
 
 def _owns(mesh: DeviceMesh, placements: tuple[Any, ...]) -> bool:
@@ -104,13 +103,16 @@ def squared_norms(local_grads: Sequence[torch.Tensor], layouts: Sequence[Layout]
     return out
 
 
-def _scale(norm: torch.Tensor, clip: float) -> torch.Tensor:
-    """``clip / max(norm, clip)`` elementwise, NaN where the norm is not finite."""
-    return torch.where(
-        torch.isfinite(norm),
-        clip / torch.clamp_min(norm, clip),
-        torch.full_like(norm, float("nan")),
-    )
+def _per_tensor_scale(norm: torch.Tensor, clip: float) -> torch.Tensor:
+    """``clip / max(norm, clip)`` elementwise: 0 for an infinite norm (so ``g * scale`` is NaN
+    only where ``g`` is infinite, Keras' ``t * clip / max(||t||, clip)``), NaN for a NaN norm."""
+    return clip / torch.clamp_min(norm, clip)
+
+
+def _global_scale(norm: torch.Tensor, clip: float) -> torch.Tensor:
+    """``tf.clip_by_global_norm``'s factor ``clip * min(1/norm, 1/clip)``; NaN for a non-finite
+    norm (``+ (norm - norm)``), so that every gradient it scales becomes NaN."""
+    return clip * torch.clamp_max(1.0 / norm, 1.0 / clip) + (norm - norm)
 
 
 def clip_local_gradients(
@@ -126,28 +128,19 @@ def clip_local_gradients(
     grads = list(local_grads)
     if option is None or not option.active or not grads:
         return grads
-    copied = False
-    norm_clip = option.clipnorm if option.clipnorm is not None else option.global_clipnorm
-    if norm_clip is not None:
-        sq = squared_norms(grads, layouts)
-        if option.clipnorm is not None:
-            scales = _scale(torch.sqrt(sq), norm_clip)
-            per = list(scales.unbind())
-        else:
-            s = _scale(torch.sqrt(sq.sum()), norm_clip)
-            per = [s] * len(grads)
-        per = [p.to(g.device) for p, g in zip(per, grads)]
-        grads = list(torch._foreach_mul(grads, per))
-        copied = True
-    if option.clipvalue is not None:
+    if option.rule == "clipvalue":
         c = option.clipvalue
-        if copied:
-            torch._foreach_clamp_min_(grads, -c)
-            torch._foreach_clamp_max_(grads, c)
-        else:
-            grads = list(torch._foreach_clamp_min(grads, -c))
-            torch._foreach_clamp_max_(grads, c)
-    return grads
+        out = list(torch._foreach_clamp_min(grads, -c))  # type: ignore[operator]
+        torch._foreach_clamp_max_(out, c)  # type: ignore[arg-type]
+        return out
+    sq = squared_norms(grads, layouts)
+    if option.rule == "clipnorm":
+        per = list(_per_tensor_scale(torch.sqrt(sq), option.clipnorm).unbind())  # type: ignore[arg-type]
+    else:
+        s = _global_scale(torch.sqrt(sq.sum()), option.global_clipnorm)  # type: ignore[arg-type]
+        per = [s] * len(grads)
+    per = [p.to(g.device) for p, g in zip(per, grads)]
+    return list(torch._foreach_mul(grads, per))
 
 
 def clip_gradients(
@@ -158,14 +151,8 @@ def clip_gradients(
     Returns new tensors of the same kind and layout (DTensors stay DTensors). Gradients must
     not be ``Partial``. Collective when any gradient is a DTensor.
     """
-    locals_, layouts = [], []
-    for g in grads:
-        if isinstance(g, DTensor):
-            locals_.append(g.to_local() if not torch.is_grad_enabled() else g._local_tensor)
-            layouts.append((g.device_mesh, tuple(g.placements)))
-        else:
-            locals_.append(g)
-            layouts.append(None)
+    locals_ = [local_shard(g) for g in grads]
+    layouts = [layout_of(g) for g in grads]
     out = clip_local_gradients(locals_, layouts, option)
     result = []
     for g, loc in zip(grads, out):

@@ -3,37 +3,34 @@
 Owns: :class:`GradientsClipOption` and :class:`EMAOption` -- validated on construction (so an
 optimizer never holds an impossible option), immutable, and serializable to/from plain JSON
 dicts (``get_config`` / ``from_config``) so that ``SGD.get_config()`` can carry them.
-The math they configure lives in :mod:`distoptim.dtensor.clip` and :mod:`distoptim.dtensor.sgd`.
+The math they configure lives in :mod:`distoptim.dtensor.clip` and :mod:`distoptim.dtensor.ema`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
+import numbers
 from typing import Any
+
+from distoptim.checks import check_positive, type_name
 
 __all__ = ["EMAOption", "GradientsClipOption"]
 
-
-def _type_name(x: object) -> str:
-    return type(x).__name__
+_CLIP_ORDER = ("clipnorm", "global_clipnorm", "clipvalue")
 
 
-def _check_positive(name: str, value: Any) -> float | None:
+def _check_clip(name: str, value: Any) -> float | None:
     """``None`` or a finite real number > 0 (as float); anything else is an error."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be None or a positive number, got {_type_name(value)}")
-    value = float(value)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0 (or None to disable), got {value!r}")
-    return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be None or a positive number, got {type_name(value)}")
+    return check_positive(f"{name} (None to disable)", value)
 
 
 def _check_keys(cls: type, config: Any) -> dict[str, Any]:
     if not isinstance(config, dict):
-        raise TypeError(f"{cls.__name__}.from_config needs a dict, got {_type_name(config)}")
+        raise TypeError(f"{cls.__name__}.from_config needs a dict, got {type_name(config)}")
     allowed = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(config) - allowed)
     if unknown:
@@ -48,20 +45,24 @@ def _check_keys(cls: type, config: Any) -> dict[str, Any]:
 class GradientsClipOption:
     """How gradients are clipped before the update (each field ``None`` = off).
 
-    Applied in this order, on the full logical gradients (for a sharded DTensor every element
-    is counted once; a replicated one is not counted twice):
+    As in Keras, **one** rule applies: the first option set in the order ``clipnorm``,
+    ``global_clipnorm``, ``clipvalue`` (:attr:`rule`); a ``clipvalue`` given together with a
+    norm option is ignored (:attr:`ignored`; ``SGD`` warns about it when constructed). Norms
+    are those of the full logical gradients (for a sharded DTensor every element is counted
+    once; a replicated one is not counted twice):
 
-    1. ``clipnorm``: each gradient ``g`` alone becomes ``g * clipnorm / max(||g||, clipnorm)``.
-    2. ``global_clipnorm``: with ``n = sqrt(sum_i ||g_i||^2)`` over every gradient of the step
-       (every group, every mesh), each becomes ``g_i * global_clipnorm / max(n, global_clipnorm)``.
-    3. ``clipvalue``: every element is clamped to ``[-clipvalue, clipvalue]``.
+    * ``clipnorm``: each gradient ``g`` alone becomes ``g * clipnorm / max(||g||, clipnorm)``.
+      An ``inf`` element makes ``||g||`` infinite: that element becomes ``NaN``, every finite
+      one 0. A ``NaN`` element makes the whole tensor ``NaN``.
+    * ``global_clipnorm``: with ``n = sqrt(sum_i ||g_i||^2)`` over every gradient of the step
+      (every group, every mesh), each becomes ``g_i * global_clipnorm / max(n, global_clipnorm)``;
+      a non-finite ``n`` makes every gradient ``NaN`` (``tf.clip_by_global_norm``'s rule): a
+      broken gradient is never turned into a plausible finite update.
+    * ``clipvalue``: every element is clamped to ``[-clipvalue, clipvalue]`` (``+-inf`` becomes
+      ``+-clipvalue``, ``NaN`` stays ``NaN``).
 
-    A non-finite norm (a gradient holding ``inf`` or ``NaN``) makes the gradients it scales
-    ``NaN`` (the one tensor for ``clipnorm``, all of them for ``global_clipnorm``), as
-    ``tf.clip_by_global_norm`` does: a broken gradient is never turned into a plausible finite
-    update. ``clipvalue`` maps ``+-inf`` to ``+-clipvalue`` and keeps ``NaN``.
-
-    Every value is a finite number > 0; ``clipnorm`` and ``global_clipnorm`` exclude each other.
+    Every value is a finite number > 0; ``clipnorm`` and ``global_clipnorm`` exclude each other
+    (Keras refuses that pair too).
     """
 
     clipnorm: float | None = None
@@ -70,7 +71,7 @@ class GradientsClipOption:
 
     def __post_init__(self) -> None:
         for name in ("clipnorm", "clipvalue", "global_clipnorm"):
-            object.__setattr__(self, name, _check_positive(name, getattr(self, name)))
+            object.__setattr__(self, name, _check_clip(name, getattr(self, name)))
         if self.clipnorm is not None and self.global_clipnorm is not None:
             raise ValueError(
                 "clipnorm and global_clipnorm cannot both be set: choose per-tensor (clipnorm) "
@@ -80,7 +81,17 @@ class GradientsClipOption:
     @property
     def active(self) -> bool:
         """Whether any clipping is switched on."""
-        return any(v is not None for v in (self.clipnorm, self.clipvalue, self.global_clipnorm))
+        return self.rule is not None
+
+    @property
+    def rule(self) -> str | None:
+        """The option that is applied: the first set of clipnorm, global_clipnorm, clipvalue."""
+        return next((n for n in _CLIP_ORDER if getattr(self, n) is not None), None)
+
+    @property
+    def ignored(self) -> tuple[str, ...]:
+        """Options that are set but not applied because :attr:`rule` comes first."""
+        return tuple(n for n in _CLIP_ORDER if getattr(self, n) is not None and n != self.rule)
 
     def get_config(self) -> dict[str, Any]:
         """A JSON-serializable dict; ``from_config`` of it gives an equal option."""
@@ -96,9 +107,12 @@ class EMAOption:
     """Exponential moving average of the weights (slot ``"average"``).
 
     With ``use_ema`` on, after every update ``avg = ema_momentum * avg + (1 - ema_momentum) * w``
-    (``avg`` starts as a copy of ``w``). With ``ema_overwrite_frequency = k`` the weights are
-    replaced by their averages whenever ``iterations % k == 0`` after an update.
-    ``SGD.finalize_variable_values(var_list)`` writes the averages into the weights at the end.
+    for each variable that got a gradient in that step (``avg`` starts as a copy of ``w``; a
+    variable without a gradient keeps its average, as in Keras). With
+    ``ema_overwrite_frequency = k`` those same variables are replaced by their averages whenever
+    ``iterations % k == 0`` after an update (a variable without a gradient in that step is not
+    overwritten). ``SGD.finalize_variable_values(var_list)`` writes the averages into the
+    weights at the end.
 
     ``ema_momentum`` is in ``[0, 1]``; ``ema_overwrite_frequency`` is ``None`` or an int >= 1.
     """
@@ -109,10 +123,10 @@ class EMAOption:
 
     def __post_init__(self) -> None:
         if not isinstance(self.use_ema, bool):
-            raise TypeError(f"use_ema must be a bool, got {_type_name(self.use_ema)}")
+            raise TypeError(f"use_ema must be a bool, got {type_name(self.use_ema)}")
         m = self.ema_momentum
-        if isinstance(m, bool) or not isinstance(m, (int, float)):
-            raise TypeError(f"ema_momentum must be a number in [0, 1], got {_type_name(m)}")
+        if isinstance(m, bool) or not isinstance(m, numbers.Real):
+            raise TypeError(f"ema_momentum must be a number in [0, 1], got {type_name(m)}")
         if not 0.0 <= float(m) <= 1.0:  # also rejects NaN
             raise ValueError(f"ema_momentum must be in [0, 1], got {m!r}")
         object.__setattr__(self, "ema_momentum", float(m))
@@ -120,7 +134,7 @@ class EMAOption:
         if f is not None:
             if isinstance(f, bool) or not isinstance(f, int):
                 raise TypeError(
-                    f"ema_overwrite_frequency must be None or an int >= 1, got {_type_name(f)}"
+                    f"ema_overwrite_frequency must be None or an int >= 1, got {type_name(f)}"
                 )
             if f < 1:
                 raise ValueError(f"ema_overwrite_frequency must be an int >= 1 or None, got {f}")

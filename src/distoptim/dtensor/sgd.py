@@ -1,9 +1,12 @@
-"""Mesh-aware SGD: the Keras DTensor ``SGD`` (momentum, Nesterov, clipping, EMA) on DTensor.
+"""Mesh-aware SGD: Keras' ``SGD`` (momentum, Nesterov, clipping, EMA) on tensors and DTensors.
 
-Owns: the update rule, its slots (``"m"`` momentum, ``"average"`` EMA), the layout-grouped
-foreach update on local shards, the ``torch.compile`` path, and Keras' variable/config API
-(``build``, ``add_variable``, ``add_variable_from_reference``, ``update_step``,
-``finalize_variable_values``, ``get_config``/``from_config``).
+Owns: the optimizer object -- its variables and slots (Keras' ``build``, ``add_variable``,
+``add_variable_from_reference``, ``get_slot``, ``variables``), the order of one step, its state
+(``state_dict``/``load_state_dict``) and its config. The math lives next door: the update
+kernels in :mod:`~distoptim.dtensor.kernels`, Keras' momentum in torch's buffer units in
+:mod:`~distoptim.dtensor.momentum`, clipping in :mod:`~distoptim.dtensor.clip`, the weight
+averages in :mod:`~distoptim.dtensor.ema`, hyperparameter checks and (de)serialization (Keras'
+configs too) in :mod:`~distoptim.dtensor.config`. ``docs/mesh_sgd.md`` has the whole picture.
 
 One step, in order
 ------------------
@@ -12,19 +15,20 @@ One step, in order
 2. Every gradient is checked (kind, mesh, shape) before anything changes; a DTensor gradient
    whose placements differ from its parameter's (``Partial``, ``Replicate`` for a ``Shard(0)``
    parameter, ...) is redistributed to the parameter's placements.
-3. Clipping (:mod:`distoptim.dtensor.clip`) on the local shards with mesh-correct norms.
-4. One update per bucket of local shards sharing (param group, mesh, placements, dtype,
-   device) -- never per-tensor DTensor dispatch: torch's fused multi-tensor SGD kernel on CPU
-   and CUDA (see :func:`_fused_update` for how the Keras form maps onto it), ``torch._foreach_*``
-   elsewhere, or the ``torch.compile``-fused body with ``jit_compile=True``. Keras form,
-   ``v`` = slot ``"m"``::
+3. Clipping on the local shards with mesh-correct norms (one rule: the first set of clipnorm,
+   global_clipnorm, clipvalue).
+4. One kernel call per bucket of local shards sharing (param group, momentum scale, dtype,
+   device) -- never per-tensor DTensor dispatch. Keras' rule, ``v`` = slot ``"m"``::
 
        momentum == 0:  w -= lr * g
        else:           v = momentum * v - lr * g
                        w += v                          (nesterov: w += momentum * v - lr * g)
 
-5. EMA: ``avg = ema_momentum * avg + (1 - ema_momentum) * w`` for every variable; then
-   ``iterations += 1``; when ``ema_overwrite_frequency`` divides ``iterations``, ``w = avg``.
+   done in one fused pass (``v`` is kept as a torch momentum buffer; ``get_slot``,
+   ``variables``, ``state_dict`` and ``get_config`` show Keras' ``v``).
+5. EMA, for the variables that got a gradient: ``avg = ema_momentum * avg + (1 - ema_momentum)
+   * w``; then ``iterations += 1``; when ``ema_overwrite_frequency`` divides ``iterations``,
+   ``w = avg`` for those same variables.
 
 ``amsgrad`` has no meaning for SGD (it is an Adam variant); Keras accepted and ignored it, here
 ``amsgrad=True`` is a ``ValueError`` so that nobody believes it is active.
@@ -32,8 +36,6 @@ One step, in order
 
 from __future__ import annotations
 
-import importlib
-import math
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -42,157 +44,33 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
 
-from distoptim.dtensor.clip import Layout, clip_local_gradients
+from distoptim.checks import type_name
+from distoptim.dtensor import config as _config
+from distoptim.dtensor import ema as _ema
+from distoptim.dtensor import momentum as _momentum
+from distoptim.dtensor.clip import clip_local_gradients
+from distoptim.dtensor.config import check_bool, check_lr, check_momentum
+from distoptim.dtensor.kernels import CompiledUpdate, sgd_update
+from distoptim.dtensor.layout import layout_of, local_shard
 from distoptim.dtensor.options import EMAOption, GradientsClipOption
-from distoptim.protocol import GradsAndVars, TFOptimizerProtocol, swapped_grads
+from distoptim.protocol import (
+    GradsAndVars,
+    TFOptimizerProtocol,
+    _check_inner_state_dict,
+    run_closure,
+    swapped_grads,
+)
 
 __all__ = ["SGD"]
 
 _UNSET: Any = object()
-_DEFAULT_LR = 0.01
-_CONFIG_KEYS = (
-    "name",
-    "learning_rate",
-    "momentum",
-    "nesterov",
-    "amsgrad",
-    "gradients_clip_option",
-    "ema_option",
-    "jit_compile",
-    "mesh",
-)
-
-
-def _type_name(x: object) -> str:
-    return torch.typename(x) if isinstance(x, torch.Tensor) else type(x).__name__
-
-
-def _check_lr(value: Any, what: str = "learning_rate") -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(
-            f"{what} must be a number >= 0 or a callable schedule of iterations, "
-            f"got {_type_name(value)}"
-        )
-    value = float(value)
-    if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"{what} must be a finite number >= 0, got {value!r}")
-    return value
-
-
-def _check_momentum(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"momentum must be a number in [0, 1], got {_type_name(value)}")
-    if not 0.0 <= float(value) <= 1.0:  # also rejects NaN
-        raise ValueError(f"momentum must be in [0, 1], got {value!r}")
-    return float(value)
-
-
-def _check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {_type_name(value)}")
-    return value
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (the tensor itself otherwise), collectives completed."""
-    if not isinstance(t, DTensor):
-        return t
-    loc = t._local_tensor
-    wait = getattr(loc, "wait", None)  # AsyncCollectiveTensor from a redistribute
-    if wait is not None and callable(wait) and type(loc) is not torch.Tensor:
-        loc = wait()
-    return loc
-
-
-def _layout(t: torch.Tensor) -> Layout:
-    return (t.device_mesh, tuple(t.placements)) if isinstance(t, DTensor) else None
-
-
-# --------------------------------------------------------------------------------------------
-# the update math (eager foreach, and the body torch.compile fuses)
-# --------------------------------------------------------------------------------------------
-def _foreach_update(
-    ws: list[torch.Tensor],
-    gs: list[torch.Tensor],
-    ms: list[torch.Tensor] | None,
-    lr: float,
-    momentum: float,
-    nesterov: bool,
-) -> None:
-    """In place: Keras SGD on lists of same-device, same-dtype local tensors."""
-    if ms is None:
-        torch._foreach_add_(ws, gs, alpha=-lr)
-        return
-    torch._foreach_mul_(ms, momentum)
-    torch._foreach_add_(ms, gs, alpha=-lr)
-    if nesterov:
-        torch._foreach_add_(ws, ms, alpha=momentum)
-        torch._foreach_add_(ws, gs, alpha=-lr)
-    else:
-        torch._foreach_add_(ws, ms)
-
-
-_FUSED_DEVICES = ("cpu", "cuda")
-_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def _fused_update(
-    ws: list[torch.Tensor],
-    gs: list[torch.Tensor],
-    ms: list[torch.Tensor] | None,
-    lr: float,
-    momentum: float,
-    nesterov: bool,
-) -> None:
-    """The same math with torch's fused SGD kernel (one pass per call, CPU and CUDA).
-
-    ``torch._fused_sgd_`` computes ``buf = mu*buf + (1 - dampening)*g; w -= lr_t*buf``
-    (no Nesterov, no weight decay). With ``dampening = 1 + lr`` the first line is exactly
-    Keras' ``v = mu*v - lr*g`` on the slot itself, and ``lr_t = -1`` gives ``w += v``.
-    Nesterov ``w += mu*v - lr*g`` is two calls: ``w -= lr*g`` (no buffer), then the buffer
-    call with ``lr_t = -mu``. Memory traffic: 20 B/element (fp32) without Nesterov, 32 with --
-    against 44 for the four foreach passes.
-    """
-    kw = {"weight_decay": 0.0, "nesterov": False, "maximize": False, "is_first_step": False}
-    if ms is None or nesterov:
-        torch._fused_sgd_(ws, gs, [], momentum=0.0, lr=lr, dampening=0.0, **kw)
-    if ms is not None:
-        torch._fused_sgd_(
-            ws,
-            gs,
-            ms,
-            momentum=momentum,
-            lr=-momentum if nesterov else -1.0,
-            dampening=1.0 + lr,
-            **kw,
-        )
-
-
-def _jit_body(
-    ws: list[torch.Tensor],
-    gs: list[torch.Tensor],
-    ms: list[torch.Tensor],
-    lr: torch.Tensor,
-    momentum: float,
-    nesterov: bool,
-) -> None:
-    """The same math for ``torch.compile``, which fuses it per tensor (read w, g, v; write w,
-    v: 20 bytes per fp32 element). ``lr`` is a 0-dim tensor so that a schedule does not
-    recompile; foreach ops keep the traced graph small for hundreds of tensors."""
-    steps = torch._foreach_mul(gs, lr)
-    if not ms:
-        torch._foreach_sub_(ws, steps)
-        return
-    torch._foreach_mul_(ms, momentum)
-    torch._foreach_sub_(ms, steps)
-    if nesterov:
-        torch._foreach_add_(ws, torch._foreach_sub(torch._foreach_mul(ms, momentum), steps))
-    else:
-        torch._foreach_add_(ws, ms)
+_GROUP_KEYS = frozenset({"params", "lr", "momentum", "nesterov", "initial_lr", "name"})
+_MOMENTUM_SLOTS = ("m", "momentum")  # Keras 2 names the slot "m", Keras 3 "momentum"
+_INTERNAL = frozenset({_momentum.BUFFER, _momentum.SCALE})
 
 
 class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
-    """Gradient descent with momentum, Nesterov, clipping and EMA, mesh-aware (Keras' DTensor SGD).
+    """Gradient descent with momentum, Nesterov, clipping and EMA, mesh-aware (Keras' SGD).
 
     ``SGD(params=None, learning_rate=0.01, momentum=0.0, nesterov=False, amsgrad=False,
     gradients_clip_option=None, ema_option=None, jit_compile=False, name="SGD", mesh=None)``;
@@ -202,7 +80,7 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
       ``params`` may be param-group dicts with their own ``lr``/``momentum``/``nesterov``.
     * Keras style: ``SGD(learning_rate=0.1)`` has no variables until ``build(var_list)``,
       ``minimize(loss, var_list)`` or ``apply_gradients(pairs)`` adopts them (into the first
-      param group).
+      param group). ``SGD.from_config`` also takes a Keras 2 ``get_config()`` dict.
 
     ``learning_rate`` is a number >= 0 or a callable ``schedule(iterations) -> float``,
     evaluated before every step (it then sets every group's ``"lr"``; otherwise torch LR
@@ -210,12 +88,12 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
     is no ``"m"`` slot. ``gradients_clip_option``/``ema_option``: see
     :class:`GradientsClipOption`, :class:`EMAOption` (a config dict is accepted too).
     ``jit_compile=True`` runs the update through ``torch.compile`` (with a warning and the
-    eager foreach path if compilation is unavailable or fails). ``mesh``: when set, every
-    variable must be a DTensor on exactly this mesh.
+    eager update if compilation is unavailable or fails). ``mesh``: when set, every variable
+    must be a DTensor on exactly this mesh.
 
     Parameters may be plain tensors and DTensors on any meshes (slots take their parameter's
     mesh and placements). A step with DTensor gradients is collective when it redistributes or
-    clips: every rank of the meshes must call it (SPMD).
+    clips: every rank of the meshes must call it (SPMD). ``.grad`` is only read.
     """
 
     def __init__(
@@ -237,16 +115,17 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
         if lr is not None and learning_rate is not _UNSET:
             raise ValueError("give learning_rate or its alias lr, not both")
         if learning_rate is _UNSET:
-            learning_rate = lr if lr is not None else _DEFAULT_LR
+            learning_rate = lr if lr is not None else _config.DEFAULT_LR
         schedule: Callable[[int], float] | None = None
         if callable(learning_rate) and not isinstance(learning_rate, torch.Tensor):
             schedule = learning_rate
-            lr0 = _check_lr(schedule(0), "learning_rate schedule(0)")
+            lr0 = check_lr(schedule(0), "learning_rate schedule(0)")
         else:
-            lr0 = _check_lr(learning_rate)
-        momentum = _check_momentum(momentum)
-        nesterov = _check_bool("nesterov", nesterov)
-        if _check_bool("amsgrad", amsgrad):
+            lr0 = check_lr(learning_rate)
+            learning_rate = lr0
+        momentum = check_momentum(momentum)
+        nesterov = check_bool("nesterov", nesterov)
+        if check_bool("amsgrad", amsgrad):
             raise ValueError(
                 "amsgrad=True has no meaning for SGD (AMSGrad is a variant of Adam's second "
                 "moment, which SGD does not keep); use torch.optim.Adam(amsgrad=True), or leave "
@@ -259,24 +138,41 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
         ):
             raise TypeError(
                 "gradients_clip_option must be a GradientsClipOption, a dict or None, got "
-                f"{_type_name(gradients_clip_option)}"
+                f"{type_name(gradients_clip_option)}"
             )
         if isinstance(ema_option, dict):
             ema_option = EMAOption.from_config(ema_option)
         if ema_option is not None and not isinstance(ema_option, EMAOption):
             raise TypeError(
-                f"ema_option must be an EMAOption, a dict or None, got {_type_name(ema_option)}"
+                f"ema_option must be an EMAOption, a dict or None, got {type_name(ema_option)}"
             )
-        jit_compile = _check_bool("jit_compile", jit_compile)
+        jit_compile = check_bool("jit_compile", jit_compile)
         if not isinstance(name, str):
-            raise TypeError(f"name must be a str, got {_type_name(name)}")
+            raise TypeError(f"name must be a str, got {type_name(name)}")
         if mesh is not None and not isinstance(mesh, DeviceMesh):
-            raise TypeError(f"mesh must be a DeviceMesh or None, got {_type_name(mesh)}")
+            raise TypeError(f"mesh must be a DeviceMesh or None, got {type_name(mesh)}")
         if isinstance(params, torch.Tensor):
             raise TypeError(
                 "params must be an iterable of tensors or param-group dicts, not a single tensor"
             )
+        defaults = {"lr": lr0, "momentum": momentum, "nesterov": nesterov}
+        groups = [] if params is None else list(params)
+        if not groups:  # Keras style: one empty group that build() fills
+            groups = [{"params": []}]
+        elif not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        for g in groups:  # every group before torch.optim.Optimizer builds anything
+            _check_group(g, mesh)
 
+        if gradients_clip_option is not None and gradients_clip_option.ignored:
+            ignored = " and ".join(gradients_clip_option.ignored)
+            warnings.warn(
+                f"gradients_clip_option sets {gradients_clip_option.rule} and {ignored}: as in "
+                f"Keras only the first of clipnorm, global_clipnorm, clipvalue applies, so "
+                f"{ignored} will be ignored",
+                UserWarning,
+                stacklevel=2,
+            )
         self._name = name
         self._schedule = schedule
         self._learning_rate = learning_rate
@@ -285,133 +181,40 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
         self._ema_option = ema_option
         self._mesh = mesh
         self._jit = jit_compile
-        self._jit_fn: Callable[..., Any] | None = None
-        self._jit_failed = False
-        self._lr_tensors: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self._compiled = CompiledUpdate() if jit_compile else None
         self._extra_variables: list[torch.Tensor] = []
         self.iterations = 0
-        if jit_compile and not self._dynamo_supported():
+        if self._compiled is not None and self._compiled.failed:
             warnings.warn(
                 "jit_compile=True but torch.compile is not supported here; "
-                "SGD uses the eager foreach update",
+                "SGD uses the eager update",
                 RuntimeWarning,
                 stacklevel=2,
             )
-            self._jit_failed = True
-
-        defaults = {"lr": lr0, "momentum": momentum, "nesterov": nesterov}
-        groups = [] if params is None else list(params)
-        if not groups:  # Keras style: one empty group that build() fills
-            groups = [{"params": []}]
-        elif not isinstance(groups[0], dict):
-            groups = [{"params": groups}]
-        # Validate every group before torch.optim.Optimizer builds anything.
-        for g in groups:
-            self._check_group(g, defaults)
         torch.optim.Optimizer.__init__(self, groups, defaults)
 
-    # ---- validation --------------------------------------------------------------------------
-    @staticmethod
-    def _dynamo_supported() -> bool:
-        try:
-            import torch._dynamo
-
-            return bool(torch._dynamo.is_dynamo_supported())
-        except Exception:
-            return False
-
-    def _check_group(self, group: Any, defaults: dict[str, Any]) -> None:
-        if not isinstance(group, dict) or "params" not in group:
-            raise TypeError("a param group must be a dict with a 'params' entry")
-        params = group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
-        self._check_new_vars(params)
-        allowed = {"params", "lr", "momentum", "nesterov", "initial_lr", "name"}
-        unknown = sorted(set(group) - allowed)
-        if unknown:
-            raise ValueError(
-                f"unknown param group keys {unknown}; SGD groups take {sorted(allowed)}"
-            )
-        if "lr" in group:
-            _check_lr(group["lr"], "param group lr")
-        if "momentum" in group:
-            _check_momentum(group["momentum"])
-        if "nesterov" in group:
-            _check_bool("nesterov", group["nesterov"])
-
-    def _check_new_vars(self, vars_: Sequence[Any]) -> None:
-        """Each var must be a floating-point leaf tensor the mesh rule admits."""
-        seen: set[int] = set()
-        for i, v in enumerate(vars_):
-            if not isinstance(v, torch.Tensor):
-                raise TypeError(f"variable {i} must be a torch.Tensor, got {_type_name(v)}")
-            if not v.is_floating_point():
-                raise TypeError(
-                    f"variable {i} has dtype {v.dtype}: SGD updates floating-point tensors only"
-                )
-            if id(v) in seen:
-                raise ValueError(f"variable {i} appears twice in the list")
-            seen.add(id(v))
-            if isinstance(v, DTensor):
-                if any(isinstance(p, Partial) for p in v.placements):
-                    raise ValueError(
-                        f"variable {i} has Partial placements {v.placements}: a parameter must "
-                        "be Shard or Replicate on each mesh dimension"
-                    )
-                if self._mesh is not None and v.device_mesh != self._mesh:
-                    raise ValueError(
-                        f"variable {i} is on mesh {v.device_mesh}, but this SGD was given "
-                        f"mesh={self._mesh}: every variable must live on that mesh"
-                    )
-            elif self._mesh is not None:
-                raise ValueError(
-                    f"variable {i} is a plain tensor, but this SGD was given mesh={self._mesh}: "
-                    "distribute it first (torch.distributed.tensor.distribute_tensor)"
-                )
-
-    def _check_grad(self, i: int, g: Any, p: torch.Tensor) -> None:
-        if not isinstance(g, torch.Tensor):
-            raise TypeError(f"gradient {i} must be a torch.Tensor, got {_type_name(g)}")
-        if g.is_sparse:
-            raise TypeError(f"gradient {i} is sparse: SGD takes dense gradients only")
-        if isinstance(p, DTensor) != isinstance(g, DTensor):
-            kind = "a DTensor" if isinstance(p, DTensor) else "a plain tensor"
-            raise TypeError(
-                f"gradient {i} must be {kind} like its variable, got {_type_name(g)}"
-                + (" (DTensor)" if isinstance(g, DTensor) else "")
-            )
-        if tuple(g.shape) != tuple(p.shape):
-            raise ValueError(
-                f"gradient {i} has shape {tuple(g.shape)}, its variable {tuple(p.shape)}"
-            )
-        if isinstance(p, DTensor) and g.device_mesh != p.device_mesh:
-            raise ValueError(
-                f"gradient {i} is on mesh {g.device_mesh}, its variable on {p.device_mesh}"
-            )
+    @property
+    def _jit_failed(self) -> bool:
+        """Whether ``jit_compile`` fell back to the eager update."""
+        return self._compiled is not None and self._compiled.failed
 
     # ---- variables and slots -----------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's ``add_param_group``, validated, creating the new parameters' slots."""
-        self._check_group(param_group, self.defaults)
+        _check_group(param_group, self._mesh)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         for p in group["params"]:
             self._init_slots(p, group)
 
-    def _init_slots(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+    def _init_slots(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         state = self.state[p]
-        if group["momentum"] != 0 and "m" not in state:
-            state["m"] = self._make_slot(p)
+        if group["momentum"] != 0 and _momentum.BUFFER not in state:
+            state[_momentum.BUFFER] = _make_slot(p)
+            state[_momentum.SCALE] = 0.0  # a buffer never stepped: v = 0
         if self._ema is not None and "average" not in state:
-            state["average"] = self._make_slot(p, p)
-
-    @staticmethod
-    def _make_slot(ref: torch.Tensor, initial: torch.Tensor | None = None) -> torch.Tensor:
-        """A tensor with ``ref``'s shape, dtype, device and (for DTensor) mesh and placements."""
-        with torch.no_grad():
-            if initial is None:
-                return torch.zeros_like(ref, memory_format=torch.preserve_format).detach()
-            return initial.detach().clone(memory_format=torch.preserve_format)
+            state["average"] = _make_slot(p, p)
+        return state
 
     def build(self, var_list: Iterable[torch.Tensor]) -> None:
         """Adopt the variables not yet owned (into the first group) and create their slots.
@@ -423,7 +226,7 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
         vars_ = list(var_list)
         owned = {id(p) for p in self._all_params()}
         new = [v for v in vars_ if id(v) not in owned]
-        self._check_new_vars(new)
+        _check_new_vars(new, self._mesh)
         for i, v in enumerate(new):
             if not v.is_leaf:
                 raise ValueError(f"variable {i} is not a leaf tensor: SGD can only update leaves")
@@ -452,9 +255,9 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
             raise TypeError(f"shape must be a sequence of ints >= 0, got {shape!r}")
         dtype = torch.get_default_dtype() if dtype is None else dtype
         if not isinstance(dtype, torch.dtype):
-            raise TypeError(f"dtype must be a torch.dtype or None, got {_type_name(dtype)}")
+            raise TypeError(f"dtype must be a torch.dtype or None, got {type_name(dtype)}")
         if name is not None and not isinstance(name, str):
-            raise TypeError(f"name must be a str or None, got {_type_name(name)}")
+            raise TypeError(f"name must be a str or None, got {type_name(name)}")
         if initializer == "zeros":
             value = torch.zeros(shape, dtype=dtype)
         elif initializer == "ones":
@@ -484,15 +287,17 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
         """A slot ``variable_name`` for ``model_variable``: same shape, dtype, device and layout
         (mesh and placements), zeros or a copy of ``initial_value``; ``get_slot`` finds it."""
         if not isinstance(model_variable, torch.Tensor):
-            raise TypeError(f"model_variable must be a tensor, got {_type_name(model_variable)}")
+            raise TypeError(f"model_variable must be a tensor, got {type_name(model_variable)}")
         if not isinstance(variable_name, str) or not variable_name:
             raise TypeError("variable_name must be a non-empty str")
-        if variable_name in self.state.get(model_variable, {}):
+        if variable_name in _INTERNAL:
+            raise ValueError(f"slot name {variable_name!r} is reserved by SGD")
+        if variable_name in self._slot_names(self.state.get(model_variable, {})):
             raise ValueError(f"slot {variable_name!r} already exists for this variable")
         if initial_value is not None:
             if not isinstance(initial_value, torch.Tensor):
                 raise TypeError(
-                    f"initial_value must be a tensor or None, got {_type_name(initial_value)}"
+                    f"initial_value must be a tensor or None, got {type_name(initial_value)}"
                 )
             if tuple(initial_value.shape) != tuple(model_variable.shape):
                 raise ValueError(
@@ -513,24 +318,49 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
             initial_value = initial_value.to(
                 dtype=model_variable.dtype, device=model_variable.device
             )
-        slot = self._make_slot(model_variable, initial_value)
+        slot = _make_slot(model_variable, initial_value)
         self.state[model_variable][variable_name] = slot
         return slot
 
+    @staticmethod
+    def _slot_names(state: dict[str, Any]) -> list[str]:
+        """The public slot names of one variable's state (the buffer shows as ``"m"``)."""
+        names = {k for k, v in state.items() if isinstance(v, torch.Tensor) and k not in _INTERNAL}
+        if _momentum.BUFFER in state:
+            names.add("m")
+        return sorted(names)
+
+    def get_slot(self, var: torch.Tensor, name: str) -> torch.Tensor | None:
+        """The slot ``name`` of ``var`` or None. ``"m"`` (alias ``"momentum"``) is Keras' ``v``,
+        returned as a new tensor: writing into it does not change the optimizer."""
+        state = self.state.get(var, {})
+        if name in _MOMENTUM_SLOTS and _momentum.BUFFER in state:
+            return _momentum.velocity(state[_momentum.BUFFER], state[_momentum.SCALE])
+        value = state.get(name) if name not in _INTERNAL else None
+        return value if isinstance(value, torch.Tensor) else None
+
+    def get_slot_names(self) -> list[str]:
+        """Sorted names of the slots kept for at least one variable (``"m"``, ``"average"``,
+        and any added with :meth:`add_variable_from_reference`)."""
+        return sorted({n for st in self.state.values() for n in self._slot_names(st)})
+
     def variables(self) -> list[torch.Tensor]:
         """Every slot (parameter order, then slot-name order), then ``add_variable`` ones."""
-        return super().variables() + list(self._extra_variables)
+        out = []
+        for p in self._all_params():
+            out.extend(self.get_slot(p, n) for n in self._slot_names(self.state.get(p, {})))
+        return out + list(self._extra_variables)  # type: ignore[arg-type]
 
     # ---- TF protocol hooks --------------------------------------------------------------------
     def _accept_vars(self, vars_: Sequence[torch.Tensor]) -> None:
         # Keras style: new variables are welcome; adopted in _apply_pairs once the gradients
         # are known to be valid too (a call that raises changes nothing).
         owned = {id(p) for p in self._all_params()}
-        self._check_new_vars([v for v in vars_ if id(v) not in owned])
+        _check_new_vars([v for v in vars_ if id(v) not in owned], self._mesh)
 
     def _apply_pairs(self, pairs: GradsAndVars) -> None:
         for i, (g, v) in enumerate(pairs):
-            self._check_grad(i, g, v)
+            _check_grad(i, g, v)
         self._check_step_args()
         self.build([v for _, v in pairs])
         with swapped_grads(self._all_params(), pairs):  # type: ignore[arg-type]
@@ -541,157 +371,124 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
         """The scheduled lr (or None); raises if any group's lr/momentum is invalid."""
         lr = None
         if self._schedule is not None:
-            lr = _check_lr(self._schedule(self.iterations), "learning_rate schedule")
+            lr = check_lr(self._schedule(self.iterations), "learning_rate schedule")
         for g in self.param_groups:
             if lr is None:
-                _check_lr(float(g["lr"]), "param group lr")
-            _check_momentum(g["momentum"])
+                check_lr(float(g["lr"]), "param group lr")
+            check_momentum(g["momentum"])
         return lr
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One update from the parameters' ``.grad`` (params without one are skipped)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         scheduled = self._check_step_args()
         items: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
-                if p.grad is not None:
-                    self._check_grad(len(items), p.grad, p)
-                    items.append((gi, p, p.grad))
+                g = p.grad
+                if g is not None:
+                    _check_grad(len(items), g, p)
+                    items.append((gi, p, g))
         # ---- nothing has changed so far; from here on the step happens --------------------
         if scheduled is not None:
             for g in self.param_groups:
                 g["lr"] = scheduled
         if items:
             self._update(items)
+        stepped = [p for _, p, _ in items]
         if self._ema is not None:
-            self._apply_ema()
+            _ema.update_averages(self._averages(stepped), self._ema.ema_momentum)
         self.iterations += 1
-        if (
-            self._ema is not None
-            and self._ema.ema_overwrite_frequency is not None
-            and self.iterations % self._ema.ema_overwrite_frequency == 0
-        ):
-            self._overwrite_with_average(self._all_params())
+        every = None if self._ema is None else self._ema.ema_overwrite_frequency
+        if every is not None and self.iterations % every == 0:
+            _ema.overwrite_with_averages(self._averages(stepped))
         return loss
 
+    def _averages(self, params: Iterable[torch.Tensor]) -> list[tuple[torch.Tensor, Any]]:
+        state = self.state
+        return [(p, state[p]["average"]) for p in params if "average" in state.get(p, ())]
+
     def _update(self, items: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
-        local_w, local_g, layouts = [], [], []
+        local_w, local_g = [], []
         for _, p, g in items:
-            if isinstance(p, DTensor) and tuple(g.placements) != tuple(p.placements):
+            if isinstance(p, DTensor) and g.placements != p.placements:
                 g = g.redistribute(p.device_mesh, p.placements)
             if g.dtype != p.dtype:
                 g = g.to(p.dtype)
-            local_w.append(_local(p))
-            local_g.append(_local(g))
-            layouts.append(_layout(p))
-        local_g = clip_local_gradients(local_g, layouts, self._clip)
-        custom = type(self).update_step is not SGD.update_step
+            local_w.append(local_shard(p))
+            local_g.append(local_shard(g))
+        if self._clip is not None and self._clip.active:
+            layouts = [layout_of(p) for _, p, _ in items]
+            local_g = clip_local_gradients(local_g, layouts, self._clip)
+        if type(self).update_step is not SGD.update_step:
+            self._custom_updates(items, local_g)
+            return
+        groups = self.param_groups
         buckets: dict[tuple[Any, ...], list[int]] = {}
         for i, (gi, p, _) in enumerate(items):
-            group = self.param_groups[gi]
-            self._init_slots(p, group)  # a group whose momentum became > 0 later
-            if custom:
-                continue
-            lay = layouts[i]
-            key = (
-                gi,
-                None if lay is None else id(lay[0]),
-                None if lay is None else lay[1],
-                local_w[i].dtype,
-                local_w[i].device,
-            )
-            buckets.setdefault(key, []).append(i)
-        if custom:  # a subclass' per-variable rule; it receives the clipped local gradients
-            for i, (_, p, _) in enumerate(items):
-                g = local_g[i]
-                if isinstance(p, DTensor):
-                    g = DTensor.from_local(
-                        g,
-                        p.device_mesh,
-                        p.placements,
-                        run_check=False,
-                        shape=p.shape,
-                        stride=p.stride(),
-                    )
-                self.update_step(g, p)
-            return
-        for key, idx in buckets.items():
-            group = self.param_groups[key[0]]
-            mom = float(group["momentum"])
-            ms = [_local(self.state[items[i][1]]["m"]) for i in idx] if mom != 0 else None
-            self._run_update(
+            state = self._init_slots(p, groups[gi])
+            w = local_w[i]
+            key = (gi, state.get(_momentum.SCALE), w.dtype, w.device)
+            bucket = buckets.get(key)
+            if bucket is None:
+                buckets[key] = [i]
+            else:
+                bucket.append(i)
+        for (gi, _, _, _), idx in buckets.items():
+            group = groups[gi]
+            self._apply_rule(
+                [items[i][1] for i in idx],
                 [local_w[i] for i in idx],
                 [local_g[i] for i in idx],
-                ms,
                 float(group["lr"]),
-                mom,
+                float(group["momentum"]),
                 bool(group["nesterov"]),
             )
 
-    def _run_update(
+    def _custom_updates(
+        self, items: list[tuple[int, torch.Tensor, torch.Tensor]], local_g: list[torch.Tensor]
+    ) -> None:
+        """A subclass' per-variable rule: ``update_step`` gets each clipped gradient in its
+        variable's layout."""
+        for i, (gi, p, _) in enumerate(items):
+            self._init_slots(p, self.param_groups[gi])
+            g = local_g[i]
+            if isinstance(p, DTensor):
+                g = DTensor.from_local(
+                    g,
+                    p.device_mesh,
+                    p.placements,
+                    run_check=False,
+                    shape=p.shape,
+                    stride=p.stride(),
+                )
+            self.update_step(g, p)
+
+    def _apply_rule(
         self,
+        params: list[torch.Tensor],
         ws: list[torch.Tensor],
         gs: list[torch.Tensor],
-        ms: list[torch.Tensor] | None,
         lr: float,
         momentum: float,
         nesterov: bool,
+        impl: str = "auto",
     ) -> None:
-        if self._jit and not self._jit_failed:
-            if self._jit_fn is None:
-                self._jit_fn = torch.compile(_jit_body, dynamic=False, fullgraph=True)
-            key = (ws[0].device, ws[0].dtype)
-            lr_t = self._lr_tensors.get(key)
-            if lr_t is None:
-                lr_dtype = torch.float64 if ws[0].dtype == torch.float64 else torch.float32
-                lr_t = self._lr_tensors[key] = torch.empty((), dtype=lr_dtype, device=key[0])
-            lr_t.fill_(lr)
-            try:
-                self._jit_fn(ws, gs, ms or [], lr_t, momentum, nesterov)
-                return
-            except Exception as exc:  # compile failure: compilation runs before any kernel
-                self._jit_failed = True
-                warnings.warn(
-                    f"jit_compile: torch.compile failed ({type(exc).__name__}: {exc}); "
-                    "SGD falls back to the eager foreach update",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
-        if ws[0].device.type not in _FUSED_DEVICES or ws[0].dtype not in _FUSED_DTYPES:
-            _foreach_update(ws, gs, ms, lr, momentum, nesterov)
-            return
-        # The fused kernel walks raw memory: it is only right for contiguous tensors (a
-        # transposed parameter with a contiguous gradient would be updated elementwise wrong).
-        # Anything else takes the stride-aware foreach path.
-        odd = [
-            i
-            for i in range(len(ws))
-            if not (
-                ws[i].is_contiguous()
-                and gs[i].is_contiguous()
-                and (ms is None or ms[i].is_contiguous())
-            )
-        ]
-        if not odd:
-            _fused_update(ws, gs, ms, lr, momentum, nesterov)
-            return
-        skip = set(odd)
-        keep = [i for i in range(len(ws)) if i not in skip]
-        for idx, fn in ((keep, _fused_update), (odd, _foreach_update)):
-            if idx:
-                fn(
-                    [ws[i] for i in idx],
-                    [gs[i] for i in idx],
-                    None if ms is None else [ms[i] for i in idx],
-                    lr,
-                    momentum,
-                    nesterov,
-                )
+        """Keras' step on local shards whose momentum buffers share one scale."""
+        bufs = None
+        states: list[dict[str, Any]] = []
+        scale = new_scale = 0.0
+        if momentum != 0.0:
+            states = [self.state[p] for p in params]
+            scale = states[0][_momentum.SCALE]
+            new_scale = _momentum.next_scale(scale, lr)
+            bufs = [local_shard(st[_momentum.BUFFER]) for st in states]
+        kp = _momentum.keras_step(lr, momentum, nesterov, scale, new_scale)
+        if impl != "auto" or self._compiled is None or not self._compiled(ws, gs, bufs, kp):
+            sgd_update(ws, gs, bufs, kp, impl)
+        for st in states:
+            st[_momentum.SCALE] = new_scale
 
     def update_step(self, gradient: torch.Tensor, variable: torch.Tensor) -> None:
         """Apply the rule to one variable (no clipping, no EMA, ``iterations`` unchanged).
@@ -704,44 +501,21 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
         )
         if group is None:
             raise ValueError("update_step: the variable is not owned by this optimizer")
-        self._check_grad(0, gradient, variable)
+        _check_grad(0, gradient, variable)
+        lr = check_lr(self._schedule(self.iterations) if self._schedule else group["lr"])
         if isinstance(variable, DTensor) and gradient.placements != variable.placements:
             gradient = gradient.redistribute(variable.device_mesh, variable.placements)
-        lr = self._schedule(self.iterations) if self._schedule else float(group["lr"])
         self._init_slots(variable, group)
-        mom = float(group["momentum"])
         with torch.no_grad():
-            ms = [_local(self.state[variable]["m"])] if mom != 0 else None
-            _foreach_update(
-                [_local(variable)],
-                [_local(gradient).to(variable.dtype)],
-                ms,
-                float(lr),
-                mom,
+            self._apply_rule(
+                [variable],
+                [local_shard(variable)],
+                [local_shard(gradient).to(variable.dtype)],
+                lr,
+                float(group["momentum"]),
                 bool(group["nesterov"]),
+                impl="single",
             )
-
-    # ---- EMA ----------------------------------------------------------------------------------
-    def _ema_pairs(self, var_list: Iterable[torch.Tensor]) -> dict[Any, tuple[list, list]]:
-        buckets: dict[Any, tuple[list, list]] = {}
-        for p in var_list:
-            avg = self.state.get(p, {}).get("average")
-            if avg is None:
-                continue
-            w = _local(p)
-            ws, avgs = buckets.setdefault((w.device, w.dtype), ([], []))
-            ws.append(w)
-            avgs.append(_local(avg))
-        return buckets
-
-    def _apply_ema(self) -> None:
-        weight = 1.0 - self._ema.ema_momentum  # type: ignore[union-attr]
-        for ws, avgs in self._ema_pairs(self._all_params()).values():
-            torch._foreach_lerp_(avgs, ws, weight)  # avg + (1-mu)(w - avg)
-
-    def _overwrite_with_average(self, var_list: Iterable[torch.Tensor]) -> None:
-        for ws, avgs in self._ema_pairs(var_list).values():
-            torch._foreach_copy_(ws, avgs)
 
     @torch.no_grad()
     def finalize_variable_values(self, var_list: Iterable[torch.Tensor]) -> None:
@@ -752,7 +526,7 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
             if not isinstance(v, torch.Tensor) or id(v) not in owned:
                 raise ValueError(f"var_list[{i}] is not a variable of this optimizer")
         if self._ema is not None:
-            self._overwrite_with_average(vars_)
+            _ema.overwrite_with_averages(self._averages(vars_))
 
     # ---- config -------------------------------------------------------------------------------
     @property
@@ -767,14 +541,15 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
         """Keras' ``opt.learning_rate = x``: a number sets every group's ``lr``; a callable
         becomes the schedule. ``get_config`` reports the new value."""
         if callable(value) and not isinstance(value, torch.Tensor):
-            _check_lr(value(self.iterations), "learning_rate schedule")
+            check_lr(value(self.iterations), "learning_rate schedule")
             self._schedule = value
         else:
-            lr = _check_lr(value)
+            lr = check_lr(value)
             self._schedule = None
             for g in self.param_groups:
                 g["lr"] = lr
             self.defaults["lr"] = lr
+            value = lr
         self._learning_rate = value
 
     def get_config(self) -> dict[str, Any]:
@@ -785,63 +560,81 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
         cannot be serialized (``ValueError``). A mesh is stored as its device type, rank layout
         and dim names, and rebuilt by ``from_config`` (which then needs the same process group).
         """
-        lr: Any = self._learning_rate
-        if self._schedule is not None:
-            sched = self._schedule
-            if not (hasattr(sched, "get_config") and hasattr(type(sched), "from_config")):
-                raise ValueError(
-                    f"learning_rate is a {type(sched).__name__} without get_config/from_config: "
-                    "it cannot be serialized; use a schedule from distoptim.dtensor.schedules "
-                    "or give yours get_config() and a from_config classmethod"
-                )
-            cls = type(sched)
-            lr = {
-                "class_name": f"{cls.__module__}.{cls.__qualname__}",
-                "config": sched.get_config(),
-            }
-        else:
-            lr = float(self.defaults["lr"])
-        mesh = None
-        if self._mesh is not None:
-            mesh = {
-                "device_type": self._mesh.device_type,
-                "mesh": self._mesh.mesh.tolist(),
-                "mesh_dim_names": (
-                    list(self._mesh.mesh_dim_names) if self._mesh.mesh_dim_names else None
-                ),
-            }
-        return {
-            "name": self._name,
-            "learning_rate": lr,
-            "momentum": float(self.defaults["momentum"]),
-            "nesterov": bool(self.defaults["nesterov"]),
-            "amsgrad": False,
-            "gradients_clip_option": None if self._clip is None else self._clip.get_config(),
-            "ema_option": None if self._ema_option is None else self._ema_option.get_config(),
-            "jit_compile": self._jit,
-            "mesh": mesh,
-        }
+        return _config.to_config(
+            name=self._name,
+            learning_rate=(
+                self._schedule if self._schedule is not None else float(self.defaults["lr"])
+            ),
+            momentum=float(self.defaults["momentum"]),
+            nesterov=bool(self.defaults["nesterov"]),
+            clip=self._clip,
+            ema=self._ema_option,
+            jit_compile=self._jit,
+            mesh=self._mesh,
+        )
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> SGD:
-        """The optimizer ``get_config`` described (no variables yet: Keras style)."""
-        if not isinstance(config, dict):
-            raise TypeError(f"config must be a dict, got {_type_name(config)}")
-        unknown = sorted(set(config) - set(_CONFIG_KEYS))
-        if unknown:
-            raise ValueError(f"unknown config keys {unknown}; allowed: {list(_CONFIG_KEYS)}")
-        kwargs = dict(config)
-        lr = kwargs.get("learning_rate", _DEFAULT_LR)
-        if isinstance(lr, dict):
-            kwargs["learning_rate"] = _schedule_from_config(lr)
-        mesh = kwargs.get("mesh")
-        if isinstance(mesh, dict):
-            kwargs["mesh"] = _mesh_from_config(mesh)
-        elif mesh is not None and not isinstance(mesh, DeviceMesh):
-            raise TypeError(f"config['mesh'] must be a dict or None, got {_type_name(mesh)}")
-        return cls(**kwargs)
+        """The optimizer a config describes (no variables yet: Keras style).
+
+        Takes :meth:`get_config`'s dict or a Keras 2 ``tf.keras.optimizers.SGD`` one (see
+        :mod:`distoptim.dtensor.config` for the mapping and what is refused).
+        """
+        return cls(**_config.parse_config(config))
 
     # ---- state --------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """torch's state dict plus ``"iterations"``; each momentum slot is Keras' ``v`` (``"m"``).
+
+        The live momentum buffers are first written in Keras' units (``v`` rounds once, to the
+        nearest float), so that a run restored from this dict continues bit for bit like the
+        run that saved it.
+        """
+        with torch.no_grad():
+            for state in self.state.values():
+                scale = state.get(_momentum.SCALE)
+                if scale is not None and scale != -1.0:
+                    local_shard(state[_momentum.BUFFER]).mul_(-scale)
+                    state[_momentum.SCALE] = -1.0
+        sd = super().state_dict()
+        public = {}
+        for key, state in sd["state"].items():
+            entry = {k: v for k, v in state.items() if k not in _INTERNAL}
+            if _momentum.BUFFER in state:
+                entry["m"] = torch.neg(state[_momentum.BUFFER])  # v = -1 * buffer
+            public[key] = entry
+        sd["state"] = public
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load :meth:`state_dict`'s dict. Everything is checked before anything changes."""
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"state_dict must be a dict, got {type_name(state_dict)}")
+        sd = {k: v for k, v in state_dict.items() if k != "iterations"}
+        _check_inner_state_dict(self, sd)
+        params = self._all_params()
+        for i, group in enumerate(sd["param_groups"]):
+            try:
+                _check_group({**group, "params": []}, None)
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"state_dict param group {i}: {exc}") from None
+        internal = {}
+        for key, state in sd["state"].items():
+            if isinstance(key, bool) or not isinstance(key, int) or not 0 <= key < len(params):
+                raise ValueError(
+                    f"state_dict['state'] key {key!r} is not a parameter index in "
+                    f"[0, {len(params)})"
+                )
+            _check_saved_state(key, state, params[key])
+            entry = {k: v for k, v in state.items() if k not in _MOMENTUM_SLOTS}
+            v = state.get("m", state.get("momentum"))
+            if v is not None:
+                entry[_momentum.BUFFER] = torch.neg(v)  # v = -1 * buffer
+                entry[_momentum.SCALE] = -1.0
+            internal[key] = entry
+        # ---- checked (iterations: by the base class, before it loads anything) -------------
+        super().load_state_dict({**state_dict, "state": internal})
+
     def __repr__(self) -> str:
         return (
             f"SGD(name={self._name!r}, learning_rate={self._learning_rate!r}, "
@@ -851,30 +644,101 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
         )
 
 
-def _schedule_from_config(spec: dict[str, Any]) -> Callable[[int], float]:
-    if set(spec) != {"class_name", "config"} or not isinstance(spec["class_name"], str):
+# ---- checks (each raises before anything changes) ---------------------------------------------
+def _check_group(group: Any, mesh: DeviceMesh | None) -> None:
+    if not isinstance(group, dict) or "params" not in group:
+        raise TypeError("a param group must be a dict with a 'params' entry")
+    params = group["params"]
+    params = [params] if isinstance(params, torch.Tensor) else list(params)
+    _check_new_vars(params, mesh)
+    unknown = sorted(set(group) - _GROUP_KEYS)
+    if unknown:
         raise ValueError(
-            "a serialized learning_rate schedule is {'class_name': 'module.Class', 'config': {...}}"
+            f"unknown param group keys {unknown}; SGD groups take {sorted(_GROUP_KEYS)}"
         )
-    module_name, _, qualname = spec["class_name"].rpartition(".")
-    try:
-        obj: Any = importlib.import_module(module_name)
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError, ValueError) as exc:
-        raise ValueError(f"cannot find schedule class {spec['class_name']!r}: {exc}") from exc
-    if not (isinstance(obj, type) and callable(getattr(obj, "from_config", None))):
-        raise ValueError(f"{spec['class_name']!r} is not a class with a from_config classmethod")
-    return obj.from_config(spec["config"])
+    if "lr" in group:
+        check_lr(group["lr"], "param group lr")
+    if "momentum" in group:
+        check_momentum(group["momentum"])
+    if "nesterov" in group:
+        check_bool("nesterov", group["nesterov"])
 
 
-def _mesh_from_config(spec: dict[str, Any]) -> DeviceMesh:
-    allowed = {"device_type", "mesh", "mesh_dim_names"}
-    if set(spec) - allowed or "device_type" not in spec or "mesh" not in spec:
-        raise ValueError(f"config['mesh'] must have keys {sorted(allowed)}, got {sorted(spec)}")
-    names = spec.get("mesh_dim_names")
-    return DeviceMesh(
-        spec["device_type"],
-        torch.tensor(spec["mesh"], dtype=torch.int64),
-        mesh_dim_names=tuple(names) if names else None,
-    )
+def _check_new_vars(vars_: Sequence[Any], mesh: DeviceMesh | None) -> None:
+    """Each var must be a floating-point tensor the mesh rule admits, each given once."""
+    seen: set[int] = set()
+    for i, v in enumerate(vars_):
+        if not isinstance(v, torch.Tensor):
+            raise TypeError(f"variable {i} must be a torch.Tensor, got {type_name(v)}")
+        if not v.is_floating_point():
+            raise TypeError(
+                f"variable {i} has dtype {v.dtype}: SGD updates floating-point tensors only"
+            )
+        if id(v) in seen:
+            raise ValueError(f"variable {i} appears twice in the list")
+        seen.add(id(v))
+        if isinstance(v, DTensor):
+            if any(isinstance(p, Partial) for p in v.placements):
+                raise ValueError(
+                    f"variable {i} has Partial placements {v.placements}: a parameter must "
+                    "be Shard or Replicate on each mesh dimension"
+                )
+            if mesh is not None and v.device_mesh != mesh:
+                raise ValueError(
+                    f"variable {i} is on mesh {v.device_mesh}, but this SGD was given "
+                    f"mesh={mesh}: every variable must live on that mesh"
+                )
+        elif mesh is not None:
+            raise ValueError(
+                f"variable {i} is a plain tensor, but this SGD was given mesh={mesh}: "
+                "distribute it first (torch.distributed.tensor.distribute_tensor)"
+            )
+
+
+def _check_grad(i: int, g: Any, p: torch.Tensor) -> None:
+    if not isinstance(g, torch.Tensor):
+        raise TypeError(f"gradient {i} must be a torch.Tensor, got {type_name(g)}")
+    if g.is_sparse:
+        raise TypeError(f"gradient {i} is sparse: SGD takes dense gradients only")
+    p_dt = isinstance(p, DTensor)
+    if p_dt != isinstance(g, DTensor):
+        kind = "a DTensor" if p_dt else "a plain tensor"
+        raise TypeError(
+            f"gradient {i} must be {kind} like its variable, got {type_name(g)}"
+            + (" (DTensor)" if not p_dt else "")
+        )
+    if g.shape != p.shape:
+        raise ValueError(f"gradient {i} has shape {tuple(g.shape)}, its variable {tuple(p.shape)}")
+    if p_dt and g.device_mesh is not p.device_mesh and g.device_mesh != p.device_mesh:
+        raise ValueError(
+            f"gradient {i} is on mesh {g.device_mesh}, its variable on {p.device_mesh}"
+        )
+
+
+def _check_saved_state(i: int, state: Any, p: torch.Tensor) -> None:
+    """One parameter's entry of a state dict: slot tensors shaped (and laid out) like ``p``."""
+    if not isinstance(state, dict):
+        raise TypeError(f"state_dict['state'][{i}] must be a dict, got {type_name(state)}")
+    for name, value in state.items():
+        where = f"state_dict['state'][{i}][{name!r}]"
+        if name in _INTERNAL:
+            raise ValueError(f"{where}: {name!r} is internal to SGD and never in a state dict")
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{where} must be a tensor (a slot), got {type_name(value)}")
+        if value.shape != p.shape:
+            raise ValueError(
+                f"{where} has shape {tuple(value.shape)}, the parameter {tuple(p.shape)}"
+            )
+        if isinstance(value, DTensor) != isinstance(p, DTensor):
+            kind = "a DTensor" if isinstance(p, DTensor) else "a plain tensor"
+            raise TypeError(f"{where} must be {kind} like its parameter")
+    if "m" in state and "momentum" in state:
+        raise ValueError(f"state_dict['state'][{i}] has both 'm' and its alias 'momentum'")
+
+
+def _make_slot(ref: torch.Tensor, initial: torch.Tensor | None = None) -> torch.Tensor:
+    """A tensor with ``ref``'s shape, dtype, device and (for DTensor) mesh and placements."""
+    with torch.no_grad():
+        if initial is None:
+            return torch.zeros_like(ref, memory_format=torch.preserve_format).detach()
+        return initial.detach().clone(memory_format=torch.preserve_format)
