@@ -7,7 +7,7 @@ clipping, EMA); Replicate/Partial/Shard gradients redistributed to the parameter
 mesh-correct norms (each logical element once) on one mesh and across two meshes; slots with
 the parameter's layout; Keras-style minimize on DTensors; mesh errors with nothing mutated;
 config round trip with a mesh; torch.distributed.checkpoint save/load with an identical next
-step.
+step; gradients only read; what ``layout.local_shard`` relies on in torch's DTensor.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 from distoptim.dtensor import SGD, EMAOption, GradientsClipOption
 from distoptim.dtensor.clip import squared_norms
+from distoptim.dtensor.layout import layout_of, local_shard
 from distoptim.launch import spawn
 
 _SHAPES = [(6, 3), (5,), (4, 4), (3, 2)]
@@ -69,7 +70,9 @@ def _check_against_single_process(rank, world, mesh, mesh2):
     for t in range(steps):
         for p, g, m, gp in zip(ps, grads[t], meshes, g_pl):
             p.grad = _as_grad(g, m, gp)
+        kept = [p.grad.to_local().clone() for p in ps]
         opt.step()
+        assert all(torch.equal(p.grad.to_local(), k) for p, k in zip(ps, kept))  # read only
     ref = [w.clone().requires_grad_() for w in w0]
     ro = SGD(ref, **_kwargs())
     for t in range(steps):
@@ -194,11 +197,31 @@ def _check_checkpoint(rank, world, mesh, ckpt_dir):
     return opt2.iterations
 
 
+def _check_layout(rank, world, mesh):
+    """What local_shard relies on: a DTensor's local shard is its storage (for an
+    nn.Parameter too), and a redistribute's pending collective is completed."""
+    d = distribute_tensor(torch.arange(8.0), mesh, [Shard(0)])
+    with torch.no_grad():
+        assert local_shard(d) is d.to_local()
+        local_shard(d).add_(1.0)
+    torch.testing.assert_close(d.full_tensor(), torch.arange(8.0) + 1)
+    p = torch.nn.Parameter(distribute_tensor(torch.zeros(4, 2), mesh, [Shard(0)]))
+    with torch.no_grad():
+        assert local_shard(p).data_ptr() == p.to_local().data_ptr()
+        local_shard(p).fill_(3.0)
+    assert torch.equal(p.full_tensor(), torch.full((4, 2), 3.0))
+    r = d.redistribute(mesh, [Replicate()])
+    loc = local_shard(r)
+    assert type(loc) is torch.Tensor and torch.equal(loc, torch.arange(8.0) + 1)
+    assert layout_of(d) == (mesh, (Shard(0),)) and layout_of(loc) is None
+
+
 def _mesh_worker(rank: int, world: int, ckpt_dir: str) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     # a second mesh, 2-D: dim 0 of size 1, dim 1 spans the ranks (Replicate there is real)
     mesh2 = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
     out = {}
+    _check_layout(rank, world, mesh)
     out["max_diff"] = _check_against_single_process(rank, world, mesh, mesh2)
     out["norms"] = _check_norms(rank, world, mesh, mesh2)
     out["errors"] = _check_errors(rank, world, mesh, mesh2)
