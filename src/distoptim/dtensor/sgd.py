@@ -67,6 +67,7 @@ _UNSET: Any = object()
 _GROUP_KEYS = frozenset({"params", "lr", "momentum", "nesterov", "initial_lr", "name"})
 _MOMENTUM_SLOTS = ("m", "momentum")  # Keras 2 names the slot "m", Keras 3 "momentum"
 _INTERNAL = frozenset({_momentum.BUFFER, _momentum.SCALE})
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})  # types that are never a DTensor
 
 
 class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
@@ -396,13 +397,13 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
                 g["lr"] = scheduled
         if items:
             self._update(items)
-        stepped = [p for _, p, _ in items]
-        if self._ema is not None:
-            _ema.update_averages(self._averages(stepped), self._ema.ema_momentum)
         self.iterations += 1
-        every = None if self._ema is None else self._ema.ema_overwrite_frequency
-        if every is not None and self.iterations % every == 0:
-            _ema.overwrite_with_averages(self._averages(stepped))
+        if self._ema is not None:
+            stepped = self._averages(p for _, p, _ in items)
+            _ema.update_averages(stepped, self._ema.ema_momentum)
+            every = self._ema.ema_overwrite_frequency
+            if every is not None and self.iterations % every == 0:
+                _ema.overwrite_with_averages(stepped)
         return loss
 
     def _averages(self, params: Iterable[torch.Tensor]) -> list[tuple[torch.Tensor, Any]]:
@@ -410,35 +411,40 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
         return [(p, state[p]["average"]) for p in params if "average" in state.get(p, ())]
 
     def _update(self, items: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
-        local_w, local_g = [], []
-        for _, p, g in items:
-            if isinstance(p, DTensor) and g.placements != p.placements:
-                g = g.redistribute(p.device_mesh, p.placements)
-            if g.dtype != p.dtype:
-                g = g.to(p.dtype)
-            local_w.append(local_shard(p))
-            local_g.append(local_shard(g))
+        groups, state, ema = self.param_groups, self.state, self._ema is not None
+        with_buffer = [g["momentum"] != 0 for g in groups]
+        local_w, local_g, states = [], [], []
+        buckets: dict[tuple[Any, ...], list[int]] = {}
+        for i, (gi, p, g) in enumerate(items):
+            st = state[p]
+            if (with_buffer[gi] and _momentum.SCALE not in st) or (ema and "average" not in st):
+                self._init_slots(p, groups[gi])  # new, or its group's momentum became > 0
+            sharded = isinstance(p, DTensor)
+            if sharded:
+                if g.placements != p.placements:
+                    g = g.redistribute(p.device_mesh, p.placements)
+                w, g = local_shard(p), local_shard(g)
+            else:
+                w = p
+            local_w.append(w)
+            local_g.append(g if g.dtype == w.dtype else g.to(w.dtype))
+            states.append(st)
+            key = (gi, st.get(_momentum.SCALE), w.dtype, w.device, sharded)
+            bucket = buckets.get(key)
+            if bucket is None:
+                buckets[key] = [i]
+            else:
+                bucket.append(i)
         if self._clip is not None and self._clip.active:
             layouts = [layout_of(p) for _, p, _ in items]
             local_g = clip_local_gradients(local_g, layouts, self._clip)
         if type(self).update_step is not SGD.update_step:
             self._custom_updates(items, local_g)
             return
-        groups = self.param_groups
-        buckets: dict[tuple[Any, ...], list[int]] = {}
-        for i, (gi, p, _) in enumerate(items):
-            state = self._init_slots(p, groups[gi])
-            w = local_w[i]
-            key = (gi, state.get(_momentum.SCALE), w.dtype, w.device)
-            bucket = buckets.get(key)
-            if bucket is None:
-                buckets[key] = [i]
-            else:
-                bucket.append(i)
-        for (gi, _, _, _), idx in buckets.items():
+        for (gi, *_), idx in buckets.items():
             group = groups[gi]
             self._apply_rule(
-                [items[i][1] for i in idx],
+                [states[i] for i in idx] if with_buffer[gi] else [],
                 [local_w[i] for i in idx],
                 [local_g[i] for i in idx],
                 float(group["lr"]),
@@ -451,8 +457,7 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
     ) -> None:
         """A subclass' per-variable rule: ``update_step`` gets each clipped gradient in its
         variable's layout."""
-        for i, (gi, p, _) in enumerate(items):
-            self._init_slots(p, self.param_groups[gi])
+        for i, (_, p, _) in enumerate(items):
             g = local_g[i]
             if isinstance(p, DTensor):
                 g = DTensor.from_local(
@@ -467,7 +472,7 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
 
     def _apply_rule(
         self,
-        params: list[torch.Tensor],
+        states: list[dict[str, Any]],
         ws: list[torch.Tensor],
         gs: list[torch.Tensor],
         lr: float,
@@ -475,20 +480,22 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
         nesterov: bool,
         impl: str = "auto",
     ) -> None:
-        """Keras' step on local shards whose momentum buffers share one scale."""
+        """Keras' step on local shards (of all DTensors or all plain tensors) whose momentum
+        buffers share one scale; ``states`` are their optimizer states (momentum > 0)."""
         bufs = None
-        states: list[dict[str, Any]] = []
         scale = new_scale = 0.0
         if momentum != 0.0:
-            states = [self.state[p] for p in params]
             scale = states[0][_momentum.SCALE]
             new_scale = _momentum.next_scale(scale, lr)
-            bufs = [local_shard(st[_momentum.BUFFER]) for st in states]
+            bufs = [st[_momentum.BUFFER] for st in states]
+            if isinstance(bufs[0], DTensor):
+                bufs = [local_shard(b) for b in bufs]
         kp = _momentum.keras_step(lr, momentum, nesterov, scale, new_scale)
         if impl != "auto" or self._compiled is None or not self._compiled(ws, gs, bufs, kp):
             sgd_update(ws, gs, bufs, kp, impl)
-        for st in states:
-            st[_momentum.SCALE] = new_scale
+        if new_scale != scale:
+            for st in states:
+                st[_momentum.SCALE] = new_scale
 
     def update_step(self, gradient: torch.Tensor, variable: torch.Tensor) -> None:
         """Apply the rule to one variable (no clipping, no EMA, ``iterations`` unchanged).
@@ -508,7 +515,7 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
         self._init_slots(variable, group)
         with torch.no_grad():
             self._apply_rule(
-                [variable],
+                [self.state[variable]],
                 [local_shard(variable)],
                 [local_shard(gradient).to(variable.dtype)],
                 lr,
@@ -696,6 +703,14 @@ def _check_new_vars(vars_: Sequence[Any], mesh: DeviceMesh | None) -> None:
 
 
 def _check_grad(i: int, g: Any, p: torch.Tensor) -> None:
+    if type(g) is torch.Tensor and type(p) in _PLAIN:  # the common case, quickly
+        if g.is_sparse:
+            raise TypeError(f"gradient {i} is sparse: SGD takes dense gradients only")
+        if g.shape != p.shape:
+            raise ValueError(
+                f"gradient {i} has shape {tuple(g.shape)}, its variable {tuple(p.shape)}"
+            )
+        return
     if not isinstance(g, torch.Tensor):
         raise TypeError(f"gradient {i} must be a torch.Tensor, got {type_name(g)}")
     if g.is_sparse:
