@@ -19,7 +19,7 @@ from torch import nn
 
 from distoptim.outer.fragments import partition
 
-STEPS_MAX = 64
+STEPS_MAX = 128
 BATCH = 4
 
 
@@ -91,30 +91,38 @@ def build(cfg: Config, model: nn.Module, **extra: Any) -> torch.optim.Optimizer:
 
 def run(
     cfg: Config,
-    replica: int,
-    replicas: int,
+    rank: int,
+    world: int,
     start: int = 0,
     stop: int | None = None,
     model: nn.Module | None = None,
     opt: torch.optim.Optimizer | None = None,
     **extra: Any,
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """Steps ``start .. stop - 1`` of replica ``replica`` with the distoptim optimizer."""
-    x, y = data(replicas)
+    """Steps ``start .. stop - 1`` of rank ``rank`` (of ``world``) with the distoptim optimizer."""
+    x, y = data(world)
     if model is None:
         model = mlp()
     if opt is None:
         opt = build(cfg, model, **extra)
     for t in range(start, cfg.steps if stop is None else stop):
         opt.zero_grad()
-        loss_of(model, x[replica, t], y[replica, t]).backward()
+        loss_of(model, x[rank, t], y[rank, t]).backward()
         opt.step()
     return model, opt
 
 
-def simulate(cfg: Config, replicas: int) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """The reference: ``(final local parameters of each replica, final global copy)``, flat."""
-    x, y = data(replicas)
+def simulate(
+    cfg: Config, world: int, ranks: list[int] | None = None
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The reference: ``(final local parameters of each replica, final global copy)``, flat.
+
+    The replicas are ``ranks`` (default: all ``world``), each reading its rank's data.
+    """
+    x, y = data(world)
+    ranks = list(range(world)) if ranks is None else ranks
+    x, y = x[ranks], y[ranks]
+    replicas = len(ranks)
     base = mlp()
     models = [copy.deepcopy(base) for _ in range(replicas)]
     inners = [INNER[cfg.inner](m.parameters()) for m in models]

@@ -19,7 +19,8 @@ Both phases are counted (and the emulated link paid) through :meth:`CommStats.se
 
 Formats (``Q`` encode, ``D`` decode):
 
-* ``bf16``: ``Q(x)`` = ``x`` rounded to bfloat16 (8 bits of mantissa): 2 bytes per value.
+* ``bf16``: ``Q(x)`` = ``x`` rounded to bfloat16 (8 significant bits, so a relative error of at
+  most ``2^-8``): 2 bytes per value.
 * ``int8``: per-chunk absmax scaling. A shard is cut into chunks of ``C`` values (``C`` = 256,
   smaller for small buffers); a chunk with largest magnitude ``a`` has the scale
   ``s = a / 127`` (stored as float32) and codes ``q = round(x / s)`` in ``[-127, 127]``, so

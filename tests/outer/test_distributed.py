@@ -1,0 +1,250 @@
+"""DiLoCo / LocalSGD on real process groups: replays against the references, wires, checkpoints.
+
+One 2-rank spawn runs every 2-replica check (the exact replays, the lossy wires, error
+feedback over 50 syncs, checkpoints with a sync in flight through torch.save and
+torch.distributed.checkpoint, the agreement check); one 4-rank spawn (slow) runs subgroups and
+a 4-way quantized mean. The parent compares against :mod:`tests.outer.reference`.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from distoptim.comm.fingerprint import MESSAGE_BYTES, ParameterMismatchError
+from distoptim.comm.quantize import Int8Codec, QuantizedMean
+from distoptim.comm.stats import CommStats, ring_allreduce_bytes
+from distoptim.launch import spawn
+from tests.outer import reference as ref
+from tests.outer.reference import Config
+
+ATOL = 1e-10
+EXACT = {
+    "diloco_sgd": Config(),
+    "diloco_adamw": Config(inner="adamw"),
+    "localsgd": Config(outer=None, sync_every=2, steps=6),
+    "fragments2": Config(sync_every=4, fragments=2, steps=12),
+    "streaming": Config(sync_every=4, fragments=2, delay=1, alpha=0.5, steps=13),
+}
+FIRST_SYNC = Config(sync_every=3, steps=3)  # one sync: the wire's error is visible alone
+DRIFT = Config(inner="adamw", sync_every=2, steps=100)  # 50 syncs
+NUMEL = 57  # parameters of reference.mlp()
+
+
+def _run(cfg: Config, rank: int, world: int, **extra: Any) -> dict[str, Any]:
+    model, opt = ref.run(cfg, rank, world, **extra)
+    return {
+        "local": ref.flat(model.parameters()),
+        "global": ref.flat(opt.global_parameters),
+        "bytes": opt.comm_stats.bytes_sent,
+        "collectives": opt.comm_stats.collectives,
+    }
+
+
+def _round_trip(cfg: Config, rank: int, world: int, split: int, ckpt_dir: str | None) -> bool:
+    """Checkpoint after ``split`` steps (torch.save, or DCP into ``ckpt_dir``), resume, compare."""
+    model, opt = ref.run(cfg, rank, world, stop=split)
+    if ckpt_dir is None:
+        buf = io.BytesIO()
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    else:  # per-replica keys: DCP writes one copy of each key, replicas differ between syncs
+        dcp.save(
+            {f"replica{rank}": {"model": model.state_dict(), "opt": opt.state_dict()}},
+            checkpoint_id=ckpt_dir,
+        )
+    ref.run(cfg, rank, world, start=split, model=model, opt=opt)
+
+    # the resumed replica starts elsewhere: other weights, a few steps of its own
+    model2, opt2 = ref.run(cfg, rank, world, stop=split, model=ref.mlp(seed=7))
+    if ckpt_dir is None:
+        saved = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+    else:
+        saved = {"model": model2.state_dict(), "opt": opt2.state_dict()}
+        dcp.load({f"replica{rank}": saved}, checkpoint_id=ckpt_dir)
+    model2.load_state_dict(saved["model"])
+    opt2.load_state_dict(saved["opt"])
+    ref.run(cfg, rank, world, start=split, model=model2, opt=opt2)
+    return torch.equal(ref.flat(model.parameters()), ref.flat(model2.parameters())) and (
+        torch.equal(ref.flat(opt.global_parameters), ref.flat(opt2.global_parameters))
+    )
+
+
+def _expect_mismatch(fn: Any) -> str:
+    try:
+        fn()
+    except ParameterMismatchError as exc:
+        return str(exc)
+    return "no error"
+
+
+def _two_ranks(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
+    out: dict[str, Any] = {name: _run(cfg, rank, world) for name, cfg in EXACT.items()}
+    for wire in ("fp32", "bf16", "int8"):
+        out["first", wire] = _run(Config(**{**vars(FIRST_SYNC), "wire": wire}), rank, world)
+        for ef in (True, False) if wire != "fp32" else (True,):
+            drift = Config(**{**vars(DRIFT), "wire": wire})
+            out["drift", wire, ef] = _run(drift, rank, world, error_feedback=ef)["local"]
+    stream_int8 = Config(**{**vars(EXACT["streaming"]), "wire": "int8"})
+    out["stream_int8"] = _run(stream_int8, rank, world)
+    out["resume", "fp32"] = _round_trip(EXACT["streaming"], rank, world, 6, None)
+    out["resume", "int8"] = _round_trip(stream_int8, rank, world, 6, None)
+    out["resume", "dcp"] = _round_trip(EXACT["streaming"], rank, world, 6, f"{ckpt_dir}/a")
+
+    # options that differ on one rank, and checkpoints of different steps
+    other = Config(sync_every=2 if rank == 0 else 4, steps=4)
+    out["mismatch_options"] = _expect_mismatch(lambda: ref.run(other, rank, world))
+    cfg = EXACT["fragments2"]  # rank 1 keeps its step-4 state, rank 0 its step-6 state
+    model, opt = ref.run(cfg, rank, world, stop=4)
+    sd = copy.deepcopy(opt.state_dict())
+    ref.run(cfg, rank, world, start=4, stop=6, model=model, opt=opt)
+    sd = sd if rank else opt.state_dict()
+    model, opt = ref.run(cfg, rank, world, stop=0)
+    opt.load_state_dict(sd)
+    out["mismatch_steps"] = _expect_mismatch(
+        lambda: ref.run(cfg, rank, world, start=sd["iterations"], model=model, opt=opt)
+    )
+    dist.barrier()  # every collective above paired up: the group is still usable
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return spawn(_two_ranks, 2, args=(str(tmp_path_factory.mktemp("dcp")),), timeout=120)
+
+
+@pytest.mark.parametrize("name", sorted(EXACT))
+def test_two_replicas_match_reference(two_ranks, name):
+    local, global_ = ref.simulate(EXACT[name], 2)
+    for rank in range(2):
+        got = two_ranks[rank][name]
+        torch.testing.assert_close(got["local"], local[rank], rtol=0, atol=ATOL)
+        torch.testing.assert_close(got["global"], global_, rtol=0, atol=ATOL)
+    # every replica holds the same global copy, bit for bit
+    assert torch.equal(two_ranks[0][name]["global"], two_ranks[1][name]["global"])
+
+
+def test_localsgd_is_the_parameter_average(two_ranks):
+    # at a sync step every replica holds the mean of the replicas' parameters
+    cfg = Config(outer=None, sync_every=1000, steps=6)  # the same steps, never synced
+    unsynced = [ref.flat(ref.run(cfg, r, 2)[0].parameters()) for r in range(2)]
+    synced = ref.simulate(Config(outer=None, sync_every=6, steps=6), 2)[0]
+    torch.testing.assert_close(synced[0], (unsynced[0] + unsynced[1]) / 2, rtol=0, atol=ATOL)
+
+
+def test_fp32_bytes_are_one_ring_all_reduce_per_sync(two_ranks):
+    got = two_ranks[0]["diloco_sgd"]
+    syncs = EXACT["diloco_sgd"].steps // EXACT["diloco_sgd"].sync_every
+    assert got["bytes"] == syncs * ring_allreduce_bytes(NUMEL * 8, 2) + MESSAGE_BYTES
+    assert got["collectives"] == syncs + 1  # + the one-time agreement check
+
+
+@pytest.mark.parametrize("wire", ["bf16", "int8"])
+def test_first_sync_error_is_bounded_by_the_quantization_step(two_ranks, wire):
+    exact, lossy = two_ranks[0]["first", "fp32"], two_ranks[0]["first", wire]
+    assert torch.equal(lossy["global"], two_ranks[1]["first", wire]["global"])
+    # Δ_r = θ_0 - θ_r(H), from the same inner steps without a sync
+    unsynced = Config(outer=None, sync_every=1000, steps=FIRST_SYNC.steps)
+    theta0 = ref.flat(ref.mlp().parameters())
+    deltas = [theta0 - ref.flat(ref.run(unsynced, r, 2)[0].parameters()) for r in range(2)]
+    mean = (deltas[0] + deltas[1]) / 2
+    if wire == "int8":
+        layout = Int8Codec().layout(NUMEL, 2)
+
+        def step(x):  # per element: absmax of its chunk / 127
+            padded = torch.zeros(layout.padded, dtype=x.dtype)
+            padded[:NUMEL] = x.abs()
+            chunks = padded.view(-1, layout.chunk)
+            return (chunks.amax(1, keepdim=True) / 127).expand_as(chunks).reshape(-1)[:NUMEL]
+
+        bound = (step(deltas[0]) + step(deltas[1])) / 4
+        bound = bound + step(mean.abs() + bound) / 2
+    else:
+        bound = 2**-8 * (deltas[0].abs() + deltas[1].abs()) / 2
+        bound = bound + 2**-8 * (mean.abs() + bound)
+    # first Nesterov step from a zero buffer moves θ by lr (1 + μ) Δ̄
+    diff = (lossy["global"] - exact["global"]).abs()
+    assert torch.all(diff <= 0.7 * 1.9 * bound * (1 + 1e-6) + 1e-15)
+    assert diff.max() > 0  # and it is lossy
+    assert lossy["bytes"] < exact["bytes"]
+
+
+@pytest.mark.parametrize("wire", ["bf16", "int8"])
+def test_error_feedback_reduces_the_drift_over_50_syncs(two_ranks, wire):
+    exact = two_ranks[0]["drift", "fp32", True]
+    with_ef = (two_ranks[0]["drift", wire, True] - exact).norm()
+    without = (two_ranks[0]["drift", wire, False] - exact).norm()
+    assert 0 < with_ef * 2 < without
+
+
+def test_streaming_int8_stays_close_and_moves_fewer_bytes(two_ranks):
+    exact, lossy = two_ranks[0]["streaming"], two_ranks[0]["stream_int8"]
+    assert torch.equal(lossy["global"], two_ranks[1]["stream_int8"]["global"])
+    rel = (lossy["global"] - exact["global"]).norm() / exact["global"].norm()
+    assert 0 < rel < 1e-2
+    assert lossy["bytes"] < exact["bytes"]
+
+
+@pytest.mark.parametrize("how", ["fp32", "int8", "dcp"])
+def test_resume_with_a_sync_in_flight(two_ranks, how):
+    assert two_ranks[0]["resume", how] and two_ranks[1]["resume", how]
+
+
+@pytest.mark.parametrize("case", ["mismatch_options", "mismatch_steps"])
+def test_replicas_that_disagree_raise_on_every_rank(two_ranks, case):
+    for rank in range(2):
+        text = two_ranks[rank][case]
+        assert "replicas disagree" in text and "rank 0" in text and "rank 1" in text, text
+
+
+# ---------------------------------------------------------------------------------------------
+# four ranks: subgroups, a 4-way quantized mean
+# ---------------------------------------------------------------------------------------------
+SUBGROUPS = [[0, 2], [1, 3]]
+
+
+def _four_ranks(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    out["diloco"] = _run(EXACT["diloco_adamw"], rank, world, group=SUBGROUPS)
+    out["streaming"] = _run(EXACT["streaming"], rank, world, group=SUBGROUPS)
+    pg, _ = dist.new_subgroups_by_enumeration(SUBGROUPS)
+    out["localsgd"] = _run(EXACT["localsgd"], rank, world, group=pg)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(1000, generator=g, dtype=torch.float64)
+    qm = QuantizedMean(Int8Codec(), None, world, CommStats())
+    layout = qm.layout(x.numel())
+    res = qm.new_residuals(layout, x)
+    mean = torch.empty_like(x)
+    qm.finish(qm.launch(x, res, None), mean, res)
+    out["mean"] = mean
+    return out
+
+
+@pytest.mark.slow
+def test_four_ranks_two_subgroups():
+    outs = spawn(_four_ranks, 4, timeout=240)
+    for name, cfg in (
+        ("diloco", EXACT["diloco_adamw"]),
+        ("streaming", EXACT["streaming"]),
+        ("localsgd", EXACT["localsgd"]),
+    ):
+        for members in SUBGROUPS:
+            local, global_ = ref.simulate(cfg, 4, members)
+            for i, rank in enumerate(members):
+                torch.testing.assert_close(outs[rank][name]["local"], local[i], rtol=0, atol=ATOL)
+                torch.testing.assert_close(outs[rank][name]["global"], global_, rtol=0, atol=ATOL)
+    # the two subgroups really trained apart
+    assert not torch.allclose(outs[0]["diloco"]["global"], outs[1]["diloco"]["global"])
+    xs = [
+        torch.randn(1000, generator=torch.Generator().manual_seed(r), dtype=torch.float64)
+        for r in range(4)
+    ]
+    exact = torch.stack(xs).mean(0)
+    assert all(torch.equal(outs[0]["mean"], o["mean"]) for o in outs)
+    steps = torch.stack([x.abs().max() for x in xs]).max() / 127  # a coarse, safe bound
+    assert 0 < (outs[0]["mean"] - exact).abs().max() <= steps
