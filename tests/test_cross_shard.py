@@ -12,6 +12,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -211,7 +212,7 @@ def _overlap_facts(rank: int, world: int, out: dict[str, Any]) -> None:
     results = {}
     for overlap in (False, True):
         model = _mlp()
-        opt = CrossShardOptimizer(_sgd(model), overlap=overlap)
+        opt = CrossShardOptimizer(_sgd(model), overlap=overlap, bucket_cap_mb=1e-9)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             opt.zero_grad()
@@ -224,8 +225,9 @@ def _overlap_facts(rank: int, world: int, out: dict[str, Any]) -> None:
             opt.step()
         results[overlap] = _flat(model)
         out[f"overlap/stale_warnings/{overlap}"] = sum(
-            "reducing .grad again" in str(w.message) for w in caught
+            "reduces .grad again" in str(w.message) for w in caught
         )
+        out[f"overlap/repeated/{overlap}"] = opt.comm_stats.repeated_rounds
         opt.remove_hooks()
     out["overlap/stale_equal"] = torch.equal(results[False], results[True])
 
@@ -297,13 +299,16 @@ def _mismatch(rank: int, world: int, out: dict[str, Any]) -> None:
     except ParameterMismatchError as exc:
         out["mismatch/count"] = str(exc)
     out["mismatch/unchanged"] = torch.equal(before, _flat(model)) and opt.iterations == 0
-    # a dtype mismatch with overlap on: the error comes out of backward()
+    # a dtype mismatch with overlap on: backward launches nothing before the ranks agreed, and
+    # the first step() raises
     model = _mlp().float() if rank == 1 else _mlp()
     opt = CrossShardOptimizer(_sgd(model), overlap=True)
     try:
         F.mse_loss(
             model(x[0, rows].to(model[0].weight.dtype)), y[0, rows].to(model[0].weight.dtype)
         ).backward()
+        out["mismatch/dtype_collectives_in_backward"] = opt.comm_stats.collectives
+        opt.step()
         out["mismatch/dtype"] = "no error"
     except ParameterMismatchError as exc:
         out["mismatch/dtype"] = str(exc)
@@ -374,7 +379,7 @@ def _state_and_subgroups(rank: int, world: int, out: dict[str, Any]) -> None:
     flat = _flat(model)
     out["replan/params_in_plan"] = len(opt.bucket_plan.params)
     out["replan/replicas_equal"] = all(torch.equal(f, flat) for f in _gather(flat))
-    out["replan/fingerprints"] = opt.comm_stats.collectives - 3 * len(opt.bucket_plan)
+    out["replan/repeated"] = opt.comm_stats.repeated_rounds
     opt.remove_hooks()
     # subgroups of one: every rank on its own, no gradient collective at all
     model = _mlp()
@@ -383,6 +388,32 @@ def _state_and_subgroups(rank: int, world: int, out: dict[str, Any]) -> None:
     out["solo/num_shards"] = opt.num_shards
     out["solo/collectives"] = opt.comm_stats.collectives
     out["solo"] = _flat(model)
+
+
+def _frozen_with_stale_grad(rank: int, world: int, out: dict[str, Any]) -> None:
+    """Finding 6: a requires_grad=False parameter is never updated, whatever .grad holds."""
+    x, y = _data(world)
+    rows = _rows([rank])
+    for passes in (1, 2):
+        for overlap in (False, True):
+            model = _mlp()
+            frozen = model[2].bias
+            frozen.requires_grad_(False)
+            frozen.grad = torch.ones_like(frozen)  # stale: torch's SGD would apply it
+            before = frozen.detach().clone()
+            opt = CrossShardOptimizer(_sgd(model), overlap=overlap, backward_passes_per_step=passes)
+            for k in range(2):
+                for _ in range(passes):
+                    F.mse_loss(model(x[k, rows]), y[k, rows]).backward()
+                opt.step()
+            flat = _flat(model)
+            out[f"frozen/{passes}/{overlap}"] = (
+                torch.equal(frozen.detach(), before),
+                torch.equal(frozen.grad, torch.ones_like(frozen)),  # left as it was
+                all(torch.equal(f, flat) for f in _gather(flat)),
+                not torch.equal(model[2].weight.detach(), _mlp()[2].weight.detach()),
+            )
+            opt.remove_hooks()
 
 
 def _two_rank_bundle(rank: int, world: int) -> dict[str, Any]:
@@ -395,6 +426,7 @@ def _two_rank_bundle(rank: int, world: int) -> dict[str, Any]:
         _mismatch,
         _compression,
         _state_and_subgroups,
+        _frozen_with_stale_grad,
     ):
         part(rank, world, out)
     return out
@@ -446,6 +478,10 @@ def test_overlap_launches_in_backward_and_never_changes_results(
         assert out["overlap/tf_overlapped"] == 0
         assert out["overlap/stale_warnings/False"] == 0
         assert out["overlap/stale_warnings/True"] == 1  # warned once, not per step
+        assert out["overlap/repeated/False"] == 0
+        # the second step's extra backward edited what its first pass launched (the first
+        # step launches nothing in backward: its plan is agreed in that step)
+        assert out["overlap/repeated/True"] == 1
         assert out["overlap/stale_equal"]
 
 
@@ -496,6 +532,7 @@ def test_mismatched_parameter_lists_raise_instead_of_hanging(
         assert "rank 1: 6 parameters" in out["mismatch/count"]
         assert out["mismatch/unchanged"]
         assert "ranks disagree" in out["mismatch/dtype"]
+        assert out["mismatch/dtype_collectives_in_backward"] == 0
 
 
 @pytest.mark.timeout(180)
@@ -505,7 +542,7 @@ def test_compression_is_close_and_sends_fewer_bytes(two_ranks: list[dict[str, An
         assert torch.allclose(out["compress/fp16"], exact, rtol=0, atol=2e-3)
         assert torch.allclose(out["compress/bf16"], exact, rtol=0, atol=2e-2)
         assert not torch.equal(out["compress/fp16"], exact)  # it really went through fp16
-        control = 40 + 4 * 8  # fingerprint all-gather + ready-order broadcast (4 params)
+        control = 40 + 5 * 8  # fingerprint all-gather + ready-order broadcast (flag, 4 params)
         full = out["compress/None/bytes"] - control
         assert out["compress/fp16/bytes"] - control == full // 4  # float64 -> float16
         assert out["compress/bf16/bytes"] - control == full // 4
@@ -525,12 +562,25 @@ def test_state_dict_round_trip_slots_and_subgroups_of_one(
         assert out["state/get_slot"]
         assert out["replan/params_in_plan"] == 3  # 4 params, one frozen
         assert out["replan/replicas_equal"]
-        # once per parameter list: the fingerprint and the ready-order broadcast
-        assert out["replan/fingerprints"] == 2 * 2
+        # the freeze is adopted by every rank at once: one round reduced again, new plan
+        assert out["replan/repeated"] == 1
         assert out["solo/num_shards"] == 1
         assert out["solo/collectives"] == 0
         assert _close(out["solo"], _reference(PLAIN, [rank], 2, "mean"))
     assert not torch.equal(two_ranks[0]["solo"], two_ranks[1]["solo"])
+
+
+@pytest.mark.timeout(180)
+def test_a_frozen_parameter_is_never_updated_by_its_stale_grad(
+    two_ranks: list[dict[str, Any]],
+) -> None:
+    for out in two_ranks:
+        for passes in (1, 2):
+            for overlap in (False, True):
+                unchanged, grad_kept, replicas_equal, others_trained = out[
+                    f"frozen/{passes}/{overlap}"
+                ]
+                assert unchanged and grad_kept and replicas_equal and others_trained
 
 
 # ---------------------------------------------------------------------------------------------
@@ -542,7 +592,9 @@ def _four_rank_subgroups(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for overlap in (False, True):
         model = _mlp()
-        opt = CrossShardOptimizer(_sgd(model), group_assignment=[[0, 2], [1, 3]], overlap=overlap)
+        # numpy integers and range(...) entries are ranks like any int (finding 7)
+        groups = [range(0, 4, 2), np.array([1, 3])]
+        opt = CrossShardOptimizer(_sgd(model), group_assignment=groups, overlap=overlap)
         _play(opt, model, MIXED, x[:, rows], y[:, rows])
         out[f"overlap={overlap}"] = _flat(model)
         out["num_shards"] = opt.num_shards
@@ -613,13 +665,16 @@ def test_world_size_one_group_warns_and_checks_ranks_against_it() -> None:
         ({"group_assignment": [[0, 1], [2]]}, ValueError, "same size"),
         ({"group_assignment": [[0, 1], [1, 2]]}, ValueError, r"rank\(s\) \[1\] more than once"),
         ({"group_assignment": [[0, 1], [3, 4]]}, ValueError, r"outside range\(world_size=4\)"),
-        ({"group_assignment": [[0.0, 1]]}, ValueError, "int ranks"),
+        ({"group_assignment": [[0.0, 1]]}, ValueError, r"ranks must be an int >= 0, got 0\.0"),
+        ({"group_assignment": [[-1, 1]]}, ValueError, r"ranks must be an int >= 0, got -1"),
+        ({"group_assignment": [[True, 1]]}, ValueError, "ranks must be an int"),
         ({"backward_passes_per_step": 0}, ValueError, "backward_passes_per_step must be"),
         ({"backward_passes_per_step": 1.0}, ValueError, "backward_passes_per_step must be"),
         ({"compression": "int8"}, ValueError, "allowed values are None, 'fp16', 'bf16'"),
         ({"bucket_cap_mb": 0}, ValueError, "bucket_cap_mb must be"),
         ({"overlap": 1}, TypeError, "overlap must be"),
         ({"name": 3}, TypeError, "name must be a str"),
+        ({"sequence_guard": 1}, TypeError, "sequence_guard must be True or False"),
     ],
 )
 def test_bad_arguments_are_rejected_clearly(kwargs: dict, error: type, match: str) -> None:
@@ -646,3 +701,121 @@ def test_non_optimizer_and_foreign_vars_are_rejected_without_changes() -> None:
         opt.apply_gradients([(torch.ones(3, dtype=torch.float64), frozen)])
     assert torch.equal(before, _flat(model)) and opt.iterations == 0
     assert distoptim.Reduction is Reduction and Reduction.parse("SUM") is Reduction.SUM
+
+
+# ---------------------------------------------------------------------------------------------
+# regressions of issue 10's findings 5-7 (one process)
+# ---------------------------------------------------------------------------------------------
+def _one_shard(opt: torch.optim.Optimizer, **kwargs: Any) -> CrossShardOptimizer:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "behaving as one shard"
+        return CrossShardOptimizer(opt, **kwargs)
+
+
+@pytest.mark.parametrize("passes", [1, 2])
+def test_frozen_parameter_rule_on_one_shard(passes: int) -> None:
+    # finding 6: requires_grad=False is never updated, with backward_passes_per_step 1 or 2 ...
+    x, y = _data(1)
+    model = _mlp()
+    frozen = model[2].bias
+    frozen.requires_grad_(False)
+    frozen.grad = torch.ones_like(frozen)
+    before = frozen.detach().clone()
+    opt = _one_shard(_sgd(model), backward_passes_per_step=passes)
+    for _ in range(passes):
+        F.mse_loss(model(x[0]), y[0]).backward()
+    opt.step()
+    assert torch.equal(frozen.detach(), before)
+    assert torch.equal(frozen.grad, torch.ones_like(frozen))  # left where the user put it
+    # ... where torch's own SGD applies the stale gradient (the rule differs on purpose)
+    plain = _sgd(model)
+    plain.step()
+    assert not torch.equal(frozen.detach(), before)
+
+
+def test_non_finite_hyperparameters_are_rejected() -> None:
+    # finding 7: torch accepts these, and every parameter would become NaN
+    params = list(_mlp().parameters())
+    bad: list[tuple[torch.optim.Optimizer, str]] = [
+        (torch.optim.SGD(params, lr=float("nan")), "lr=nan"),
+        (torch.optim.SGD(params, lr=0.1, momentum=float("inf")), "momentum=inf"),
+        (torch.optim.SGD(params, lr=0.1, weight_decay=float("nan")), "weight_decay=nan"),
+        (torch.optim.Adam(params, lr=float("inf")), "lr=inf"),
+        (torch.optim.SGD(params, lr=torch.tensor(float("nan"))), "lr=tensor"),
+    ]
+    for opt, match in bad:
+        with pytest.raises(ValueError, match=f"CrossShardOptimizer: param group 0 .*{match}"):
+            CrossShardOptimizer(opt)
+    opt = _one_shard(_sgd(_mlp()))
+    groups = len(opt.param_groups)
+    extra = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="lr=inf"):
+        opt.add_param_group({"params": [extra], "lr": float("inf")})
+    assert len(opt.param_groups) == groups  # the bad group was not kept
+    assert all(extra is not p for p in opt.bucket_plan.params)
+
+
+def test_group_assignment_accepts_numpy_and_range_entries() -> None:
+    # finding 7: numpy integers and range(...) are ranks like ints (form checked here; the
+    # 4-rank test reduces over such groups)
+    for groups in ([range(0, 2)], [np.array([0, 1])], [[np.int64(0), np.int32(1)]], ((0, 1),)):
+        assert _one_shard(_sgd(_mlp()), group_assignment=groups).group_assignment == [[0, 1]]
+    assert _one_shard(_sgd(_mlp()), group_assignment=np.arange(4).reshape(2, 2)).group_assignment
+    with pytest.raises(ValueError, match="list of lists"):
+        _one_shard(_sgd(_mlp()), group_assignment=np.int64(3))
+    with pytest.raises(ValueError, match="non-empty lists"):
+        _one_shard(_sgd(_mlp()), group_assignment=[range(0)])
+    assert (
+        _one_shard(_sgd(_mlp()), backward_passes_per_step=np.int64(2)).backward_passes_per_step == 2
+    )
+
+
+def _state_snapshot(opt: CrossShardOptimizer) -> tuple[Any, ...]:
+    sd = opt.state_dict()
+    state = {
+        k: {n: v.clone() if torch.is_tensor(v) else v for n, v in s.items()}
+        for k, s in sd["state"].items()
+    }
+    return state, copy.deepcopy(sd["param_groups"]), opt.iterations
+
+
+def _same_state(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    (sa, ga, ia), (sb, gb, ib) = a, b
+    if ga != gb or ia != ib or sa.keys() != sb.keys():
+        return False
+    return all(
+        all(torch.equal(v, sb[k][n]) if torch.is_tensor(v) else v == sb[k][n] for n, v in s.items())
+        for k, s in sa.items()
+    )
+
+
+@pytest.mark.parametrize(
+    ("edit", "error", "match"),
+    [
+        (lambda sd: sd.update(wrapper={"x": 1}), ValueError, "keeps no wrapper state"),
+        (lambda sd: sd.update(wrapper=[1]), TypeError, r"state_dict\['wrapper'\] must be a dict"),
+        (lambda sd: sd.update(iterations=-1), ValueError, "iterations"),
+        (lambda sd: sd["param_groups"].append(dict(sd["param_groups"][0])), ValueError, "groups"),
+        (lambda sd: sd["param_groups"][0]["params"].pop(), ValueError, "does not match"),
+        (lambda sd: sd.pop("state"), ValueError, "'state'"),
+    ],
+)
+def test_load_state_dict_validates_everything_before_changing_anything(
+    edit: Callable[[dict[str, Any]], None], error: type, match: str
+) -> None:
+    # finding 5: a rejected state_dict leaves the optimizer (inner state included) untouched
+    x, y = _data(1)
+    model = _mlp()
+    opt = _one_shard(torch.optim.Adam(model.parameters(), lr=0.05))
+    for k in range(2):
+        opt.minimize(lambda k=k: F.mse_loss(model(x[k]), y[k]))
+    other = _mlp()
+    donor = _one_shard(torch.optim.Adam(other.parameters(), lr=0.01))
+    donor.minimize(lambda: F.mse_loss(other(x[2]), y[2]))
+    sd = copy.deepcopy(donor.state_dict())  # a different, valid state ...
+    edit(sd)  # ... made invalid in one place
+    before = _state_snapshot(opt)
+    with pytest.raises(error, match=match):
+        opt.load_state_dict(sd)
+    assert _same_state(_state_snapshot(opt), before)
+    assert not _same_state(_state_snapshot(donor), before)  # loading it would have changed opt

@@ -17,6 +17,7 @@ from distoptim._version import __version__
 _EXPORTS: dict[str, str] = {
     "CrossShardOptimizer": "distoptim.cross_shard",
     "Reduction": "distoptim.cross_shard",
+    "DesyncError": "distoptim.comm.guard",
     "AGNOptimizer": "distoptim.agn.agn",
     "AGNCustomGetter": "distoptim.agn.getter",
     "DownpourOptimizer": "distoptim.agn.downpour",
@@ -45,6 +46,7 @@ __all__ = [
     "AGNCustomGetter",
     "AGNOptimizer",
     "CrossShardOptimizer",
+    "DesyncError",
     "DiLoCo",
     "DownpourOptimizer",
     "ElasticAverageOptimizer",
@@ -62,6 +64,7 @@ if _typing.TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from distoptim.agn.downpour import DownpourOptimizer
     from distoptim.agn.easgd import ElasticAverageOptimizer
     from distoptim.agn.getter import AGNCustomGetter
+    from distoptim.comm.guard import DesyncError
     from distoptim.cross_shard import CrossShardOptimizer, Reduction
     from distoptim.dtensor.sgd import SGD
     from distoptim.outer.diloco import DiLoCo

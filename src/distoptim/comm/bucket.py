@@ -9,13 +9,20 @@ layout always pair their collectives correctly.
 
 Flat layout of one bucket of ``k`` parameters with ``n`` gradient elements in total::
 
-    [ grad_0 | grad_1 | ... | grad_{k-1} | flag_0 ... flag_{k-1} ]      (n + k elements)
+    [ grad_0 | grad_1 | ... | grad_{k-1} | flag_0 ... flag_{k-1} | trailer ]   (n + k + t)
 
 ``flag_i`` is 1 where this rank had a gradient for member ``i`` and 0 where it did not (its
 slot is zero-filled, Horovod's rule). After a SUM all-reduce a flag is > 0 exactly when *some*
 rank had that gradient, so every rank agrees, without an extra collective, on which parameters
 received a gradient at all (the others keep ``grad = None`` and the inner optimizer skips them
 as it would locally).
+
+The *trailer* (``t`` elements, only in the plan's last bucket, and only when the plan is built
+with ``trailer=t``) carries the round's sequence words (:mod:`distoptim.comm.guard`) in the
+same all-reduce: it is not divided when averaging and not touched by :meth:`Bucket.pack`. The
+last bucket is the one launched last, so its words can say what became known last (an edit of
+``.grad`` after backward). A plan with no parameters but a trailer has one bucket that holds
+only the trailer.
 """
 
 from __future__ import annotations
@@ -34,7 +41,8 @@ class Bucket:
 
     ``members`` are indices into :attr:`BucketPlan.params`, in ready order; ``offsets[i]`` and
     ``shapes[i]`` place member ``i`` in the flat buffer; ``numel`` is the number of gradient
-    elements (the buffer holds ``numel + len(members)`` elements, see the module docstring).
+    elements; ``trailer`` the number of sequence-word elements after the flags (the buffer
+    holds ``numel + len(members) + trailer`` elements, see the module docstring).
     """
 
     index: int
@@ -44,12 +52,18 @@ class Bucket:
     offsets: list[int] = field(default_factory=list)
     shapes: list[torch.Size] = field(default_factory=list)
     numel: int = 0
+    trailer: int = 0
     _buffer: torch.Tensor | None = field(default=None, repr=False)
     _views: list[torch.Tensor] | None = field(default=None, repr=False)
 
     @property
     def size(self) -> int:
-        """Elements in the flat buffer: the gradients plus one presence flag per member."""
+        """Elements in the flat buffer: gradients, one presence flag per member, the trailer."""
+        return self.numel + len(self.members) + self.trailer
+
+    @property
+    def head(self) -> int:
+        """Elements before the trailer: the gradients and the flags (what averaging divides)."""
         return self.numel + len(self.members)
 
     @property
@@ -111,11 +125,16 @@ class Bucket:
             torch._foreach_copy_(dst, src)
         if absent:
             torch._foreach_zero_(absent)
-        buffer[self.numel :].copy_(torch.tensor(flags, dtype=self.dtype))
+        if flags:
+            buffer[self.numel : self.head].copy_(torch.tensor(flags, dtype=self.dtype))
 
     def present(self, buffer: torch.Tensor) -> list[bool]:
         """Per member: did any rank contribute a gradient (flag != 0 after the reduction)?"""
-        return (buffer[self.numel :] != 0).tolist()
+        return (buffer[self.numel : self.head] != 0).tolist()
+
+    def trailer_of(self, buffer: torch.Tensor) -> torch.Tensor:
+        """The trailer part of ``buffer`` (a view; empty when this bucket has none)."""
+        return buffer[self.head : self.head + self.trailer]
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -133,6 +152,10 @@ class BucketPlan:
     ``cap_bytes`` (``first_cap_bytes`` for the first bucket of each ``(dtype, device)``: a
     small first bucket lets the first collective start early in backward, as DDP's 1 MiB first
     bucket does).
+
+    ``trailer=t`` gives the last bucket ``t`` extra elements for the round's sequence words
+    (see the module docstring); a plan without parameters then has one trailer-only bucket of
+    ``trailer_dtype`` on ``trailer_device``.
     """
 
     def __init__(
@@ -141,9 +164,15 @@ class BucketPlan:
         cap_bytes: int,
         first_cap_bytes: int | None = None,
         order: Sequence[int] | None = None,
+        *,
+        trailer: int = 0,
+        trailer_dtype: torch.dtype = torch.float32,
+        trailer_device: torch.device | str = "cpu",
     ) -> None:
         if cap_bytes <= 0:
             raise ValueError(f"cap_bytes must be > 0, got {cap_bytes}")
+        if trailer < 0:
+            raise ValueError(f"trailer must be >= 0, got {trailer}")
         n = len(params)
         ready = list(reversed(range(n))) if order is None else [int(i) for i in order]
         if sorted(ready) != list(range(n)):
@@ -173,6 +202,11 @@ class BucketPlan:
             self.bucket_of[i] = bucket.index
             self.slot_of[i] = len(bucket.members)
             bucket._add(i, p.shape, p.numel())
+        if trailer:
+            if not self.buckets:
+                device = torch.device(trailer_device)
+                self.buckets.append(Bucket(index=0, dtype=trailer_dtype, device=device))
+            self.buckets[-1].trailer = trailer
 
     def __len__(self) -> int:
         return len(self.buckets)

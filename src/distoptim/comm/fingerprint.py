@@ -6,7 +6,9 @@ mismatch (wrong sums, or a wait until the timeout). Before the first gradient co
 rank therefore all-gathers a fixed-size digest -- BLAKE2b over the ordered shapes, dtypes and
 ``requires_grad`` flags plus the communication options -- and the parameter count. The message
 has the same size on every rank, so the check itself cannot hang on a mismatch; every rank sees
-the same gathered table and all of them raise together.
+the same gathered table and all of them raise together. Later changes of the parameter list
+are agreed round by round through the sequence words (:mod:`distoptim.comm.guard`), which carry
+a 48-bit prefix of the same digest; :class:`ParameterMismatchError` is defined there.
 """
 
 from __future__ import annotations
@@ -17,15 +19,13 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from distoptim.comm.guard import ParameterMismatchError
+
 __all__ = ["MESSAGE_BYTES", "ParameterMismatchError", "check_agreement", "digest"]
 
 _WORDS = 4  # 32-byte digest as four int64 words
 MESSAGE_BYTES = 8 * (1 + _WORDS)
 """Bytes of one rank's message in :func:`check_agreement`: the count and the digest words."""
-
-
-class ParameterMismatchError(RuntimeError):
-    """Ranks of one (sub)group disagree on the parameters or the communication options."""
 
 
 def digest(params: Sequence[torch.Tensor], options: Mapping[str, object]) -> bytes:

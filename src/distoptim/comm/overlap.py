@@ -1,26 +1,38 @@
-"""Overlap of gradient all-reduces with backward, driven by post-accumulate-grad hooks.
+"""Backward-pass hooks: counting a step's backward passes, and overlapping buckets with them.
 
 Owns the per-parameter hooks and the bookkeeping of one optimizer step's backward passes.
-Modeled on DDP's reducer (``torch/csrc/distributed/c10d/reducer.cpp``): a parameter is marked
-ready when autograd has finished accumulating its gradient (``register_post_accumulate_grad_hook``);
-when every member of a bucket is ready the bucket is launched -- but only in bucket order
-("buckets are reduced in sequence", reducer.cpp's ``next_bucket_``), so a late bucket holds back
-the ones after it and every rank issues the same collectives in the same order. At the end of
-the step's last backward pass (an autograd engine callback, the moment DDP's
+
+:class:`PassCounter` counts the backward passes since the last ``step()`` that reached the
+parameters it watches (a post-accumulate-grad hook marks the pass, an autograd engine callback
+counts it when the pass ends). The sequence guard (:mod:`distoptim.comm.guard`) compares the
+count across ranks, which is how a skipped ``step()`` (two passes where peers had one) or an
+extra ``backward()`` becomes an error instead of gradients of different iterations summed.
+Without overlap it watches a few *sentinel* parameters only (:func:`sentinels`), so counting
+costs a handful of hook calls per pass, not one per parameter.
+
+:class:`BackwardOverlap` is modeled on DDP's reducer (``torch/csrc/distributed/c10d/
+reducer.cpp``): a parameter is marked ready when autograd has finished accumulating its gradient
+(``register_post_accumulate_grad_hook``); when every member of a bucket is ready the bucket is
+launched -- but only in bucket order ("buckets are reduced in sequence", reducer.cpp's
+``next_bucket_``), so a late bucket holds back the ones after it and every rank issues the same
+collectives in the same order. At the end of the step's last backward pass (the moment DDP's
 ``finalize_backward`` runs) the buckets that did not fill -- parameters without a gradient in
-that pass -- are launched too. Nothing waits in backward: ``step()`` waits. The hooks also
-record the order gradients became ready (``observed``), which the optimizer uses once per
-parameter list to rebuild the buckets in that order, as DDP rebuilds its buckets after the
-first iteration.
+that pass -- are launched too, except the round's *held* last bucket, which ``step()`` launches
+with the round's sequence words (see :mod:`distoptim.comm.reducer`). Nothing waits in backward:
+``step()`` waits. The hooks also record the order gradients became ready (``observed``), which
+the optimizer uses once per parameter list to rebuild the buckets in that order, as DDP rebuilds
+its buckets after the first iteration.
 
 Gradient accumulation: with ``passes_per_step = N`` only the N-th backward pass since the last
-reset launches anything; the first N-1 accumulate locally into ``.grad``.
+``step()`` launches anything; earlier passes accumulate locally into ``.grad``, later ones
+(an extra ``backward()``) launch nothing more. At most one round is launched per step; the
+optimizer owns it until ``step()`` closes it, whatever happens in between (``zero_grad``,
+another pass, a new parameter list), so every rank issues exactly one set of bucket
+collectives per round.
 
-The launched round read ``.grad`` when backward produced it. :meth:`take_round` hands it to
-``step()`` only if every gradient it read is still the same tensor at the same version
-(``Tensor._version`` counts in-place writes): clipping, unscaling, another backward pass or
-``zero_grad`` in between make the round *stale*, and the caller reduces ``.grad`` afresh, so
-overlap never changes what is applied. Only backward passes that reach ``.grad`` count:
+The launched round read ``.grad`` when backward produced it; ``step()`` checks (by
+``Tensor._version``) whether it is still what ``.grad`` holds, and the ranks agree on reducing
+again if it is not on any of them. Only backward passes that reach ``.grad`` count:
 ``torch.autograd.grad`` (the TF path's ``compute_gradients``) never runs these hooks.
 """
 
@@ -28,7 +40,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.autograd import Variable
@@ -37,14 +49,100 @@ from distoptim.comm.bucket import BucketPlan
 from distoptim.comm.reducer import ReduceRound
 from distoptim.comm.stats import CommStats
 
-__all__ = ["BackwardOverlap"]
+__all__ = ["BackwardOverlap", "PassCounter", "sentinels"]
+
+MAX_SENTINELS = 4
+
+
+def sentinels(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Up to :data:`MAX_SENTINELS` parameters spread over ``params``: first, last, between.
+
+    A backward pass that reaches none of them is not counted (a model whose first and last
+    trainable parameters, and two between, all go unused in a pass, on some ranks only).
+    """
+    n = len(params)
+    if n <= MAX_SENTINELS:
+        return list(params)
+    picks = sorted({round(k * (n - 1) / (MAX_SENTINELS - 1)) for k in range(MAX_SENTINELS)})
+    return [params[i] for i in picks]
+
+
+def _queue_at_backward_end(fn: Callable[[], None]) -> None:
+    """Run ``fn`` when the running backward pass ends (autograd engine callback).
+
+    The one private torch API this module uses; callable only from within a backward hook.
+    """
+    Variable._execution_engine.queue_callback(fn)
+
+
+class PassCounter:
+    """Backward passes since :meth:`reset` that reached at least one watched parameter.
+
+    ``completed``: passes that have ended. Parameters are watched either by :meth:`watch`
+    (this counter's own hooks) or by a :class:`BackwardOverlap` calling :meth:`note_grad` from
+    its hooks. ``listeners`` run at the end of every counted pass, after ``completed`` grew.
+    """
+
+    def __init__(self) -> None:
+        self.completed = 0
+        self.listeners: list[Callable[[], None]] = []
+        self._queued = False
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    def watch(self, params: Sequence[torch.Tensor]) -> None:
+        """Hook ``params`` (weakly bound to ``self``); replaces what was watched before."""
+        self.unwatch()
+        ref = weakref.ref(self)
+        for p in params:
+            if p.requires_grad:
+                self._handles.append(
+                    p.register_post_accumulate_grad_hook(functools.partial(_noted, ref))
+                )
+
+    def unwatch(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def __del__(self) -> None:
+        self.unwatch()
+
+    def note_grad(self) -> None:
+        """A watched gradient was accumulated: make sure the running pass gets counted."""
+        if not self._queued:
+            _queue_at_backward_end(functools.partial(_pass_ended, weakref.ref(self)))
+            self._queued = True
+
+    def _on_pass_end(self) -> None:
+        self._queued = False
+        self.completed += 1
+        for fn in list(self.listeners):
+            fn()
+
+    def reset(self) -> None:
+        """Start counting afresh (``step()``); also recovers from a backward that raised."""
+        self.completed = 0
+        self._queued = False
+
+
+def _noted(ref: weakref.ref[PassCounter], param: torch.Tensor) -> None:
+    owner = ref()
+    if owner is not None:
+        owner.note_grad()
+
+
+def _pass_ended(ref: weakref.ref[PassCounter]) -> None:
+    owner = ref()
+    if owner is not None:
+        owner._on_pass_end()
 
 
 class BackwardOverlap:
-    """Hooks on ``plan.params`` that launch bucket reductions during the step's last backward.
+    """Hooks on ``plan.params`` that launch bucket reductions during the step's N-th pass.
 
-    ``new_round()`` makes the :class:`ReduceRound` of a step (reading ``.grad``). State per
-    step: ``passes`` (backward passes finished since :meth:`reset`) and the round in flight.
+    ``round_for_launch()`` returns the round to launch into (the optimizer creates it on first
+    use and keeps it until ``step()``), or None when nothing may be launched now (the plan is
+    not yet agreed by every rank). ``counter`` counts the passes; this object's hooks feed it.
     ``observed`` is the order in which gradients became ready in the last completed launching
     pass (parameter indices), for a DDP-style bucket rebuild. ``stats.overlapped`` counts the
     buckets launched while that pass still had gradients to produce.
@@ -54,21 +152,21 @@ class BackwardOverlap:
         self,
         plan: BucketPlan,
         passes_per_step: int,
-        new_round: Callable[[], ReduceRound],
+        counter: PassCounter,
+        round_for_launch: Callable[[], ReduceRound | None],
         stats: CommStats,
     ) -> None:
         self.plan = plan
         self.passes_per_step = passes_per_step
-        self._new_round = new_round
+        self.counter = counter
+        self._round_for_launch = round_for_launch
         self._stats = stats
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._round: ReduceRound | None = None
         self._ready = [0] * len(plan)
-        self._callback_queued = False
         self._fired: list[int] = []  # param indices, in hook order, of the launching pass
         self._launched_at: list[int] = []  # len(_fired) when each bucket was launched
+        self._listener: Callable[[], None] | None = None
         self.observed: list[int] = []
-        self.passes = 0
 
     # ---- hooks ----------------------------------------------------------------------------
     def attach(self) -> None:
@@ -78,70 +176,49 @@ class BackwardOverlap:
             if p.requires_grad:
                 hook = functools.partial(_grad_ready, ref, i)
                 self._handles.append(p.register_post_accumulate_grad_hook(hook))
+        self._listener = functools.partial(_pass_done, ref)
+        self.counter.listeners.append(self._listener)
 
     def detach(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
+        if self._listener is not None and self._listener in self.counter.listeners:
+            self.counter.listeners.remove(self._listener)
+        self._listener = None
 
     def __del__(self) -> None:
         self.detach()
 
     # ---- state --------------------------------------------------------------------------------
-    def reset(self) -> None:
-        """Forget this step's passes; wait for (and drop) any collective still in flight."""
-        if self._round is not None:
-            self._round.drain()
-        self._round = None
+    def new_step(self) -> None:
+        """Forget the readiness of the step that ended (``step()`` took its round)."""
         self._ready = [0] * len(self.plan)
-        self._callback_queued = False  # also recovers from a backward that raised midway
         self._fired = []
         self._launched_at = []
-        self.passes = 0
-
-    def take_round(self) -> tuple[ReduceRound | None, bool]:
-        """``(round, stale)``: the round launched in backward if still valid, for ``step()``.
-
-        ``round`` is None when no backward pass launched one (fewer than N passes, or none)
-        or when it is stale (``stale=True``; it was drained). Either way the caller reduces
-        ``.grad`` itself. The state is reset.
-        """
-        rnd, self._round = self._round, None
-        stale = rnd is not None and not rnd.inputs_unchanged()
-        if stale:
-            rnd.drain()  # type: ignore[union-attr]
-            rnd = None
-        self.reset()
-        return rnd, stale
 
     def _on_grad_ready(self, index: int) -> None:
-        if not self._callback_queued:
-            Variable._execution_engine.queue_callback(
-                functools.partial(_backward_done, weakref.ref(self))
-            )
-            self._callback_queued = True
-        if self.passes != self.passes_per_step - 1:
+        self.counter.note_grad()
+        if self.counter.completed != self.passes_per_step - 1:
             return  # an accumulation pass (or one past the N-th): nothing to send now
         self._fired.append(index)
         self._ready[self.plan.bucket_of[index]] += 1
-        if self._round is None:
-            self._round = self._new_round()
-        rnd = self._round
+        rnd = self._round_for_launch()
+        if rnd is None:
+            return
         buckets = self.plan.buckets
-        while rnd.next_bucket < len(buckets) and self._ready[rnd.next_bucket] == len(
+        while rnd.next_bucket < rnd.launchable and self._ready[rnd.next_bucket] == len(
             buckets[rnd.next_bucket].members
         ):
             rnd.launch_next()
             self._launched_at.append(len(self._fired))
 
-    def _on_backward_done(self) -> None:
-        self._callback_queued = False
-        self.passes += 1
-        if self.passes != self.passes_per_step:
+    def _on_pass_end(self) -> None:
+        if self.counter.completed != self.passes_per_step:
             return
-        if self._round is None:
-            self._round = self._new_round()
-        self._round.launch_remaining()  # buckets with a member that got no gradient this pass
+        rnd = self._round_for_launch()
+        if rnd is not None:
+            rnd.launch_launchable()  # buckets with a member that got no gradient this pass
         # overlapped = launched before the pass's last gradient was ready
         self._stats.overlapped += sum(1 for at in self._launched_at if at < len(self._fired))
         self.observed = self._fired
@@ -154,7 +231,7 @@ def _grad_ready(ref: weakref.ref[BackwardOverlap], index: int, param: torch.Tens
         owner._on_grad_ready(index)
 
 
-def _backward_done(ref: weakref.ref[BackwardOverlap]) -> None:
+def _pass_done(ref: weakref.ref[BackwardOverlap]) -> None:
     owner = ref()
     if owner is not None:
-        owner._on_backward_done()
+        owner._on_pass_end()

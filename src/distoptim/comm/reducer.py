@@ -10,7 +10,13 @@ others only at ``step()``.
 
 Math: after :meth:`ReduceRound.wait_all` every buffer holds ``sum_r (x_r / divisor)`` over the
 ranks ``r`` of the group (``x_r`` = rank ``r``'s packed bucket, zeros where it had no gradient),
-computed in the wire dtype and stored in the bucket dtype.
+computed in the wire dtype and stored in the bucket dtype; a bucket's trailer (the round's
+sequence words, :mod:`distoptim.comm.guard`) is summed but never divided.
+
+A round whose plan has a trailer *holds* its last bucket: backward hooks may launch every other
+bucket early, the last one is launched by :meth:`ReduceRound.wait_all` together with the words
+the caller writes into its trailer then. A collective that fails while being waited for (a peer
+left the group) raises :class:`~distoptim.comm.guard.DesyncError` naming the round and bucket.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import torch.distributed as dist
 
 from distoptim.comm.bucket import Bucket, BucketPlan
 from distoptim.comm.compression import WireFormat
+from distoptim.comm.guard import DesyncError
 from distoptim.comm.stats import CommStats, ring_allreduce_bytes
 
 __all__ = ["BucketAllReduce", "PendingReduce", "ReduceRound"]
@@ -57,9 +64,12 @@ class BucketAllReduce:
         self.stats = stats
 
     def launch(self, bucket: Bucket, buffer: torch.Tensor, divisor: float) -> PendingReduce:
-        """Start reducing the packed ``buffer`` of ``bucket`` (``buffer /= divisor`` first)."""
-        if divisor != 1:
-            buffer.div_(divisor)  # before encoding: a float16 sum then stays in range
+        """Start reducing the packed ``buffer`` of ``bucket`` (``buffer /= divisor`` first).
+
+        The division spares the bucket's trailer (the last ``bucket.trailer`` elements).
+        """
+        if divisor != 1:  # before encoding: a float16 sum then stays in range
+            (buffer[: buffer.numel() - bucket.trailer] if bucket.trailer else buffer).div_(divisor)
         wire = self.wire.encode(buffer)
         work = None
         if self.group_size > 1:
@@ -81,7 +91,8 @@ class ReduceRound:
 
     ``grads_of(bucket)`` gives the member gradients (None allowed) to pack when a bucket is
     launched; ``buffer_of(bucket)`` the buffer to pack them into (the bucket's persistent buffer
-    for ``.grad``, a fresh one where results must not alias anything).
+    for ``.grad``, a fresh one where results must not alias anything). ``what`` names the round
+    in errors (e.g. ``"step 3's reduction"``).
     """
 
     def __init__(
@@ -91,12 +102,14 @@ class ReduceRound:
         grads_of: Callable[[Bucket], Sequence[torch.Tensor | None]],
         buffer_of: Callable[[Bucket], torch.Tensor],
         divisor: float,
+        what: str = "a gradient reduction",
     ) -> None:
         self.plan = plan
         self.reducer = reducer
         self.grads_of = grads_of
         self.buffer_of = buffer_of
         self.divisor = divisor
+        self.what = what
         self.pending: list[PendingReduce] = []
         self._inputs: list[list[tuple[torch.Tensor | None, int]]] = []
 
@@ -105,23 +118,56 @@ class ReduceRound:
         """Index of the next bucket to launch (``len(plan)`` once all are in flight)."""
         return len(self.pending)
 
-    def launch_next(self) -> None:
+    @property
+    def launchable(self) -> int:
+        """Buckets that may be launched before :meth:`wait_all`: all but a held last one."""
+        n = len(self.plan)
+        return n - 1 if n and self.plan.buckets[-1].trailer else n
+
+    def launch_next(self, write_trailer: Callable[[torch.Tensor], None] | None = None) -> None:
+        """Pack and launch the next bucket; ``write_trailer(view)`` fills its trailer, if any."""
         bucket = self.plan.buckets[self.next_bucket]
         buffer = self.buffer_of(bucket)
         grads = self.grads_of(bucket)
         bucket.pack(buffer, grads)
+        if bucket.trailer:
+            trailer = bucket.trailer_of(buffer)
+            if write_trailer is None:
+                trailer.zero_()
+            else:
+                write_trailer(trailer)
         self._inputs.append([(g, -1 if g is None else g._version) for g in grads])
         pending = self.reducer.launch(bucket, buffer, self.divisor)
         self.pending.append(pending)
 
-    def launch_remaining(self) -> None:
-        while self.next_bucket < len(self.plan):
+    def launch_launchable(self) -> None:
+        """Launch every bucket not yet in flight except a held last one."""
+        while self.next_bucket < self.launchable:
             self.launch_next()
 
-    def wait_all(self) -> list[torch.Tensor]:
-        """Launch what is left, wait for everything; the reduced buffers in bucket order."""
-        self.launch_remaining()
-        return [self.reducer.finish(p) for p in self.pending]
+    def wait_all(
+        self, write_trailer: Callable[[torch.Tensor], None] | None = None
+    ) -> list[torch.Tensor]:
+        """Launch what is left (the held bucket with ``write_trailer``), wait for everything.
+
+        Returns the reduced buffers in bucket order. Raises
+        :class:`~distoptim.comm.guard.DesyncError` if a collective fails while waited for.
+        """
+        while self.next_bucket < len(self.plan):
+            self.launch_next(write_trailer)
+        out = []
+        for k, p in enumerate(self.pending):
+            try:
+                out.append(self.reducer.finish(p))
+            except RuntimeError as exc:
+                rank = dist.get_rank() if dist.is_initialized() else 0
+                raise DesyncError(
+                    f"CrossShardOptimizer: rank {rank}: {self.what} failed while waiting for "
+                    f"bucket {k + 1} of {len(self.pending)}: {exc}\nA peer stopped taking part "
+                    "in this group's collectives: it raised (its own error is the real cause), "
+                    "returned, crashed, or entered a different collective."
+                ) from exc
+        return out
 
     def inputs_unchanged(self) -> bool:
         """Are the gradients the launched buckets read still the same tensors, unmodified?
@@ -134,11 +180,3 @@ class ReduceRound:
                 if g is not old or (g is not None and g._version != version):
                     return False
         return True
-
-    def drain(self) -> None:
-        """Wait for what is in flight and drop the results (keeps collectives paired)."""
-        for p in self.pending:
-            if p.work is not None:
-                p.work.wait()
-        self.pending = []
-        self._inputs = []

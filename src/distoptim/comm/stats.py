@@ -35,11 +35,15 @@ class CommStats:
     * ``bytes_sent``: bytes this rank put on the wire (ring model, wire dtype).
     * ``overlapped``: bucket all-reduces launched while backward still had gradients to
       produce, i.e. really overlapped with computation (0 without ``overlap=True``).
+    * ``repeated_rounds``: rounds reduced a second time, on every rank at once, because some
+      rank edited ``.grad`` after backward had launched its buckets, or the parameter list
+      changed (their collectives are in ``collectives`` too).
     """
 
     collectives: int = 0
     bytes_sent: int = 0
     overlapped: int = 0
+    repeated_rounds: int = 0
 
     def send(self, nbytes: int, collectives: int = 1) -> None:
         """Account ``collectives`` launched collectives putting ``nbytes`` on the wire (this rank).

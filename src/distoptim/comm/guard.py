@@ -1,0 +1,267 @@
+"""The collective sequence guard: what every reduction round carries so that ranks agree on it.
+
+Owns :class:`DesyncError` (and its subclass :class:`ParameterMismatchError`), the words one
+rank contributes to a round (:class:`GuardWords`), their encoding into the round's *trailer*
+(:class:`GuardCodec`) and the verdict every rank derives from the decoded table
+(:func:`check_round`). No communication happens here: the trailer rides in the last bucket of
+the round's own all-reduce (see :mod:`distoptim.comm.bucket`), so the guard adds no collective.
+
+Encoding. A round's trailer has ``group_size * CHUNKS`` elements; group rank ``r`` writes its
+words, cut into 8-bit chunks, into slots ``[r * CHUNKS, (r + 1) * CHUNKS)`` and zeros
+everywhere else. After the SUM all-reduce every slot holds exactly one rank's chunk -- an
+all-gather carried by the sum -- so every rank decodes the same table of every rank's words.
+Chunks are integers in ``[0, 255]``: exact in every floating dtype a bucket or its wire can
+have (bfloat16 represents every integer up to 256), so compression cannot blur them. A trailer
+whose slots are not such integers is itself proof that the ranks' collectives did not pair.
+
+Verdict (the same on every rank, because every rank reads the same table):
+
+* ranks disagree on the parameter fingerprint -> :class:`ParameterMismatchError`;
+* ranks disagree on the round's kind (``step()``, ``apply_gradients``, ``finish()``, ...), or,
+  with the sequence check on, on the step counter or the number of backward passes since the
+  last ``step()`` -> :class:`DesyncError`, naming every rank's words;
+* otherwise the round stands. If any rank set ``edited`` (it changed ``.grad`` after backward
+  had launched its buckets) or ``replanned`` (its parameter list changed since the plan in
+  use), every rank reduces again, each with its current parameter list -- the same on every
+  rank, since the fingerprints agree.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "CHUNKS",
+    "DesyncError",
+    "GuardCodec",
+    "GuardWords",
+    "ParameterMismatchError",
+    "RoundKind",
+    "Verdict",
+    "check_round",
+    "plan_word",
+]
+
+
+class DesyncError(RuntimeError):
+    """Ranks of one group stopped following the same sequence of reduction rounds.
+
+    Raised on every rank of the group by the round in which the divergence shows (or, when a
+    peer left the group, on the ranks still waiting for it). ``table`` holds every rank's
+    :class:`GuardWords` for that round when they were exchanged (empty otherwise).
+    """
+
+    def __init__(self, message: str, table: Sequence[GuardWords] = ()) -> None:
+        super().__init__(message)
+        self.table = list(table)
+
+
+class ParameterMismatchError(DesyncError):
+    """Ranks of one (sub)group disagree on the parameters or the communication options."""
+
+
+class RoundKind(enum.IntEnum):
+    """Which operation a reduction round belongs to (ranks must agree on it)."""
+
+    STEP = 1  # step(): the reduction of .grad
+    REPAIR = 2  # the same operation's second round (.grad edited after launch, or a new plan)
+    PAIRS = 3  # apply_gradients: the given (grad, var) pairs
+    FINISH = 4  # finish(): this rank takes no more steps
+    ABANDON = 5  # a round launched in backward, closed by remove_hooks() without step()
+
+    def describe(self) -> str:
+        return _KIND_TEXT[self]
+
+
+_KIND_VALUES = frozenset(k.value for k in RoundKind)
+_KIND_TEXT = {
+    RoundKind.STEP: "step()",
+    RoundKind.REPAIR: "the repeat reduction of a step()",
+    RoundKind.PAIRS: "apply_gradients()",
+    RoundKind.FINISH: "finish()",
+    RoundKind.ABANDON: "remove_hooks() after a backward() without step()",
+}
+
+# (field, bits): the words in trailer order; CHUNKS 8-bit chunks per rank in all
+_FIELDS: tuple[tuple[str, int], ...] = (
+    ("kind", 8),
+    ("step", 40),
+    ("passes", 16),
+    ("plan", 48),
+    ("params", 24),
+    ("flags", 8),
+)
+_CHUNK_BITS = 8
+CHUNKS = sum(bits // _CHUNK_BITS for _, bits in _FIELDS)
+"""Trailer elements per rank."""
+
+
+def plan_word(digest: bytes) -> int:
+    """The 48-bit plan fingerprint a round carries, from a parameter-list digest."""
+    return int.from_bytes(digest[:6], "little")
+
+
+@dataclass(frozen=True)
+class GuardWords:
+    """One rank's contribution to a round.
+
+    ``step``: the optimizer's ``iterations``; ``passes``: backward passes since the last
+    ``step()`` (both 0 with the sequence check off); ``plan``: 48-bit fingerprint of this
+    rank's trainable parameters and options; ``params``: how many there are; ``edited``: this
+    rank changed ``.grad`` after backward had launched its buckets; ``replanned``: its
+    parameter list changed since the plan the round used. Values too wide for their field
+    saturate (``passes`` at 65535, ...): equal values stay equal.
+    """
+
+    kind: RoundKind
+    step: int
+    passes: int
+    plan: int
+    params: int
+    edited: bool = False
+    replanned: bool = False
+
+    @property
+    def flags(self) -> int:
+        return int(self.edited) | int(self.replanned) << 1
+
+    def describe(self) -> str:
+        passes = f"{self.passes} backward pass{'es' if self.passes != 1 else ''}"
+        return (
+            f"{self.kind.describe()} at step {self.step}, {passes} since its last step(), "
+            f"{self.params} trainable parameters (plan {self.plan:012x})"
+            + (", .grad edited after launch" if self.edited else "")
+            + (", parameter list changed" if self.replanned else "")
+        )
+
+
+class GuardCodec:
+    """Writes this rank's words into a trailer and reads every rank's words back.
+
+    ``group_size``: ranks in the group; ``group_rank``: this rank's index in it; ``ranks``:
+    the global rank of each group rank (for messages).
+    """
+
+    def __init__(self, group_size: int, group_rank: int, ranks: Sequence[int]) -> None:
+        if not 0 <= group_rank < group_size or len(ranks) != group_size:
+            raise ValueError(
+                f"group_rank {group_rank} and ranks {list(ranks)} do not fit a group of "
+                f"{group_size}"
+            )
+        self.group_size = group_size
+        self.group_rank = group_rank
+        self.ranks = list(ranks)
+
+    @property
+    def size(self) -> int:
+        """Trailer elements: ``CHUNKS`` per rank of the group."""
+        return self.group_size * CHUNKS
+
+    def write(self, trailer: torch.Tensor, words: GuardWords) -> None:
+        """Zero ``trailer`` and put this rank's chunks into its own slots."""
+        chunks: list[int] = []
+        for name, bits in _FIELDS:
+            value = min(int(getattr(words, name)), (1 << bits) - 1)
+            if value < 0:
+                raise ValueError(f"guard word {name} must be >= 0, got {value}")
+            chunks += [(value >> s) & 0xFF for s in range(0, bits, _CHUNK_BITS)]
+        trailer.zero_()
+        start = self.group_rank * CHUNKS
+        trailer[start : start + CHUNKS].copy_(torch.tensor(chunks, dtype=trailer.dtype))
+
+    def read(self, trailer: torch.Tensor) -> list[GuardWords]:
+        """Every rank's words, in group-rank order, from a reduced ``trailer``."""
+        values = (trailer.real if trailer.is_complex() else trailer).tolist()
+        if len(values) != self.size or any(not (v == int(v) and 0 <= v <= 255) for v in values):
+            raise DesyncError(
+                "CrossShardOptimizer: the sequence words of this round are not what any rank "
+                "sent (not whole chunks): the ranks' collectives did not pair -- some rank "
+                "issued a different collective in this position"
+            )
+        table = []
+        for r in range(self.group_size):
+            row = values[r * CHUNKS : (r + 1) * CHUNKS]
+            fields: dict[str, int] = {}
+            pos = 0
+            for name, bits in _FIELDS:
+                n = bits // _CHUNK_BITS
+                fields[name] = sum(int(c) << (8 * k) for k, c in enumerate(row[pos : pos + n]))
+                pos += n
+            kind = fields.pop("kind")
+            flags = fields.pop("flags")
+            if kind not in _KIND_VALUES or flags > 3:
+                raise DesyncError(
+                    f"CrossShardOptimizer: rank {self.ranks[r]}'s sequence words are not valid "
+                    f"(kind {kind}, flags {flags}): the ranks' collectives did not pair"
+                )
+            table.append(
+                GuardWords(
+                    RoundKind(kind), edited=bool(flags & 1), replanned=bool(flags & 2), **fields
+                )
+            )
+        return table
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What every rank does after a round that stands: use it, or reduce again."""
+
+    edited: bool  # some rank changed .grad after backward launched its buckets
+    replanned: bool  # some rank's parameter list changed since the plan the round used
+
+    @property
+    def repeat(self) -> bool:
+        """Every rank reduces again, with its current parameter list."""
+        return self.edited or self.replanned
+
+
+def check_round(table: Sequence[GuardWords], ranks: Sequence[int]) -> Verdict:
+    """The round's verdict from every rank's words, or the error every rank raises.
+
+    ``ranks``: the global rank of each row. Deterministic in ``table``, so every rank of the
+    group reaches the same verdict (or raises the same error) without another message.
+    """
+    first = table[0]
+    lines = "\n".join(f"  rank {r}: {w.describe()}" for r, w in zip(ranks, table))
+    if any((w.plan, w.params) != (first.plan, first.params) for w in table):
+        raise ParameterMismatchError(
+            "CrossShardOptimizer: ranks disagree on the parameter list or the communication "
+            "options, so their gradient buckets would not match:\n"
+            + lines
+            + "\nEvery rank must have the same trainable parameters (shapes, dtypes, "
+            "requires_grad, in the same order): a requires_grad_() change or add_param_group() "
+            "on some ranks only is a mismatch.",
+            table,
+        )
+    sequence = [(w.kind, w.step, w.passes) for w in table]
+    if any(s != sequence[0] for s in sequence):
+        raise DesyncError(
+            "CrossShardOptimizer: ranks are out of step -- their reduction rounds do not "
+            f"belong together ({_diagnosis(table)}); no update was applied:\n"
+            + lines
+            + "\nEvery rank must call step() the same number of times, after the same number "
+            "of backward() calls (backward_passes_per_step of them).",
+            table,
+        )
+    return Verdict(edited=any(w.edited for w in table), replanned=any(w.replanned for w in table))
+
+
+def _diagnosis(table: Sequence[GuardWords]) -> str:
+    kinds = {w.kind for w in table}
+    if RoundKind.FINISH in kinds and len(kinds) > 1:
+        return "some rank called finish() while others still step: a step() skipped or added"
+    if len(kinds) > 1:
+        return "ranks are in different operations"
+    if len({w.step for w in table}) > 1:
+        return (
+            "step counters differ: a step() skipped or added on some rank, or a checkpoint "
+            "loaded on some ranks only"
+        )
+    return (
+        "backward passes since the last step() differ: an extra backward(), or a step() "
+        "skipped or added on some rank"
+    )
