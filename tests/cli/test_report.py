@@ -8,7 +8,9 @@ import math
 
 import pytest
 
-from distoptim.cli.plot import plot_accuracy
+from distoptim.cli.config import RunConfig
+from distoptim.cli.plot import accuracy_range, plot_accuracy
+from distoptim.cli.record import RunRecord, build_history
 from distoptim.cli.report import (
     assign_temporal_efficiency,
     render_table,
@@ -16,7 +18,6 @@ from distoptim.cli.report import (
     temporal_efficiency,
     write_results,
 )
-from distoptim.cli.train import RunConfig, RunRecord, build_history
 
 
 def _hist(points):
@@ -36,13 +37,14 @@ def test_temporal_efficiency_is_the_ratio_of_areas_over_the_common_window():
     assert temporal_efficiency(_hist([(0, 1.0)]), sync) is None
 
 
-def _cfg(algo, repeat=0, workers=2):
-    return RunConfig(algo, workers, 1 if algo == "sync" else 5, 1, 8, "sgd", 0.1, 0, repeat=repeat)
+def _cfg(algo, repeat=0, workers=2, lam=5, rule="paper"):
+    period = 1 if algo == "sync" else lam
+    return RunConfig(algo, workers, period, 1, 8, "sgd", 0.1, 0, repeat=repeat, agn_rule=rule)
 
 
-def _rec(algo, acc, repeat=0, status="ok"):
+def _rec(algo, acc, repeat=0, status="ok", **cfg):
     r = RunRecord(
-        _cfg(algo, repeat),
+        _cfg(algo, repeat, **cfg),
         status=status,
         wall_time_s=10.0,
         train_acc=acc,
@@ -72,7 +74,23 @@ def test_summary_means_repeats_and_reports_spread():
     buf = io.StringIO()
     render_table(summarize(records), buf)
     text = buf.getvalue()
-    assert "85.0 ± 7.1%" in text and "EASGD (interrupted)" in text and "2.5 MB" in text
+    assert "85.0 ± 7.1%" in text and "EASGD \N{GREEK SMALL LETTER ALPHA}=0.45 (interrupted)" in text
+    assert "2.5 MB" in text and "| AGN (paper)" in text and "*" not in text
+
+
+def test_without_sync_the_grids_best_run_is_the_reference_and_the_footer_says_so():
+    records = [_rec("agn", 0.8), _rec("agn", 0.9, rule="tf"), _rec("easgd", 0.7)]
+    records.append(_rec("downpour", 0.95, status="failed"))  # unfinished: never the reference
+    assign_temporal_efficiency(records)
+    assert records[1].temporal_efficiency == pytest.approx(1.0)
+    assert {r.temporal_efficiency_reference for r in records[:3]} == {"agn/tf λ=5 n=2"}
+    assert records[0].temporal_efficiency < 1.0 and records[3].temporal_efficiency is None
+    buf = io.StringIO()
+    render_table(summarize(records), buf)
+    text = buf.getvalue()
+    assert "1.00*" in text and "| AGN (tf)" in text and "| AGN (paper)" in text
+    assert "*: no sync run with that n; temporal eff. relative to the grid's best run" in text
+    assert "AGN (tf): TF contrib's rule" in text
 
 
 def test_results_json_is_strict_json(tmp_path):
@@ -100,8 +118,14 @@ def test_history_counts_every_workers_latest_samples():
     assert points[1]["t"] == pytest.approx(1.2) and points[1]["train_loss"] == pytest.approx(1.6)
 
 
-def test_plot_writes_a_png(tmp_path):
-    path = plot_accuracy([_rec("sync", 0.9), _rec("agn", 0.8)], tmp_path / "p.png", "title")
-    data = (tmp_path / "p.png").read_bytes()
-    assert path and data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+def test_plot_writes_both_pngs_with_a_zoomed_accuracy_axis(tmp_path):
+    records = [_rec("sync", 0.9), _rec("agn", 0.8), _rec("agn", 0.85, lam=10, workers=4)]
+    records[1].history = _hist([(0, 0.1), (2, 0.7), (4, 0.62), (6, 0.9), (8, 0.93)])
+    assert accuracy_range(records) == (55.0, 100.0)  # 62 % late in a run is shown, 10 % not
+    assert accuracy_range([RunRecord(_cfg("sync"))]) == (0.0, 100.0)
+    path = plot_accuracy(records, tmp_path / "p.png", "title")
+    for name in ("p.png", "accuracy_vs_samples.png"):
+        data = (tmp_path / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    assert path == str(tmp_path / "p.png")
     assert plot_accuracy([RunRecord(_cfg("sync"))], tmp_path / "q.png", "t") is None

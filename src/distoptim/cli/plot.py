@@ -1,83 +1,140 @@
-"""The picture of a comparison: validation accuracy against wall time and against samples.
+"""The pictures of a comparison: validation accuracy against wall time and against samples.
 
-Owns: ``accuracy_vs_time.png`` -- two panels side by side, one line per run (colour = algorithm,
-line style = worker count / λ cell), drawn with matplotlib's non-interactive Agg backend so it
-works on a headless machine.
+Owns: ``accuracy_vs_time.png`` and ``accuracy_vs_samples.png``, drawn with matplotlib's
+non-interactive Agg backend (works on a headless machine). Both have the same layout, made to
+stay readable for a 27-run grid:
+
+* one panel per (worker count n, algorithm): rows are n, columns the algorithms (AGN's rules
+  are separate columns); a grid of sync only has one column;
+* inside a panel, one line per λ, coloured by λ with the same colour for the same λ in every
+  panel; sync with the same n is the dashed grey reference line in each of that row's panels;
+* repeats of a cell share its colour (thinner); a run that did not finish ends with an ``x``;
+* one small legend (the λ colours and the sync line) for the whole figure;
+* the accuracy axis is zoomed to the informative range: from just below the lowest accuracy
+  any run had in the second half of its history (so collapses stay visible, the first
+  evaluations at chance level do not flatten everything else) up to 100 %.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 
-from distoptim.cli.train import RunRecord
+from distoptim.cli import algorithms
+from distoptim.cli.record import RunRecord
 
-__all__ = ["plot_accuracy"]
+__all__ = ["SAMPLES_PNG", "accuracy_range", "plot_accuracy"]
 
-_COLORS = {"sync": "#1f77b4", "agn": "#d62728", "downpour": "#2ca02c", "easgd": "#9467bd"}
-_STYLES = ["-", "--", ":", "-."]
-_NAMES = {"sync": "sync (CrossShard)", "agn": "AGN", "downpour": "DOWNPOUR", "easgd": "EASGD"}
-
-
-def _label(r: RunRecord) -> str:
-    c = r.config
-    lam = "" if c.algo == "sync" else f" λ={c.communication_period}"
-    rep = f" run {c.repeat + 1}" if c.repeat else ""
-    status = "" if r.status == "ok" else f" ({r.status})"
-    return f"{_NAMES.get(c.algo, c.algo)}{lam}, n={c.workers}{rep}{status}"
+SAMPLES_PNG = "accuracy_vs_samples.png"
+_SYNC_STYLE = {"color": "0.35", "linestyle": "--", "linewidth": 1.4}
 
 
-def _cell(r: RunRecord) -> tuple[int, int]:
-    """Worker count and λ (0 for sync, which has none): runs of one cell share a line style."""
-    return (r.config.workers, 0 if r.config.algo == "sync" else r.config.communication_period)
+def accuracy_range(records: Sequence[RunRecord]) -> tuple[float, float]:
+    """The accuracy axis in percent: (low, 100) with ``low`` a multiple of 5 (module doc)."""
+    lows = []
+    for r in records:
+        accs = [100 * p["val_acc"] for p in r.history if p["val_acc"] is not None]
+        if len(accs) >= 2:
+            lows.append(min(accs[len(accs) // 2 :]))
+    if not lows:
+        return 0.0, 100.0
+    low = max(0.0, 5 * math.floor((min(lows) - 3) / 5))
+    return min(low, 90.0), 100.0
+
+
+def _column(r: RunRecord) -> str:
+    return algorithms.title(r.config)
+
+
+def _draw(records: Sequence[RunRecord], x_key: str, x_label: str, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    ns = sorted({r.config.workers for r in records})
+    columns = list(dict.fromkeys(_column(r) for r in records if r.config.algo != "sync"))
+    sync_only = not columns
+    if sync_only:
+        columns = ["sync"]
+    lams = sorted(
+        {r.config.communication_period for r in records if algorithms.get(r.config.algo).periodic}
+    )
+    cmap = plt.get_cmap("viridis")
+    color = {lam: cmap(0.85 * i / max(1, len(lams) - 1)) for i, lam in enumerate(lams)}
+    fig, axes = plt.subplots(
+        len(ns),
+        len(columns),
+        figsize=(0.6 + 3.4 * len(columns), 0.9 + 2.5 * len(ns)),
+        sharey=True,
+        sharex="row",
+        squeeze=False,
+    )
+    low, high = accuracy_range(records)
+
+    def line(ax, r: RunRecord, **kw) -> None:
+        xs = [p[x_key] for p in r.history]
+        ys = [100 * p["val_acc"] for p in r.history]
+        width = kw.pop("linewidth", 1.6) * (0.6 if r.config.repeat else 1.0)
+        ax.plot(xs, ys, linewidth=width, alpha=0.6 if r.config.repeat else 0.95, **kw)
+        if r.status != "ok" and xs:
+            ax.plot(xs[-1:], ys[-1:], marker="x", markersize=7, color=kw.get("color", "k"))
+
+    for i, n in enumerate(ns):
+        syncs = [r for r in records if r.config.algo == "sync" and r.config.workers == n]
+        for j, col in enumerate(columns):
+            ax = axes[i][j]
+            for r in syncs:
+                line(ax, r, **_SYNC_STYLE)
+            if not sync_only:
+                for r in records:
+                    if r.config.workers == n and r.config.algo != "sync" and _column(r) == col:
+                        lam = r.config.communication_period
+                        line(ax, r, color=color.get(lam, "C3"))
+            ax.set_ylim(low, high)
+            ax.set_xlim(left=0)
+            ax.grid(True, alpha=0.3)
+            ax.tick_params(labelsize=8)
+            if i == 0:
+                ax.set_title(col, fontsize=10)
+            if j == 0:
+                ax.set_ylabel(f"n = {n}\nval acc (%)", fontsize=9)
+            if i == len(ns) - 1:
+                ax.set_xlabel(x_label, fontsize=9)
+    handles = [Line2D([], [], color=color[lam], linewidth=2, label=f"λ = {lam}") for lam in lams]
+    if any(r.config.algo == "sync" for r in records):
+        handles.append(Line2D([], [], label="sync, same n", **_SYNC_STYLE))
+    fig.suptitle(title, fontsize=11)
+    top = 1 - 0.55 / fig.get_figheight()
+    if handles:
+        fig.legend(
+            handles=handles,
+            loc="upper center",
+            bbox_to_anchor=(0.5, top),
+            ncol=len(handles),
+            fontsize=8,
+            frameon=False,
+        )
+        top -= 0.3 / fig.get_figheight()
+    fig.tight_layout(rect=(0, 0, 1, top))
+    tmp = f"{path}.tmp.png"
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, path)
 
 
 def plot_accuracy(
     records: Sequence[RunRecord], path: str | os.PathLike[str], title: str
 ) -> str | None:
-    """Draw every record with a history into ``path`` (PNG); returns the path, or None if empty."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
+    """Draw the records that have a history into ``path`` (against wall time) and, next to it,
+    :data:`SAMPLES_PNG` (against samples processed); returns ``path``, or None if none has."""
     drawn = [r for r in records if len(r.history) >= 1]
     if not drawn:
         return None
-    cells = sorted({_cell(r) for r in drawn})
-    style_of = {cell: _STYLES[i % len(_STYLES)] for i, cell in enumerate(cells)}
-    fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(13, 5.2), sharey=True)
-    for r in drawn:
-        ts = [p["t"] for p in r.history]
-        ss = [p["samples"] for p in r.history]
-        acc = [100 * p["val_acc"] for p in r.history]
-        kw = {
-            "color": _COLORS.get(r.config.algo, "black"),
-            "linestyle": style_of[_cell(r)],
-            "linewidth": 1.8,
-            "marker": "o",
-            "markersize": 2.5,
-            "alpha": 0.9 if r.config.repeat == 0 else 0.55,
-        }
-        ax_t.plot(ts, acc, label=_label(r), **kw)
-        ax_s.plot(ss, acc, **kw)
-    ax_t.set_title("Validation accuracy vs wall time")
-    ax_t.set_xlabel("wall time since all workers were ready (s)")
-    ax_t.set_ylabel("validation accuracy (%)")
-    ax_s.set_title("Validation accuracy vs samples processed")
-    ax_s.set_xlabel("training samples processed, all workers together")
-    for ax in (ax_t, ax_s):
-        ax.grid(True, alpha=0.3)
-        ax.set_xlim(left=0)
-        ax.set_ylim(0, 100)
-    fig.suptitle(title)
-    handles, labels = ax_t.get_legend_handles_labels()
-    ncol = min(4, len(labels))
-    fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=9, frameon=False)
-    rows = (len(labels) + ncol - 1) // ncol
-    fig.tight_layout(rect=(0, 0.04 + 0.045 * rows, 1, 1))
-    tmp = f"{os.fspath(path)}.tmp.png"
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
-    return os.fspath(path)
+    path = os.fspath(path)
+    _draw(drawn, "t", "wall time since all workers were ready (s)", path, title)
+    samples = os.path.join(os.path.dirname(path), SAMPLES_PNG)
+    _draw(drawn, "samples", "samples processed, all workers", samples, title)
+    return path

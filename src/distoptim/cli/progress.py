@@ -1,12 +1,14 @@
 """Progress of the runs: events from worker processes, and their display in the parent.
 
 Owns: the progress events (a worker's :class:`Reporter` records them and, in a local run, puts
-them on a ``multiprocessing`` queue the parent reads), and the parent's display of them -- a
-live ``rich`` bar per run with samples done, training loss and validation accuracy when the
-terminal can show one, plain lines otherwise, or nothing.
+them on the pool's ``multiprocessing`` queue, which the parent drains: :class:`EventQueue`),
+and the parent's display of them -- a live ``rich`` bar per run with samples done, training
+loss and validation accuracy when the terminal can show one, plain lines otherwise, or
+nothing.
 
 Events are small dicts, all with ``kind``, ``worker`` (task index / rank), ``t`` (``time.time()``
-of the worker) and ``samples`` (samples that worker has processed):
+of the worker), ``samples`` (samples that worker has processed) and, locally, ``run`` (the
+run's index in the command):
 
 * ``start``  -- the worker is ready and starts its clock;
 * ``tick``   -- periodic, with ``loss``: mean training loss since the previous tick;
@@ -29,15 +31,20 @@ import time
 from collections.abc import Iterator
 from typing import Any, TextIO
 
-__all__ = ["LineSink", "ProgressDisplay", "Reporter", "RunProgress"]
+__all__ = ["EventQueue", "LineSink", "ProgressDisplay", "Reporter", "RunProgress"]
 
 
 class Reporter:
-    """Worker side: records progress events and forwards them to ``sink`` (a queue) if given."""
+    """Worker side: records progress events and forwards them to ``sink`` (a queue) if given.
 
-    def __init__(self, sink: Any, worker: int) -> None:
+    ``run``: the index of the run in its command, carried by every event so that the parent
+    can tell the runs of one pool apart (None under torchrun, where there is one run).
+    """
+
+    def __init__(self, sink: Any, worker: int, run: int | None = None) -> None:
         self.sink = sink
         self.worker = worker
+        self.run = run
         self.events: list[dict[str, Any]] = []
         self.samples = 0
         self._loss_sum = 0.0
@@ -46,6 +53,8 @@ class Reporter:
 
     def _emit(self, kind: str, **fields: Any) -> None:
         event = {"kind": kind, "worker": self.worker, "t": time.time(), "samples": self.samples}
+        if self.run is not None:
+            event["run"] = self.run
         event.update(fields)
         self.events.append(event)
         if self.sink is not None:
@@ -110,21 +119,67 @@ def _fmt_loss(x: float | None) -> str:
     return "  -  " if x is None else f"{x:.3f}"
 
 
+class EventQueue:
+    """Parent side: the queue every process of a pool writes its events to, drained by a thread
+    that hands each event to ``deliver`` (the display routes it to its run by ``run``)."""
+
+    def __init__(self, deliver: Any) -> None:
+        self.queue = mp.get_context("spawn").Queue()
+        self._deliver = deliver
+        self._stop = threading.Event()
+        self._empty_seen = 0
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._drain, name="progress-events", daemon=True)
+        self._thread.start()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                event = self.queue.get(timeout=0.05)
+            except queue_mod.Empty:
+                with self._cond:
+                    self._empty_seen += 1
+                    self._cond.notify_all()
+                if self._stop.is_set():
+                    return
+                continue
+            except Exception:  # (EOFError, OSError, ...) the queue is unusable: stop draining
+                with self._cond:
+                    self._empty_seen += 1
+                    self._stop.set()
+                    self._cond.notify_all()
+                return
+            self._deliver(event)
+
+    def flush(self, timeout: float = 5.0) -> None:
+        """Deliver everything already in the queue (the writers have stopped), then return."""
+        with self._cond:
+            seen = self._empty_seen
+            self._cond.wait_for(
+                lambda: self._empty_seen > seen or not self._thread.is_alive(), timeout=timeout
+            )
+
+    def close(self) -> None:
+        """Stop the thread and release the queue (never blocks interpreter exit)."""
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+        with contextlib.suppress(Exception):
+            self.queue.cancel_join_thread()
+            self.queue.close()
+
+
 class RunProgress:
-    """Parent side of one run: owns the queue its workers write to and a thread draining it."""
+    """Parent side of one run: the events that reached the parent and the figures shown."""
 
     def __init__(self, display: ProgressDisplay, index: int, label: str, total: int) -> None:
         self.display = display
         self.index = index
         self.label = label
         self.total = max(1, total)
-        self.queue = mp.get_context("spawn").Queue()
         self.events: list[dict[str, Any]] = []
         self._per_worker: dict[int, int] = {}
         self.loss: float | None = None
         self.acc: float | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._drain, name=f"progress-{index}", daemon=True)
         self._started = False
 
     @property
@@ -146,31 +201,12 @@ class RunProgress:
             self.display._started(self)
         self.display._update(self)
 
-    def _drain(self) -> None:
-        while True:
-            try:
-                event = self.queue.get(timeout=0.1)
-            except queue_mod.Empty:
-                if self._stop.is_set():
-                    return
-                continue
-            except (EOFError, OSError, ValueError):  # a writer was killed mid-message
-                return
-            except Exception:
-                return
-            self._handle(event)
-
     def __enter__(self) -> RunProgress:
         self.display._starting(self)
-        self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5.0)
-        with contextlib.suppress(Exception):
-            self.queue.cancel_join_thread()  # never block interpreter exit on this queue
-            self.queue.close()
+        self.display._detach(self)
 
     def finished(self, summary: str) -> None:
         """Mark the run done in the display with a one-line ``summary``."""
@@ -195,6 +231,7 @@ class ProgressDisplay:
         self._plain_marks: dict[int, int] = {}
         self._lock = threading.Lock()
         self._count = 0
+        self._active: dict[int, RunProgress] = {}
 
     @contextlib.contextmanager
     def session(self, labels: list[str], totals: list[int]) -> Iterator[ProgressDisplay]:
@@ -234,17 +271,41 @@ class ProgressDisplay:
                 self._progress = None
 
     def run(self, index: int, label: str, total: int) -> RunProgress:
-        """The progress channel of run ``index`` (use as a context manager around the run)."""
-        return RunProgress(self, index, label, total)
+        """The progress of run ``index`` (use as a context manager around the run): events
+        with ``run == index`` delivered meanwhile (:meth:`deliver`) go to it."""
+        progress = RunProgress(self, index, label, total)
+        with self._lock:
+            self._active[index] = progress
+        return progress
+
+    def deliver(self, event: dict[str, Any]) -> None:
+        """Hand a worker's event to the run it belongs to (late events of a closed run: none)."""
+        with self._lock:
+            progress = self._active.get(event.get("run", -1))
+        if progress is not None:
+            progress._handle(event)
+
+    def note(self, text: str) -> None:
+        """A line about what the command is doing (start-up, warnings), unless mode is none."""
+        if self.mode == "rich" and self._progress is not None:
+            self._progress.console.print(text)
+        elif self.mode != "none":
+            self._print(text)
 
     # -- called from RunProgress (drain thread or main thread) ---------------------------
     def _print(self, text: str) -> None:
         with self._lock:
             print(text, file=self.stream, flush=True)
 
+    def _detach(self, run: RunProgress) -> None:
+        with self._lock:
+            self._active.pop(run.index, None)
+
     def _starting(self, run: RunProgress) -> None:
         if self.mode == "rich" and self._progress is not None:
-            self._progress.update(self._tasks[run.index], note="starting processes…")
+            self._progress.update(self._tasks[run.index], note="starting…")
+        elif self.mode == "plain":
+            self._print(f"[{run.index + 1}/{self._count}] {run.label}: starting")
 
     def _started(self, run: RunProgress) -> None:
         if self.mode == "rich" and self._progress is not None:

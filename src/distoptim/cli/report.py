@@ -13,8 +13,13 @@ the same number of workers::
 ``acc(t)`` is the validation-accuracy curve (linear between evaluations, t = 0 when all workers
 are ready), ``T`` the shorter of the two wall times, so both are compared over the same window.
 ``E > 1``: the run was ahead of sync on average over that window (higher accuracy sooner);
-``E < 1``: behind. Sync's own E is 1 by definition; E is blank when the same comparison has no
-sync run with that worker count.
+``E < 1``: behind. Sync's own E is 1 by definition.
+
+Without a sync run with that worker count (a grid of async algorithms only), the reference is
+the best run of the grid instead -- the finished run with the highest final validation
+accuracy (ties: the shorter one) -- whose own E is then 1; the table marks such values with
+``*`` and its footer names the reference. E is blank only for runs that did not finish, or
+when no run finished with at least two evaluations.
 """
 
 from __future__ import annotations
@@ -29,10 +34,12 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from distoptim.cli.train import RunRecord
+from distoptim.cli import algorithms
+from distoptim.cli.record import RunRecord
 
 __all__ = [
     "TEMPORAL_EFFICIENCY",
+    "footer",
     "assign_temporal_efficiency",
     "format_bytes",
     "render_table",
@@ -43,8 +50,9 @@ __all__ = [
 
 TEMPORAL_EFFICIENCY = (
     "E = integral over [0, T] of the run's validation accuracy vs wall time, divided by the "
-    "same integral for sync with the same workers; T = the shorter of the two wall times. "
-    "E > 1: higher accuracy sooner than sync; sync = 1."
+    "same integral for sync with the same workers (without one: for the grid's best run, the "
+    "highest final validation accuracy); T = the shorter of the two wall times. E > 1: higher "
+    "accuracy sooner than the reference; the reference = 1."
 )
 
 
@@ -71,23 +79,34 @@ def temporal_efficiency(
     return num / den
 
 
+def _best_run(records: Sequence[RunRecord]) -> RunRecord | None:
+    finished = [r for r in records if r.status == "ok" and len(r.history) >= 2]
+    if not finished:
+        return None
+    return max(finished, key=lambda r: (r.val_acc or 0.0, -(r.wall_time_s or 0.0)))
+
+
 def assign_temporal_efficiency(records: Sequence[RunRecord]) -> None:
-    """Set ``temporal_efficiency`` on every finished record that has a sync reference.
+    """Set ``temporal_efficiency`` and its reference on every finished record.
 
     The reference is the sync run with the same workers and repeat index (else the first
-    finished sync run with those workers).
+    finished sync run with those workers); without one, the grid's best run (module doc).
     """
     refs: dict[tuple[int, int], RunRecord] = {}
     for r in records:
         if r.config.algo == "sync" and r.status == "ok" and len(r.history) >= 2:
             refs.setdefault((r.config.workers, r.config.repeat), r)
             refs.setdefault((r.config.workers, -1), r)
+    best = _best_run(records)
     for r in records:
+        r.temporal_efficiency = r.temporal_efficiency_reference = None
         if r.status != "ok":
             continue
         ref = refs.get((r.config.workers, r.config.repeat)) or refs.get((r.config.workers, -1))
+        ref = ref or best
         if ref is not None:
             r.temporal_efficiency = temporal_efficiency(r.history, ref.history)
+            r.temporal_efficiency_reference = ref.label
 
 
 def _mean(values: list[float]) -> float | None:
@@ -100,18 +119,25 @@ def summarize(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
     A cell none of whose runs finished (interrupted, failed) shows its runs' last validation
     accuracy and time so far, and its status next to the algorithm's name.
     """
-    cells: dict[tuple[str, int, int | None], list[RunRecord]] = {}
+    cells: dict[tuple[str, str, int, int | None], list[RunRecord]] = {}
     for r in records:
-        lam = None if r.config.algo == "sync" else r.config.communication_period
-        cells.setdefault((r.config.algo, r.config.workers, lam), []).append(r)
+        algo = algorithms.get(r.config.algo)
+        lam = r.config.communication_period if algo.periodic else None
+        key = (r.config.algo, algo.variant(r.config), r.config.workers, lam)
+        cells.setdefault(key, []).append(r)
     rows = []
-    for (algo, workers, lam), runs in cells.items():
+    for (algo, variant, workers, lam), runs in cells.items():
         ok = [r for r in runs if r.status == "ok"]
         # a cell with no finished run shows how far its runs got (last evaluation, time so far)
         pool = ok or runs
         val = [r.val_acc for r in pool if r.val_acc is not None]
+        refs = {r.temporal_efficiency_reference for r in ok} - {None}
         row: dict[str, Any] = {
             "algorithm": algo,
+            "variant": variant,
+            "title": algorithms.title(runs[0].config),
+            "detail": algorithms.get(algo).detail(runs[0].config),
+            "settings": algorithms.get(algo).settings(runs[0].config),
             "workers": workers,
             "communication_period": lam,
             "runs": len(runs),
@@ -129,6 +155,7 @@ def summarize(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
             "temporal_efficiency": _mean(
                 [r.temporal_efficiency for r in ok if r.temporal_efficiency is not None]
             ),
+            "temporal_efficiency_reference": ", ".join(sorted(refs)) or None,
         }
         rows.append(row)
     return rows
@@ -154,8 +181,9 @@ def _cells(row: dict[str, Any]) -> list[str]:
     comm = "-" if row["communications"] is None else f"{row['communications']:.0f}"
     wall = "-" if row["wall_time_s"] is None else f"{row['wall_time_s']:.1f} s"
     eff = "-" if row["temporal_efficiency"] is None else f"{row['temporal_efficiency']:.2f}"
-    name = {"sync": "sync", "agn": "AGN", "downpour": "DOWNPOUR", "easgd": "EASGD"}
-    algo = name.get(row["algorithm"], row["algorithm"])
+    if eff != "-" and not _against_sync(row):
+        eff += "*"
+    algo = row["title"] + (f" {row['detail']}" if row["detail"] else "")
     if row["status"] != "ok":
         algo += f" ({row['status']})"
     return [
@@ -186,8 +214,48 @@ _HEADERS = [
 
 _CAPTION = (
     "n: workers, λ: local steps between commits; temporal eff.: accuracy-over-time area vs "
-    "sync (see results.json)"
+    "sync with the same n (see results.json)"
 )
+
+
+def _against_sync(row: dict[str, Any]) -> bool:
+    ref = row.get("temporal_efficiency_reference") or ""
+    return all(part.startswith("sync ") for part in ref.split(", "))
+
+
+def footer(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The lines under the table: the columns, which AGN rule ran, what * means."""
+    lines = [_CAPTION]
+    rules = {r["variant"] for r in rows if r["algorithm"] == "agn"}
+    if "paper" in rules:
+        lines.append(
+            "AGN (paper): Hermans et al.'s rule, commit (θ-θ_pulled)/λ, the server adds it"
+        )
+    if "tf" in rules:
+        lines.append(
+            "AGN (tf): TF contrib's rule, commit a/λ, the server runs its own optimizer on it"
+        )
+    if any(r["algorithm"] == "easgd" for r in rows):
+        lines.append(
+            "EASGD \N{GREEK SMALL LETTER ALPHA}: the elastic pull's moving rate (--moving-rate)"
+        )
+    marked = sorted(
+        {
+            r["temporal_efficiency_reference"]
+            for r in rows
+            if r["temporal_efficiency"] is not None and not _against_sync(r)
+        }
+    )
+    if rows and all(r["temporal_efficiency"] is None for r in rows):
+        lines.append(
+            "temporal eff. is '-': no run finished with two or more evaluations to compare with"
+        )
+    if marked:
+        lines.append(
+            f"*: no sync run with that n; temporal eff. relative to the grid's best run "
+            f"({', '.join(marked)}) instead"
+        )
+    return lines
 
 
 def render_table(rows: Sequence[dict[str, Any]], stream: TextIO | None = None) -> None:
@@ -198,13 +266,13 @@ def render_table(rows: Sequence[dict[str, Any]], stream: TextIO | None = None) -
 
     stream = stream if stream is not None else sys.stdout
     tty = getattr(stream, "isatty", lambda: False)()
-    console = Console(file=stream, width=None if tty else 120, no_color=not tty)
+    # a pipe or file gets the whole table, however wide (Markdown: never cut a column)
+    console = Console(file=stream, width=None if tty else 400, no_color=not tty)
     # a terminal gets a compact table; a file or pipe a Markdown one (pastes into reports)
     table = Table(
         box=box.SIMPLE_HEAD if tty else box.MARKDOWN,
         pad_edge=not tty,
         collapse_padding=tty,
-        caption=_CAPTION if tty else None,
     )
     for i, h in enumerate(_HEADERS):
         table.add_column(
@@ -213,8 +281,8 @@ def render_table(rows: Sequence[dict[str, Any]], stream: TextIO | None = None) -
     for row in rows:
         table.add_row(*_cells(row))
     console.print(table)
-    if not tty:
-        console.print(_CAPTION)
+    for line in footer(rows):
+        console.print(line, highlight=False, soft_wrap=True)
 
 
 def write_results(
@@ -225,7 +293,8 @@ def write_results(
     """Write ``results.json`` atomically (temp file + rename); return what was written."""
     doc = dict(meta)
     doc["temporal_efficiency_definition"] = TEMPORAL_EFFICIENCY
-    doc["summary"] = summarize(records)
+    doc["summary"] = rows = summarize(records)
+    doc["footer"] = footer(rows)
     doc["runs"] = [r.to_dict() for r in records]
     tmp = f"{os.fspath(path)}.tmp"
     with open(tmp, "w", encoding="utf-8") as fh:

@@ -1,12 +1,16 @@
-"""Running a plan: the runs one after another, live progress, and the outputs after each.
+"""Running a plan: the pool, the runs one after another, live progress, and the outputs.
 
-Owns: the order of runs, what happens when one fails (recorded, the others still run) or the
-user presses Ctrl-C (the launcher stops every worker process; the records so far, including the
-interrupted run's history up to that moment, are written), and the outputs: ``results.json``
-and ``accuracy_vs_time.png`` in the plan's folder, rewritten after every run so that even a
-killed session leaves what had finished, and the table printed at the end.
+Owns: the order of runs; the process pool they share (started once, before the first run,
+sized for the largest run; started again only after a run broke it -- a process died, a run
+timed out); what happens when a run fails (recorded, the others still run) or the command is
+stopped -- Ctrl-C or SIGTERM (from ``kill``, ``timeout``, a job scheduler): every worker
+process is stopped, the records so far are kept, including the interrupted run's history up
+to that moment, and written; and the outputs: ``results.json`` after every run (so even a
+killed command leaves what had finished), the plots after the last run (or the interruption),
+the table printed at the end. ``results.json`` also records where the time went
+(``timing``: pool start-up, training, per-run overhead, and the machine's load average).
 
-Exit codes: 0 all runs finished, 1 some run failed, 130 interrupted.
+Exit codes: 0 all runs finished, 1 some run failed, 130 Ctrl-C, 143 SIGTERM.
 """
 
 from __future__ import annotations
@@ -17,36 +21,85 @@ import os
 import platform
 import signal
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any, TextIO
 
 import torch
 
 from distoptim._version import __version__
-from distoptim.cli.options import Plan
-from distoptim.cli.plot import plot_accuracy
-from distoptim.cli.progress import LineSink, ProgressDisplay
+from distoptim.cli import algorithms
+from distoptim.cli.options import RESULTS_JSON, Plan
+from distoptim.cli.pool import ProcessPool
+from distoptim.cli.progress import EventQueue, LineSink, ProgressDisplay
+from distoptim.cli.record import RunRecord, partial_record
 from distoptim.cli.report import assign_temporal_efficiency, render_table, summarize, write_results
-from distoptim.cli.train import (
-    AlgorithmUnavailableError,
-    RunRecord,
-    partial_record,
-    run_local,
-)
-from distoptim.cli.train import run_torchrun as _train_torchrun
+from distoptim.cli.run import run_on_pool, run_torchrun
+from distoptim.cli.worker import use_link
 
-__all__ = ["RESULTS_JSON", "PLOT_PNG", "run_plan", "run_torchrun", "write_outputs"]
+__all__ = [
+    "PLOT_PNG",
+    "RESULTS_JSON",
+    "Terminated",
+    "exit_code",
+    "one_line",
+    "run_plan",
+    "run_torchrun_plan",
+    "sigterm_as_interrupt",
+    "write_outputs",
+]
 
-RESULTS_JSON = "results.json"
 PLOT_PNG = "accuracy_vs_time.png"
 
 
-def _headline(exc: BaseException) -> str:
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived: handled like Ctrl-C (everything stops, results are kept), exit 143."""
+
+
+def exit_code(interrupt: KeyboardInterrupt) -> int:
+    """130 for Ctrl-C, 143 (128 + SIGTERM) for :class:`Terminated`."""
+    return 128 + (signal.SIGTERM if isinstance(interrupt, Terminated) else signal.SIGINT)
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
+@contextlib.contextmanager
+def _signal_handlers(handlers: dict[signal.Signals, Any]) -> Iterator[None]:
+    """``handlers`` installed while inside, the previous ones restored after (main thread
+    only: elsewhere nothing changes)."""
+    try:
+        previous = {s: signal.signal(s, h) for s, h in handlers.items()}
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def sigterm_as_interrupt() -> contextlib.AbstractContextManager[None]:
+    """While inside, SIGTERM raises :class:`Terminated` in the main thread (like Ctrl-C)."""
+    return _signal_handlers({signal.SIGTERM: _raise_terminated})
+
+
+def _signals_held() -> contextlib.AbstractContextManager[None]:
+    """Hold off a second Ctrl-C / SIGTERM while results are being written (a second or so)."""
+    return _signal_handlers({signal.SIGINT: signal.SIG_IGN, signal.SIGTERM: signal.SIG_IGN})
+
+
+def one_line(exc: BaseException) -> str:
+    """``Type: first line of the message`` (a run's failure in the progress and on stderr)."""
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
-def _meta(plan: Plan, argv: Sequence[str], status: str) -> dict[str, Any]:
+def _meta(
+    plan: Plan, argv: Sequence[str], status: str, timing: dict[str, Any] | None
+) -> dict[str, Any]:
     return {
         "distoptim_version": __version__,
         "command": ["distoptim", *argv],
@@ -54,6 +107,8 @@ def _meta(plan: Plan, argv: Sequence[str], status: str) -> dict[str, Any]:
         "status": status,
         "dataset": plan.data.describe(),
         "link": plan.link,
+        "notes": plan.notes,
+        "timing": timing,
         "machine": {
             "cpus": os.cpu_count(),
             "torch": torch.__version__,
@@ -64,34 +119,31 @@ def _meta(plan: Plan, argv: Sequence[str], status: str) -> dict[str, Any]:
 
 
 def write_outputs(
-    plan: Plan, records: Sequence[RunRecord], argv: Sequence[str], status: str
+    plan: Plan,
+    records: Sequence[RunRecord],
+    argv: Sequence[str],
+    status: str,
+    timing: _Timing | None = None,
+    plots: bool = True,
 ) -> tuple[str, str | None]:
-    """Write ``results.json`` and the plot under ``plan.out``; return their paths."""
+    """Write ``results.json`` (and the plots when ``plots``) under ``plan.out``; their paths."""
+    from distoptim.cli.plot import plot_accuracy
+
+    os.makedirs(plan.out, exist_ok=True)
     assign_temporal_efficiency(records)
+    png = None
+    if plots:  # first, so that the timing written below includes them
+        title = f"{plan.data.name}: validation accuracy"
+        if plan.link:
+            mbps = plan.link["mbps"]
+            title += f" (emulated link {plan.link['latency_ms']:g} ms, "
+            title += "unlimited" if mbps is None else f"{mbps:g} Mbit/s"
+            title += ")"
+        png = plot_accuracy(records, os.path.join(plan.out, PLOT_PNG), title)
     json_path = os.path.join(plan.out, RESULTS_JSON)
-    write_results(json_path, records, _meta(plan, argv, status))
-    title = f"{plan.data.name}: validation accuracy of each algorithm"
-    if plan.link:
-        mbps = plan.link["mbps"]
-        title += f" (emulated link {plan.link['latency_ms']:g} ms, "
-        title += "unlimited" if mbps is None else f"{mbps:g} Mbit/s"
-        title += ")"
-    png = plot_accuracy(records, os.path.join(plan.out, PLOT_PNG), title)
+    meta = _meta(plan, argv, status, None if timing is None else timing.as_dict(records))
+    write_results(json_path, records, meta)
     return json_path, png
-
-
-@contextlib.contextmanager
-def _no_sigint() -> Iterator[None]:
-    """Hold off a second Ctrl-C while the partial results are being written (a second or so)."""
-    try:
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    except ValueError:  # not the main thread
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def _summary_line(rec: RunRecord, verbose: bool) -> str:
@@ -101,83 +153,177 @@ def _summary_line(rec: RunRecord, verbose: bool) -> str:
     return f"done in {rec.wall_time_s or 0:.1f} s, val acc {acc}"
 
 
+class _Timing:
+    """Where a command's time went, for ``results.json`` and the line under the table."""
+
+    def __init__(self, pool_size: int) -> None:
+        self.started = time.monotonic()
+        self.load_start = _load()
+        self.pool_size = pool_size
+        self.pool_starts: list[float] = []
+
+    def as_dict(self, records: Sequence[RunRecord]) -> dict[str, Any]:
+        total = time.monotonic() - self.started
+        training = sum(r.wall_time_s or 0.0 for r in records)
+        return {
+            "total_s": total,
+            "training_s": training,
+            "startup_share": None if total <= 0 else max(0.0, 1.0 - training / total),
+            "pool_processes": self.pool_size,
+            "pool_start_s": self.pool_starts,
+            "run_startup_s": sum(r.startup_s or 0.0 for r in records),
+            "run_overhead_s": sum(r.overhead_s or 0.0 for r in records),
+            "load_average": {"start": self.load_start, "end": _load()},
+            "cpus": os.cpu_count(),
+        }
+
+
+def _load() -> list[float] | None:
+    with contextlib.suppress(OSError, AttributeError):
+        return [round(x, 2) for x in os.getloadavg()]
+    return None
+
+
+def _timing_line(t: dict[str, Any]) -> str:
+    share = t["startup_share"]
+    return (
+        f"time: {t['total_s']:.1f} s in all, {t['training_s']:.1f} s training "
+        f"({'-' if share is None else f'{100 * (1 - share):.0f}'} %); pool of "
+        f"{t['pool_processes']} processes started in {sum(t['pool_start_s']):.1f} s; "
+        f"load average {t['load_average']['start']} -> {t['load_average']['end']}"
+    )
+
+
 def run_plan(
     plan: Plan,
     argv: Sequence[str],
     stdout: TextIO | None = None,
     stderr: TextIO | None = None,
 ) -> int:
-    """Run every config of ``plan`` in order; write outputs; print the table. Exit code."""
+    """Run every config of ``plan`` in order on one process pool; write outputs; print the
+    table. Returns the exit code. Call under :func:`sigterm_as_interrupt` for SIGTERM."""
     stdout = stdout if stdout is not None else sys.stdout
     stderr = stderr if stderr is not None else sys.stderr
+    for note in plan.notes:
+        print(f"distoptim: {note}", file=stderr)
     display = ProgressDisplay(plan.progress, stderr)
     n_train = int(plan.data.x_train.shape[0])
-    labels = [c.label for c in plan.configs]
+    labels = [algorithms.label(c) for c in plan.configs]
     totals = [c.total_samples(n_train) for c in plan.configs]
+    timing = _Timing(max(algorithms.processes_of(c) for c in plan.configs))
     records: list[RunRecord] = []
-    interrupted = failed = False
+    interrupt: KeyboardInterrupt | None = None
+    failed = False
+    pool: ProcessPool | None = None
+    events: EventQueue | None = None
+    json_path = png = None
     with display.session(labels, totals):
-        for i, cfg in enumerate(plan.configs):
-            record: RunRecord | None = None
-            error: BaseException | None = None
-            with display.run(i, cfg.label, totals[i]) as channel:
-                try:
-                    record = run_local(cfg, plan.data, channel.queue, plan.link_env)
-                except KeyboardInterrupt as exc:
-                    error, interrupted = exc, True
-                except Exception as exc:  # a failed run is recorded; the others still run
-                    error, failed = exc, True
-            if record is None:  # the drain thread has stopped: channel.events is complete
-                status = "interrupted" if interrupted else "failed"
-                text = "interrupted by Ctrl-C" if interrupted else str(error)
-                record = partial_record(cfg, channel.events, status, text)
-                channel.finished(
-                    status
-                    if interrupted or display.mode != "plain"
-                    else f"failed: {_headline(error)}"
-                )
-                if not interrupted:
-                    print(f"distoptim: run '{cfg.label}' failed: {_headline(error)}", file=stderr)
-            else:
-                channel.acc = record.val_acc
-                channel.finished(_summary_line(record, display.mode == "plain"))
-            records.append(record)
-            with _no_sigint():
-                if interrupted:
-                    state = "interrupted"
-                elif i + 1 < len(labels):
-                    state = "running"  # rewritten after the next run
+        try:
+            for i, cfg in enumerate(plan.configs):
+                record: RunRecord | None = None
+                error: BaseException | None = None
+                if pool is None or not pool.alive:
+                    pool, events = _start_pool(plan, timing, display, pool, events)
+                with display.run(i, labels[i], totals[i]) as progress:
+                    try:
+                        record = run_on_pool(cfg, i, pool, plan.data)
+                    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM
+                        error = interrupt = exc
+                    except Exception as exc:  # a failed run is recorded; the others still run
+                        error, failed = exc, True
+                    if record is None and events is not None:
+                        events.flush()  # the pool is stopped: what its processes sent is here
+                if record is None:
+                    assert error is not None
+                    status = "interrupted" if interrupt else "failed"
+                    text = (
+                        f"interrupted by {'SIGTERM' if isinstance(error, Terminated) else 'Ctrl-C'}"
+                        if interrupt
+                        else one_line(error)
+                    )
+                    record = partial_record(cfg, progress.events, status, text)
+                    shown = status if interrupt or display.mode != "plain" else f"failed: {text}"
+                    progress.finished(shown)
+                    if not interrupt:
+                        print(f"distoptim: run '{labels[i]}' failed: {text}", file=stderr)
                 else:
-                    state = "failed" if failed else "complete"
-                json_path, png = write_outputs(plan, records, argv, state)
-            if interrupted:
-                break
-    render_table(summarize(records), stdout)
+                    progress.acc = record.val_acc
+                    progress.finished(_summary_line(record, display.mode == "plain"))
+                records.append(record)
+                last = interrupt is not None or i + 1 == len(plan.configs)
+                with _signals_held():
+                    if interrupt:
+                        state = "interrupted"
+                    elif not last:
+                        state = "running"  # rewritten after the next run
+                    else:
+                        state = "failed" if failed else "complete"
+                    json_path, png = write_outputs(plan, records, argv, state, timing, plots=last)
+                if interrupt:
+                    break
+        finally:
+            if pool is not None:
+                pool.close() if interrupt is None else pool.kill()
+            if events is not None:
+                events.close()
+    rows = summarize(records)
+    render_table(rows, stdout)
+    print(_timing_line(timing.as_dict(records)), file=stdout)  # the table's print included
     print(f"results: {json_path}", file=stdout)
     if png:
         print(f"plot:    {png}", file=stdout)
-    if interrupted:
+    if interrupt is not None:
         print("distoptim: interrupted; the runs so far are in the results above", file=stderr)
-        return 130
+        return exit_code(interrupt)
     return 1 if failed else 0
 
 
-def run_torchrun(plan: Plan, argv: Sequence[str]) -> int:
-    """This process is one rank of a torchrun job; the reporting rank (sync: rank 0; async: the
-    chief, the first worker) writes the outputs and prints the table."""
+def _start_pool(
+    plan: Plan,
+    timing: _Timing,
+    display: ProgressDisplay,
+    old: ProcessPool | None,
+    old_events: EventQueue | None,
+) -> tuple[ProcessPool, EventQueue]:
+    """A new pool (and progress queue) for the runs to come; the broken ones are released."""
+    if old_events is not None:
+        old_events.close()
+    again = " again (the last run stopped the old one)" if old is not None else ""
+    display.note(
+        f"distoptim: starting {timing.pool_size} worker processes{again}; they serve all "
+        f"{len(plan.configs)} run(s)…"
+    )
+    events = EventQueue(display.deliver)
+    pool = ProcessPool(
+        timing.pool_size,
+        (plan.data, events.queue, plan.link_env),
+        lifetime=sum(c.timeout for c in plan.configs) + 600.0,
+    )
+    try:
+        timing.pool_starts.append(pool.start())
+    except BaseException:
+        events.close()
+        raise
+    display.note(f"distoptim: worker processes ready in {timing.pool_starts[-1]:.1f} s")
+    return pool, events
+
+
+def run_torchrun_plan(plan: Plan, argv: Sequence[str]) -> int:
+    """This process is one rank of a torchrun job; the reporting rank (collective: rank 0;
+    server: the chief, the first worker) writes the outputs and prints the table."""
     cfg = plan.configs[0]
     sink = None
-    if plan.progress != "none":  # only the reporting rank (sync rank 0 / the chief) uses it
-        sink = LineSink(f"{cfg.label} (torchrun)", cfg.total_samples(len(plan.data.y_train)))
+    if plan.progress != "none":  # only the reporting rank uses it
+        sink = LineSink(
+            f"{algorithms.label(cfg)} (torchrun)", cfg.total_samples(len(plan.data.y_train))
+        )
         sink.set_world(cfg.workers)
+    use_link(plan.link_env)
     try:
-        record = _train_torchrun(cfg, plan.data, sink, plan.link_env)
-    except AlgorithmUnavailableError as exc:
-        print(f"distoptim train: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    if record is None:  # not rank 0
+        record = run_torchrun(cfg, plan.data, sink)
+    except KeyboardInterrupt as exc:
+        return exit_code(exc)
+    if record is None:  # not the reporting rank
         return 0
     json_path, png = write_outputs(plan, [record], argv, "complete")
     render_table(summarize([record]), sys.stdout)

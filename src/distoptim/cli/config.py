@@ -1,0 +1,148 @@
+"""What one run is: the command line's constants and :class:`RunConfig`.
+
+Owns: the defaults of ``distoptim train`` / ``distoptim compare``, the choices of the options
+that are not algorithms (torch optimizer, AGN rule, EASGD moving rate), and the frozen
+:class:`RunConfig` every process of a run receives. The algorithms themselves (names, how each
+is built, what it records) are :mod:`distoptim.cli.algorithms`; the epoch plan (shards,
+batches) is :mod:`distoptim.cli.datasets`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from distoptim.cli.datasets import batches_per_epoch, shard_size
+
+__all__ = [
+    "AGN_RULES",
+    "DEFAULTS",
+    "DEFAULT_HIDDEN",
+    "DEFAULT_LR",
+    "MOVING_RATE_RULES",
+    "OPTIMIZERS",
+    "RunConfig",
+    "easgd_alpha",
+]
+
+OPTIMIZERS = ("sgd", "momentum", "adam")
+DEFAULT_LR = {"sgd": 0.05, "momentum": 0.01, "adam": 0.001}
+"""Per-optimizer learning rate when ``--lr`` is not given (tuned on digits, see docs/cli.md)."""
+
+AGN_RULES = {"paper": "delta", "tf": "gradient"}
+"""``--agn-rule`` -> ``AGNOptimizer(update_rule=...)``.
+
+* ``paper`` (default): Hermans et al.'s rule (``update_rule="delta"``): the worker commits
+  ``(θ - θ_pulled) / λ`` and the server adds it. The 1/λ normalization acts on the center.
+* ``tf``: TF contrib's rule (``update_rule="gradient"``): the worker commits the accumulated
+  gradient ``a / λ`` and the server runs its own copy of the optimizer on it. With Adam (the
+  default optimizer) the server step is scale-invariant, so 1/λ has no effect.
+"""
+
+MOVING_RATE_RULES = {"paper": "0.9/n", "tf": "0.9/(τ·n)"}
+"""``--moving-rate``: EASGD's alpha by rule, or a number in (0, 1].
+
+* ``paper`` (default): alpha = β/n with β = 0.9: Zhang et al. tie the moving rate to the
+  number of workers (β = n·alpha) and use β = 0.9.
+* ``tf``: TF contrib's default alpha = 0.9/(τ·n); it makes the elastic pull vanish as τ·n grows
+  (n = 8, τ = 40: alpha = 0.0028, the center barely moves).
+"""
+
+DEFAULT_HIDDEN = (128, 64)
+"""Hidden layer widths: small enough that 4 workers share 2 cores, big enough for > 95 % on
+digits. The AGN thesis' MNIST model is ``--hidden 1000,2000,1000``."""
+
+DEFAULTS: dict[str, Any] = {
+    "workers": [4],
+    "communication_period": [10],
+    "epochs": 30,
+    "batch_size": 16,
+    "optimizer": "adam",
+    "seed": 0,
+    "repeats": 1,
+    "num_ps": 1,
+    "eval_points": 25,
+    "timeout": 900.0,
+    "agn_rule": ["paper"],
+    "moving_rate": "paper",
+    "hidden": DEFAULT_HIDDEN,
+    "out": "distoptim-results",
+}
+"""``distoptim compare`` with no arguments: 4 workers, λ = 10, 30 epochs of digits, batch 16
+per worker, Adam (lr 0.001): every algorithm reaches > 94 % validation accuracy."""
+
+
+def easgd_alpha(rule: str, workers: int, period: int) -> float:
+    """EASGD's moving rate alpha for ``--moving-rate rule`` with n workers and period τ."""
+    if rule == "paper":
+        return 0.9 / workers
+    if rule == "tf":
+        return 0.9 / (period * workers)
+    value = float(rule)
+    if not (math.isfinite(value) and 0 < value <= 1):
+        raise ValueError(f"moving rate must be 'paper', 'tf' or a number in (0, 1], got {rule!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything one run needs; validated by the command line before any process starts.
+
+    ``communication_period`` is λ (AGN, DOWNPOUR) or τ (EASGD); algorithms that do not use it
+    keep 1. ``agn_rule`` and ``moving_rate`` matter only to AGN and EASGD.
+    """
+
+    algo: str
+    workers: int
+    communication_period: int
+    epochs: int
+    batch_size: int
+    optimizer: str
+    lr: float
+    seed: int
+    num_ps: int = 1
+    eval_points: int = 25
+    timeout: float = 900.0
+    repeat: int = 0
+    hidden: tuple[int, ...] = DEFAULT_HIDDEN
+    agn_rule: str = "paper"
+    moving_rate: str = "paper"
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(
+                f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"
+            )
+        for name in ("workers", "communication_period", "epochs", "batch_size", "num_ps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be a finite number > 0, got {self.lr!r}")
+        if self.eval_points < 1:
+            raise ValueError(f"eval_points must be >= 1, got {self.eval_points}")
+        if not self.hidden or any(int(h) < 1 for h in self.hidden):
+            raise ValueError(f"hidden must be one or more widths >= 1, got {self.hidden!r}")
+        if self.agn_rule not in AGN_RULES:
+            raise ValueError(
+                f"agn_rule must be one of {', '.join(AGN_RULES)}, got {self.agn_rule!r}"
+            )
+        easgd_alpha(self.moving_rate, self.workers, self.communication_period)
+
+    @property
+    def easgd_alpha(self) -> float:
+        """EASGD's alpha for this run (see :data:`MOVING_RATE_RULES`)."""
+        return easgd_alpha(self.moving_rate, self.workers, self.communication_period)
+
+    def steps_per_epoch(self, num_train: int) -> int:
+        """Local steps each worker takes per epoch: its shard in batches, the last one partial."""
+        return batches_per_epoch(shard_size(num_train, self.workers), self.batch_size)
+
+    def samples_per_epoch(self, num_train: int) -> int:
+        """Samples all workers together read per epoch (``num_train`` less the rotating rest)."""
+        return shard_size(num_train, self.workers) * self.workers
+
+    def total_samples(self, num_train: int) -> int:
+        """Samples all workers together process in the whole run."""
+        return self.epochs * self.samples_per_epoch(num_train)

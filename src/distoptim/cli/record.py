@@ -1,0 +1,217 @@
+"""What a run did: :class:`RunRecord`, built from the workers' progress events and counters.
+
+Owns: the record of one run (status, times, accuracies, communication counters, history) and
+how it is made from what the processes return -- the history from their progress events
+(:func:`build_history`), the final accuracies from the final parameters, the counters of the
+process group (sync) or of the parameter servers (async) -- and the record of a run that did
+not finish (:func:`partial_record`).
+
+What is measured: wall time from the moment all workers are ready (process start-up excluded)
+until the last one finishes; validation accuracy during training, evaluated by one worker
+(sync: rank 0, whose parameters every rank shares; async: the chief, on the center variables
+it pulls from the parameter server); final train/validation accuracy of the final parameters
+(sync: rank 0's; async: the center after every worker finished). Samples processed at a point
+in time: the sum over workers of the samples each had finished by its latest progress report.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from distoptim.cli import algorithms
+from distoptim.cli.config import RunConfig
+from distoptim.cli.datasets import Dataset
+from distoptim.cli.model import build_model, evaluate, load_parameters
+
+__all__ = [
+    "RunRecord",
+    "build_history",
+    "finish_record",
+    "jsonable",
+    "partial_record",
+    "record_collective",
+    "record_server",
+]
+
+
+@dataclass
+class RunRecord:
+    """What one run did; ``status`` is ``ok``, ``failed`` or ``interrupted``.
+
+    ``startup_s``: seconds from handing the run to its processes until the first worker was
+    ready (process group or cluster built, model made); ``overhead_s``: everything of the run
+    that was not training (``startup_s``, the wait for the last worker's result, the final
+    evaluation), measured by the parent.
+    """
+
+    config: RunConfig
+    status: str = "ok"
+    error: str | None = None
+    wall_time_s: float | None = None
+    startup_s: float | None = None
+    overhead_s: float | None = None
+    train_acc: float | None = None
+    val_acc: float | None = None
+    train_loss: float | None = None
+    val_loss: float | None = None
+    communications: int | None = None
+    communication_kind: str = ""
+    bytes_moved: int | None = None
+    samples: int | None = None
+    temporal_efficiency: float | None = None
+    temporal_efficiency_reference: str | None = None
+    history: list[dict[str, float]] = field(default_factory=list)
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return algorithms.label(self.config)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["config"] = asdict(self.config)
+        d["label"] = self.label
+        d["settings"] = algorithms.get(self.config.algo).settings(self.config)
+        return d
+
+
+def build_history(events: Sequence[dict[str, Any]]) -> tuple[float | None, list[dict]]:
+    """``(t0, points)`` from the workers' progress events.
+
+    ``t0`` is the earliest ``start``; each ``eval`` event becomes a point ``{t, samples,
+    val_acc, val_loss, train_loss}`` with ``t`` in seconds since ``t0`` and ``samples`` the
+    sum over workers of their latest reported sample count at that time.
+    """
+    starts = [e["t"] for e in events if e["kind"] == "start"]
+    if not starts:
+        return None, []
+    t0 = min(starts)
+    ticks = sorted((e for e in events if e["kind"] in ("tick", "start")), key=lambda e: e["t"])
+    evals = sorted((e for e in events if e["kind"] == "eval"), key=lambda e: e["t"])
+    latest: dict[int, int] = {}
+    loss: dict[int, float] = {}
+    points = []
+    i = 0
+    for ev in evals:
+        while i < len(ticks) and ticks[i]["t"] <= ev["t"]:
+            latest[ticks[i]["worker"]] = ticks[i]["samples"]
+            if ticks[i].get("loss") is not None:
+                loss[ticks[i]["worker"]] = ticks[i]["loss"]
+            i += 1
+        latest[ev["worker"]] = max(latest.get(ev["worker"], 0), ev["samples"])
+        points.append(
+            {
+                "t": ev["t"] - t0,
+                "samples": sum(latest.values()),
+                "val_acc": ev["acc"],
+                "val_loss": ev["loss"],
+                "train_loss": sum(loss.values()) / len(loss) if loss else None,
+            }
+        )
+    return t0, points
+
+
+def finish_record(
+    record: RunRecord,
+    data: Dataset,
+    events: list[dict[str, Any]],
+    final_params: Sequence[torch.Tensor],
+) -> float | None:
+    """Fill times, samples, history and final accuracies into ``record``; returns ``t0``
+    (``time.time()`` when the first worker was ready), or None without a start event."""
+    cfg = record.config
+    t0, points = build_history(events)
+    ends = [e for e in events if e["kind"] == "finish"]
+    model = build_model(data.num_features, data.num_classes, cfg.seed, cfg.hidden)
+    load_parameters(model, final_params)
+    record.train_acc, record.train_loss = evaluate(model, data.x_train, data.y_train)
+    record.val_acc, record.val_loss = evaluate(model, data.x_val, data.y_val)
+    record.samples = sum(e["samples"] for e in ends)
+    if t0 is not None and ends:
+        record.wall_time_s = max(e["t"] for e in ends) - t0
+        losses = [e["loss"] for e in ends if e.get("loss") is not None]
+        points.append(
+            {
+                "t": record.wall_time_s,
+                "samples": record.samples,
+                "val_acc": record.val_acc,
+                "val_loss": record.val_loss,
+                "train_loss": sum(losses) / len(losses) if losses else None,
+            }
+        )
+    record.history = points
+    return t0
+
+
+def partial_record(
+    cfg: RunConfig, events: list[dict[str, Any]], status: str, error: str
+) -> RunRecord:
+    """A record for a run that did not finish: the history its workers had reported so far.
+
+    ``val_acc``/``val_loss`` are the last evaluation before the run stopped; ``wall_time_s``
+    and ``samples`` how far it got. Train accuracy stays unknown (no final parameters).
+    """
+    record = RunRecord(cfg, status=status, error=error)
+    record.communication_kind = algorithms.get(cfg.algo).communication_kind
+    t0, record.history = build_history(events)
+    if record.history:
+        record.val_acc = record.history[-1]["val_acc"]
+        record.val_loss = record.history[-1]["val_loss"]
+    if t0 is not None:
+        record.wall_time_s = max(e["t"] for e in events) - t0
+        last: dict[int, int] = {}
+        for e in events:
+            if "samples" in e:
+                last[e["worker"]] = max(last.get(e["worker"], 0), e["samples"])
+        record.samples = sum(last.values())
+    return record
+
+
+def record_collective(record: RunRecord, outs: Sequence[dict[str, Any]]) -> tuple[list, list]:
+    """Counters of a process-group run into ``record``; returns (all events, rank 0's params).
+
+    ``outs``: what every rank's worker returned (``events``, ``collectives``, ``bytes_sent``;
+    rank 0 also ``params``).
+    """
+    record.communications = outs[0]["collectives"]
+    record.communication_kind = "all-reduces"
+    record.bytes_moved = sum(o["bytes_sent"] for o in outs)
+    record.stats = {
+        "collectives_per_rank": [o["collectives"] for o in outs],
+        "bytes_sent_per_rank": [o["bytes_sent"] for o in outs],
+    }
+    return [e for o in outs for e in o["events"]], outs[0]["params"]
+
+
+def record_server(
+    record: RunRecord, stats: Any, worker_events: Sequence[list[dict[str, Any]] | None]
+) -> list[dict[str, Any]]:
+    """Counters of a parameter-server run into ``record``; returns every worker's events.
+
+    ``stats``: the merged :class:`distoptim.agn.ClusterStats` of the shards;
+    ``worker_events``: each worker's events (None for a worker that returned nothing).
+    """
+    record.communications = int(sum(stats.commits_per_worker.values()))
+    record.communication_kind = "commits"
+    record.bytes_moved = int(stats.bytes_in + stats.bytes_out)
+    record.stats = jsonable(stats.as_dict())
+    if stats.dead_workers:
+        record.error = f"dead workers: {list(stats.dead_workers)}"
+    return [e for events in worker_events if events is not None for e in events]
+
+
+def jsonable(value: Any) -> Any:
+    """Stats as plain JSON types (dict keys become strings, tensors numbers/lists)."""
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)

@@ -1,0 +1,226 @@
+"""What each process of a run does: the training loop and the roles around it.
+
+Owns: the loop every worker runs (the same for every algorithm), the epoch's batches, a rank
+of a ``collective`` algorithm (:func:`collective_rank`), a process of a ``server`` algorithm's
+cluster -- a shard that serves or a worker that trains (:func:`cluster_role`) -- and the two
+pool tasks that run them in the pool's processes (:func:`collective_task`,
+:func:`server_task`).
+
+Every worker reads a disjoint shard of the training set each epoch (``shard_indices``) in
+batches of ``--batch-size``, the last batch of the epoch holding the rest of the shard, so an
+epoch is the same samples for every algorithm.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from distoptim.cli import algorithms
+from distoptim.cli.config import RunConfig
+from distoptim.cli.datasets import Dataset, shard_indices
+from distoptim.cli.model import build_model, evaluate, load_parameters
+from distoptim.cli.progress import Reporter
+
+__all__ = [
+    "PoolContext",
+    "cluster_role",
+    "collective_rank",
+    "collective_task",
+    "server_task",
+    "train_loop",
+    "use_link",
+]
+
+PoolContext = tuple[Dataset, Any, str | None]
+"""What every pool process receives once: the dataset, the progress queue (or None) and the
+emulated link (``Link.to_env()`` text, or None)."""
+
+
+def _batches(cfg: RunConfig, data: Dataset, rank: int) -> Iterator[tuple[torch.Tensor, ...]]:
+    n = int(data.x_train.shape[0])
+    for epoch in range(cfg.epochs):
+        idx = shard_indices(n, rank, cfg.workers, epoch, cfg.seed)
+        for start in range(0, len(idx), cfg.batch_size):
+            take = idx[start : start + cfg.batch_size]
+            yield data.x_train[take], data.y_train[take]
+
+
+def train_loop(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    cfg: RunConfig,
+    data: Dataset,
+    rank: int,
+    reporter: Reporter,
+    evaluator: Callable[[], tuple[float, float]] | None,
+) -> int:
+    """Run every local step; report progress; ``evaluator`` (on one worker) scores as it goes.
+
+    Returns the number of local steps taken.
+    """
+    total = cfg.epochs * cfg.steps_per_epoch(int(data.x_train.shape[0]))
+    eval_every = max(1, total // cfg.eval_points)
+    tick_every = max(1, total // 50)
+    reporter.start()
+    if evaluator is not None:
+        reporter.evaluation(*evaluator())
+    step = 0
+    for xb, yb in _batches(cfg, data, rank):
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(xb), yb)
+        loss.backward()
+        opt.step()
+        step += 1
+        reporter.step(int(xb.shape[0]), loss.item())
+        if step % tick_every == 0 or step == total:
+            reporter.tick()
+        if evaluator is not None and step % eval_every == 0 and step != total:
+            reporter.evaluation(*evaluator())
+    reporter.finish()
+    return step
+
+
+def _model_and_optimizer(
+    cfg: RunConfig, data: Dataset, cluster: Any
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = build_model(data.num_features, data.num_classes, cfg.seed, cfg.hidden)
+    inner = algorithms.make_torch_optimizer(cfg.optimizer, model.parameters(), cfg.lr)
+    return model, algorithms.get(cfg.algo).build(inner, cfg, cluster)
+
+
+def collective_rank(
+    rank: int, world_size: int, cfg: RunConfig, data: Dataset, sink: Any, run: int | None
+) -> dict[str, Any]:
+    """One rank of a ``collective`` algorithm, in an initialized default process group.
+
+    Returns its progress events and communication counters; rank 0 also its final parameters
+    (every rank holds the same ones).
+    """
+    import torch.distributed as dist
+
+    model, opt = _model_and_optimizer(cfg, data, None)  # same seed: same init on all ranks
+    reporter = Reporter(sink, rank, run)
+
+    def score() -> tuple[float, float]:
+        return evaluate(model, data.x_val, data.y_val)
+
+    dist.barrier()  # the clock starts when every rank is ready
+    steps = train_loop(model, opt, cfg, data, rank, reporter, score if rank == 0 else None)
+    stats = opt.comm_stats
+    return {
+        "events": reporter.events,
+        "steps": steps,
+        "params": [p.detach().clone() for p in model.parameters()] if rank == 0 else None,
+        "collectives": int(stats.collectives),
+        "bytes_sent": int(stats.bytes_sent),
+    }
+
+
+def _train_on_cluster(
+    cluster: Any, cfg: RunConfig, data: Dataset, sink: Any, run: int | None
+) -> list[dict[str, Any]]:
+    """A worker of a ``server`` algorithm: seed or pull the center, train; return its events."""
+    model, opt = _model_and_optimizer(cfg, data, cluster)
+    hook = opt.make_session_run_hook(cluster.is_chief, cluster.task_index)
+    hook.begin()
+    hook.after_create_session()  # chief seeds the center; the others wait for it and pull
+    reporter = Reporter(sink, cluster.task_index, run)
+    evaluator = None
+    if cluster.is_chief:
+        scratch = build_model(data.num_features, data.num_classes, cfg.seed, cfg.hidden)
+
+        def evaluator() -> tuple[float, float]:
+            load_parameters(scratch, opt.center_variables())
+            return evaluate(scratch, data.x_val, data.y_val)
+
+    train_loop(model, opt, cfg, data, cluster.task_index, reporter, evaluator)
+    return reporter.events
+
+
+def cluster_role(cfg: RunConfig, data: Dataset, sink: Any, run: int | None) -> tuple[str, Any]:
+    """This process's part of a ``server`` algorithm's cluster (torchrun's environment).
+
+    The first ``cfg.num_ps`` ranks serve until every worker is done and return
+    ``("shard", ShardReport)``; the others train and return ``("worker", events)``. The
+    cluster is left (and the transport shut down) before returning, also on an error.
+    """
+    from distoptim.agn import Cluster
+
+    with _cpp_warnings_off():
+        cluster = Cluster.from_env(num_ps=cfg.num_ps)
+        if cluster.is_ps:
+            try:
+                return "shard", cluster.serve(timeout=cfg.timeout)
+            finally:
+                cluster.shutdown()
+        ok = False
+        try:
+            events = _train_on_cluster(cluster, cfg, data, sink, run)
+            ok = True
+        finally:
+            cluster.shutdown(failed=not ok)
+        return "worker", events
+
+
+@contextlib.contextmanager
+def _cpp_warnings_off() -> Iterator[None]:
+    """torch's C++ log level at ERROR in this process while inside (unless the user chose one).
+
+    TensorPipe (the RPC transport under the parameter server) logs a warning for every
+    connection a finished peer closes; in a normal end of a run these say nothing. torch reads
+    ``TORCH_CPP_LOG_LEVEL`` once, when it loads, into libc10's ``FLAGS_caffe2_log_level``
+    (0 INFO, 1 WARNING, 2 ERROR); a pool process loaded torch long before, so this sets that
+    flag directly and restores it on exit. Where the symbol is missing it does nothing.
+    Pinned by ``tests/cli/test_worker.py``.
+    """
+    flag = None if "TORCH_CPP_LOG_LEVEL" in os.environ else _cpp_log_level_flag()
+    if flag is None:
+        yield
+        return
+    before = flag.value
+    flag.value = max(before, 2)
+    try:
+        yield
+    finally:
+        flag.value = before
+
+
+def _cpp_log_level_flag() -> ctypes.c_int | None:
+    path = os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so")
+    try:
+        return ctypes.c_int.in_dll(ctypes.CDLL(path), "FLAGS_caffe2_log_level")
+    except (OSError, ValueError):
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# pool tasks: fn(context, *args) in a pool process (distoptim.cli.pool)
+# ---------------------------------------------------------------------------------------------
+def use_link(link_env: str | None) -> None:
+    """Emulate the link ``link_env`` (``Link.to_env()`` text) in this process; None: none."""
+    from distoptim.comm.link import Link, set_link
+
+    set_link(None if link_env is None else Link.from_env(link_env))
+
+
+def collective_task(context: PoolContext, cfg: RunConfig, run: int) -> dict[str, Any]:
+    """A rank of a ``collective`` run: its process group from the task's torchrun variables."""
+    from distoptim.launch import torchrun_main
+
+    data, sink, link_env = context
+    use_link(link_env)
+    return torchrun_main(collective_rank, cfg, data, sink, run, backend="gloo", timeout=cfg.timeout)
+
+
+def server_task(context: PoolContext, cfg: RunConfig, run: int) -> tuple[str, Any]:
+    """A shard or worker of a ``server`` run: :func:`cluster_role` in the task's cluster."""
+    data, sink, link_env = context
+    use_link(link_env)
+    return cluster_role(cfg, data, sink, run)
