@@ -50,6 +50,7 @@ from distoptim.launch import (
     run_processes,
     torchrun_env,
 )
+from distoptim.netcheck import check_torchrun_network
 
 __all__ = [
     "Cluster",
@@ -331,6 +332,7 @@ class Cluster:
         """Join the cluster described by torchrun's environment (``RANK``, ``WORLD_SIZE``,
         ``MASTER_ADDR``, ``MASTER_PORT``): the first ``num_ps`` ranks serve, the rest work."""
         require_torchrun_env("Cluster.from_env", "distoptim.agn.spawn")
+        check_torchrun_network("Cluster.from_env", ("gloo", "tensorpipe"), rpc_timeout)
         return cls(
             rank=int(os.environ["RANK"]),
             world_size=int(os.environ["WORLD_SIZE"]),
