@@ -7,12 +7,15 @@ Side by side in one run, momentum 0.9 + Nesterov, fp32 unless --dtypes says othe
 * jit     -- our SGD with ``jit_compile=True`` (torch.compile; the compile time is reported
   apart from the step time).
 
-For each it prints the median step time, the effective bandwidth at 5 tensor accesses per
-element (read w, g, v; write w, v: 20 B/element in fp32, 10 in bf16), the ratio of that to a
-plain tensor copy of the same number of elements (read + write, the memory-bandwidth limit),
-and our speed-up over torch.optim.SGD(foreach=True). Results go to
-``benchmarks/results/mesh_sgd.json`` (``--out``). Targets (issue 4): >= 1.5x foreach on
-DTensors, >= 1.0x on plain tensors, jit >= 0.8 of copy bandwidth.
+The contenders run round-robin, one step each per round, in a freshly shuffled order every
+round (the same order on both ranks), so that load from other processes hits all of them
+alike. For each it prints the median step time, the effective bandwidth at 5 tensor accesses
+per element (read w, g, b; write w, b: 20 B/element in fp32, 10 in bf16), the ratio of that to
+a plain tensor copy of the same number of elements (read + write, the memory-bandwidth limit),
+and the **paired** speed-up of distoptim over it (the median over rounds of
+``t_contender / t_distoptim``, both timed in the same round). Results go to
+``benchmarks/results/mesh_sgd.json`` (``--out``). Goals: distoptim >= 0.9x torch's fused SGD on
+plain tensors, >= 1.8x torch's foreach SGD on DTensor Shard(0).
 
     python benchmarks/mesh_sgd.py                     # CPU, default sizes (~2-3 min, 2 cores)
     python benchmarks/mesh_sgd.py --device cuda --dtypes fp32,bf16 --no-dtensor   # one GPU
@@ -64,23 +67,26 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_interleaved(
-    fns: dict[str, Any], reps: int, warmup: int, device: torch.device, barrier=None
+def time_interleaved(
+    fns: dict[str, Any], reps: int, warmup: int, device: torch.device, barrier=None, seed: int = 0
 ) -> dict[str, list[float]]:
-    """Per-step times of every callable, run round-robin (one step each per round) so that
-    load from other processes on a shared machine hits all contenders alike."""
+    """Per-step times of every callable: ``reps`` rounds, one step of each per round, in an order
+    shuffled every round (seeded: every rank shuffles alike). ``out[name][r]`` is round ``r``."""
     live = {k: f for k, f in fns.items() if callable(f)}
     for _ in range(warmup):
         for f in live.values():
             f()
+    order = list(live)
+    rng = random.Random(seed)
     out: dict[str, list[float]] = {k: [] for k in live}
     for _ in range(reps):
-        for name, f in live.items():
+        rng.shuffle(order)
+        for name in order:
             if barrier is not None:
                 barrier()
             _sync(device)
             t0 = time.perf_counter()
-            f()
+            live[name]()
             _sync(device)
             out[name].append(time.perf_counter() - t0)
     return out
@@ -92,7 +98,7 @@ def _copy_fn(numel: int, dtype, device):
     return lambda: dst.copy_(src)
 
 
-def _optimizers(params: list[torch.Tensor], jit: bool) -> dict[str, Any]:
+def optimizers(params: list[torch.Tensor], jit: bool) -> dict[str, Any]:
     """name -> zero-argument step function (fresh copies of the params for each)."""
     runs: dict[str, Any] = {}
 
@@ -134,12 +140,13 @@ def _optimizers(params: list[torch.Tensor], jit: bool) -> dict[str, Any]:
     return runs
 
 
-def _summarize(times: dict[str, Any], numel: int, itemsize: int, copy_s: float) -> dict:
+def summarize(times: dict[str, Any], numel: int, itemsize: int, copy_s: float) -> dict:
+    """Medians, bandwidths and distoptim's paired speed-up over each contender."""
     res: dict[str, Any] = {
         "copy_median_s": copy_s,
         "copy_GBps": 2 * itemsize * numel / copy_s / 1e9,
     }
-    base = times.get("torch_foreach")
+    ours = times.get("distoptim")
     for name, t in times.items():
         if isinstance(t, str):
             res[name] = {"skipped": t}
@@ -150,9 +157,21 @@ def _summarize(times: dict[str, Any], numel: int, itemsize: int, copy_s: float) 
             "median_s": med,
             "effective_GBps": bw,
             "ratio_to_copy_bw": bw / res["copy_GBps"],
-            "speedup_vs_torch_foreach": (statistics.median(base) / med) if base else None,
+            "distoptim_paired_speedup": (
+                statistics.median(a / b for a, b in zip(t, ours)) if ours else None
+            ),
         }
     return res
+
+
+def goal(res: dict, contender: str, target: float) -> dict:
+    r = res.get(contender, {}).get("distoptim_paired_speedup")
+    return {
+        "distoptim_over": contender,
+        "paired_speedup": r,
+        "target": target,
+        "met": None if r is None else r >= target,
+    }
 
 
 def run_plain(args, dtype_name: str, jit: bool) -> dict:
@@ -165,14 +184,15 @@ def run_plain(args, dtype_name: str, jit: bool) -> dict:
         p.grad = (torch.randn(s, generator=gen) * 1e-3).to(device=device, dtype=dtype)
         params.append(p)
     numel = sum(p.numel() for p in params)
-    runs = _optimizers(params, jit=jit)
+    runs = optimizers(params, jit=jit)
     extra = {k: runs.pop(k) for k in list(runs) if k.startswith("_")}
     runs["_copy"] = _copy_fn(numel, dtype, device)
-    times: dict[str, Any] = _time_interleaved(runs, args.reps, args.warmup, device)
+    times: dict[str, Any] = time_interleaved(runs, args.reps, args.warmup, device)
     copy_s = statistics.median(times.pop("_copy"))
     times.update({k: v for k, v in runs.items() if isinstance(v, str)})
-    res = _summarize(times, numel, torch.empty((), dtype=dtype).element_size(), copy_s)
+    res = summarize(times, numel, torch.empty((), dtype=dtype).element_size(), copy_s)
     res.update({"numel": numel, "tensors": len(params), "dtype": dtype_name, **extra})
+    res["goal"] = goal(res, "torch_fused", 0.9)
     return res
 
 
@@ -189,10 +209,10 @@ def _dtensor_rank(rank: int, world: int, args_dict: dict) -> dict:
         p.grad = distribute_tensor(torch.randn(s, generator=gen) * 1e-3, mesh, [Shard(0)])
         params.append(p)
     local_numel = sum(p.to_local().numel() for p in params)
-    runs = _optimizers(params, jit=False)
+    runs = optimizers(params, jit=False)
     barrier = torch.distributed.barrier
     runs["_copy"] = _copy_fn(local_numel, torch.float32, torch.device("cpu"))
-    times: dict[str, Any] = _time_interleaved(
+    times: dict[str, Any] = time_interleaved(
         runs, args_dict["reps"], 2, torch.device("cpu"), barrier
     )
     copy_s = statistics.median(times.pop("_copy"))
@@ -219,8 +239,9 @@ def run_dtensor(args) -> dict:
             times[name] = [max(a, b) for a, b in zip(t, outs[1]["times"][name])]
     numel = max(o["local_numel"] for o in outs)
     copy_s = max(o["copy_s"] for o in outs)
-    res = _summarize(times, numel, 4, copy_s)
+    res = summarize(times, numel, 4, copy_s)
     res.update({"local_numel_per_rank": numel, "ranks": 2, "dtype": "fp32", "threads_per_rank": 1})
+    res["goal"] = goal(res, "torch_foreach", 1.8)
     return res
 
 
@@ -229,17 +250,23 @@ def _print(title: str, res: dict) -> None:
         f"\n== {title}: {res.get('numel', res.get('local_numel_per_rank'))} elements "
         f"({res['dtype']}), copy {res['copy_GBps']:.2f} GB/s"
     )
-    print(f"{'optimizer':<16}{'median ms':>11}{'eff GB/s':>10}{'/copy':>8}{'vs foreach':>12}")
+    print(f"{'optimizer':<16}{'median ms':>11}{'eff GB/s':>10}{'/copy':>8}{'distoptim x':>13}")
     for name, r in res.items():
-        if not isinstance(r, dict):
+        if not isinstance(r, dict) or name == "goal":
             continue
         if "skipped" in r:
             print(f"{name:<16}  {r['skipped']}")
             continue
-        sp = r["speedup_vs_torch_foreach"]
+        sp = r["distoptim_paired_speedup"]
         print(
             f"{name:<16}{r['median_s'] * 1e3:>11.2f}{r['effective_GBps']:>10.2f}"
-            f"{r['ratio_to_copy_bw']:>8.2f}{sp:>11.2f}x"
+            f"{r['ratio_to_copy_bw']:>8.2f}{sp:>12.2f}x"
+        )
+    g = res["goal"]
+    if g["paired_speedup"] is not None:
+        print(
+            f"goal: distoptim >= {g['target']}x {g['distoptim_over']} (paired): "
+            f"{g['paired_speedup']:.2f}x, {'met' if g['met'] else 'NOT met'}"
         )
 
 
