@@ -7,12 +7,13 @@ rank contributes to a round (:class:`GuardWords`), their encoding into the round
 the round's own all-reduce (see :mod:`distoptim.comm.bucket`), so the guard adds no collective.
 
 Encoding. A round's trailer has ``group_size * CHUNKS`` elements; group rank ``r`` writes its
-words, cut into 8-bit chunks, into slots ``[r * CHUNKS, (r + 1) * CHUNKS)`` and zeros
-everywhere else. After the SUM all-reduce every slot holds exactly one rank's chunk -- an
-all-gather carried by the sum -- so every rank decodes the same table of every rank's words.
-Chunks are integers in ``[0, 255]``: exact in every floating dtype a bucket or its wire can
-have (bfloat16 represents every integer up to 256), so compression cannot blur them. A trailer
-whose slots are not such integers is itself proof that the ranks' collectives did not pair.
+words, packed into ``CHUNKS`` bytes (chunks), one byte per element, into slots
+``[r * CHUNKS, (r + 1) * CHUNKS)`` and zeros everywhere else. After the SUM all-reduce every
+slot holds exactly one rank's chunk -- an all-gather carried by the sum -- so every rank
+decodes the same table of every rank's words. Chunks are integers in ``[0, 255]``: exact in
+every floating dtype a bucket or its wire can have (bfloat16 represents every integer up to
+256), so compression cannot blur them. A trailer whose slots are not such integers is itself
+proof that the ranks' collectives did not pair.
 
 Verdict (the same on every rank, because every rank reads the same table):
 
@@ -86,7 +87,7 @@ _KIND_TEXT = {
     RoundKind.ABANDON: "remove_hooks() after a backward() without step()",
 }
 
-# (field, bits): the words in trailer order; CHUNKS 8-bit chunks per rank in all
+# (field, bits): the words in trailer order, packed little-endian into CHUNKS bytes per rank
 _FIELDS: tuple[tuple[str, int], ...] = (
     ("kind", 8),
     ("step", 40),
@@ -96,8 +97,12 @@ _FIELDS: tuple[tuple[str, int], ...] = (
     ("flags", 8),
 )
 _CHUNK_BITS = 8
-CHUNKS = sum(bits // _CHUNK_BITS for _, bits in _FIELDS)
-"""Trailer elements per rank."""
+CHUNKS = sum(bits for _, bits in _FIELDS) // _CHUNK_BITS
+"""Trailer elements per rank (one byte of the packed words each)."""
+_LAYOUT = tuple(
+    (name, bits, sum(b for _, b in _FIELDS[:i]), (1 << bits) - 1)
+    for i, (name, bits) in enumerate(_FIELDS)
+)
 
 
 def plan_word(digest: bytes) -> int:
@@ -162,37 +167,37 @@ class GuardCodec:
         return self.group_size * CHUNKS
 
     def write(self, trailer: torch.Tensor, words: GuardWords) -> None:
-        """Zero ``trailer`` and put this rank's chunks into its own slots."""
-        chunks: list[int] = []
-        for name, bits in _FIELDS:
-            value = min(int(getattr(words, name)), (1 << bits) - 1)
+        """Fill ``trailer``: this rank's chunks in its own slots, zeros everywhere else."""
+        packed = 0
+        for name, _, shift, mask in _LAYOUT:
+            value = int(getattr(words, name))
             if value < 0:
                 raise ValueError(f"guard word {name} must be >= 0, got {value}")
-            chunks += [(value >> s) & 0xFF for s in range(0, bits, _CHUNK_BITS)]
-        trailer.zero_()
+            packed |= min(value, mask) << shift
         start = self.group_rank * CHUNKS
-        trailer[start : start + CHUNKS].copy_(torch.tensor(chunks, dtype=trailer.dtype))
+        raw = bytearray(self.size)
+        raw[start : start + CHUNKS] = packed.to_bytes(CHUNKS, "little")
+        trailer.copy_(torch.frombuffer(raw, dtype=torch.uint8))
 
     def read(self, trailer: torch.Tensor) -> list[GuardWords]:
         """Every rank's words, in group-rank order, from a reduced ``trailer``."""
         values = (trailer.real if trailer.is_complex() else trailer).tolist()
-        if len(values) != self.size or any(not (v == int(v) and 0 <= v <= 255) for v in values):
+        ints = [int(v) for v in values]
+        try:
+            if len(ints) != self.size or ints != values:
+                raise ValueError("not whole chunks")
+            raw = bytes(ints)  # ValueError outside [0, 255]
+        except ValueError:
             raise DesyncError(
                 "CrossShardOptimizer: the sequence words of this round are not what any rank "
                 "sent (not whole chunks): the ranks' collectives did not pair -- some rank "
                 "issued a different collective in this position"
-            )
+            ) from None
         table = []
         for r in range(self.group_size):
-            row = values[r * CHUNKS : (r + 1) * CHUNKS]
-            fields: dict[str, int] = {}
-            pos = 0
-            for name, bits in _FIELDS:
-                n = bits // _CHUNK_BITS
-                fields[name] = sum(int(c) << (8 * k) for k, c in enumerate(row[pos : pos + n]))
-                pos += n
-            kind = fields.pop("kind")
-            flags = fields.pop("flags")
+            packed = int.from_bytes(raw[r * CHUNKS : (r + 1) * CHUNKS], "little")
+            f = {name: (packed >> shift) & mask for name, _, shift, mask in _LAYOUT}
+            kind, flags = f["kind"], f["flags"]
             if kind not in _KIND_VALUES or flags > 3:
                 raise DesyncError(
                     f"CrossShardOptimizer: rank {self.ranks[r]}'s sequence words are not valid "
@@ -200,7 +205,13 @@ class GuardCodec:
                 )
             table.append(
                 GuardWords(
-                    RoundKind(kind), edited=bool(flags & 1), replanned=bool(flags & 2), **fields
+                    RoundKind(kind),
+                    step=f["step"],
+                    passes=f["passes"],
+                    plan=f["plan"],
+                    params=f["params"],
+                    edited=bool(flags & 1),
+                    replanned=bool(flags & 2),
                 )
             )
         return table
@@ -226,12 +237,11 @@ def check_round(table: Sequence[GuardWords], ranks: Sequence[int]) -> Verdict:
     group reaches the same verdict (or raises the same error) without another message.
     """
     first = table[0]
-    lines = "\n".join(f"  rank {r}: {w.describe()}" for r, w in zip(ranks, table))
     if any((w.plan, w.params) != (first.plan, first.params) for w in table):
         raise ParameterMismatchError(
             "CrossShardOptimizer: ranks disagree on the parameter list or the communication "
             "options, so their gradient buckets would not match:\n"
-            + lines
+            + _lines(table, ranks)
             + "\nEvery rank must have the same trainable parameters (shapes, dtypes, "
             "requires_grad, in the same order): a requires_grad_() change or add_param_group() "
             "on some ranks only is a mismatch.",
@@ -242,12 +252,16 @@ def check_round(table: Sequence[GuardWords], ranks: Sequence[int]) -> Verdict:
         raise DesyncError(
             "CrossShardOptimizer: ranks are out of step -- their reduction rounds do not "
             f"belong together ({_diagnosis(table)}); no update was applied:\n"
-            + lines
+            + _lines(table, ranks)
             + "\nEvery rank must call step() the same number of times, after the same number "
             "of backward() calls (backward_passes_per_step of them).",
             table,
         )
     return Verdict(edited=any(w.edited for w in table), replanned=any(w.replanned for w in table))
+
+
+def _lines(table: Sequence[GuardWords], ranks: Sequence[int]) -> str:
+    return "\n".join(f"  rank {r}: {w.describe()}" for r, w in zip(ranks, table))
 
 
 def _diagnosis(table: Sequence[GuardWords]) -> str:
