@@ -10,10 +10,14 @@ Cases (issue 3):
 * ``small500`` -- 500 small tensors (250 Linear layers, width 32; 264k parameters).
 
 Methods: ``local`` (no communication: the compute floor), ``cross_shard`` (overlap off),
-``cross_shard_overlap``, ``ddp`` (``DistributedDataParallel`` + SGD), ``naive`` (one blocking
-``dist.all_reduce`` per gradient tensor). Plus bucket bandwidth: reducing ~5M float32 gradients
-in 100 tensors with the bucketed reducer (pack + all-reduce) vs one ``dist.all_reduce`` of a
-flat tensor of the same bytes.
+``cross_shard_overlap``, the same two with ``sequence_guard=False`` (``..._noguard``), ``ddp``
+(``DistributedDataParallel`` + SGD), ``naive`` (one blocking ``dist.all_reduce`` per gradient
+tensor). The guard's cost is the paired ratio guard on / guard off. Every round carries the
+ranks' sequence words in its last bucket whatever the option (the parameter-list and
+edit agreement need them), so the bandwidth part also times the bucketed reducer with and
+without that trailer (words written and read back): the cost of the words themselves.
+Bucket bandwidth: reducing ~5M float32 gradients in 100 tensors with the bucketed reducer
+(pack + all-reduce) vs one ``dist.all_reduce`` of a flat tensor of the same bytes.
 
 Run::
 
@@ -45,12 +49,21 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from distoptim import CrossShardOptimizer
 from distoptim.comm.bucket import Bucket, BucketPlan
 from distoptim.comm.compression import WireFormat
+from distoptim.comm.guard import GuardCodec, GuardWords, RoundKind
 from distoptim.comm.reducer import BucketAllReduce, ReduceRound
 from distoptim.comm.stats import CommStats
 from distoptim.launch import spawn
 
 CASES = {"mlp5m": (316, 50, 32), "small500": (32, 250, 32)}  # width, depth, batch
-METHODS = ["local", "cross_shard", "cross_shard_overlap", "ddp", "naive"]
+METHODS = [
+    "local",
+    "cross_shard",
+    "cross_shard_noguard",
+    "cross_shard_overlap",
+    "cross_shard_overlap_noguard",
+    "ddp",
+    "naive",
+]
 RESULTS = Path(__file__).resolve().parent / "results" / "cross_shard.json"
 
 
@@ -75,7 +88,9 @@ def _iteration(method: str, case: str, rank: int, world: int) -> tuple[Callable[
     elif method.startswith("cross_shard"):
         net = model
         opt = CrossShardOptimizer(
-            torch.optim.SGD(model.parameters(), lr=1e-3), overlap=method.endswith("overlap")
+            torch.optim.SGD(model.parameters(), lr=1e-3),
+            overlap="overlap" in method,
+            sequence_guard=not method.endswith("noguard"),
         )
     else:
         net = model
@@ -105,22 +120,31 @@ def _bandwidth(rank: int, world: int, repeats: int) -> dict[str, Any]:
     stats = CommStats()
     reducer = BucketAllReduce(None, world, WireFormat.parse(None), stats)
     plans = {cap: BucketPlan(params, cap_bytes=cap << 20) for cap in (25, 5)}
+    codec = GuardCodec(world, rank, list(range(world)))
+    guarded = BucketPlan(params, cap_bytes=25 << 20, trailer=codec.size)
+    words = GuardWords(RoundKind.STEP, step=1, passes=1, plan=12345, params=len(params))
 
     def bucketed(plan: BucketPlan) -> Callable[[], None]:
         def run() -> None:
-            ReduceRound(
+            rnd = ReduceRound(
                 plan,
                 reducer,
                 grads_of=lambda b: [params[i].grad for i in b.members],
                 buffer_of=Bucket.persistent_buffer,
                 divisor=1,
-            ).wait_all()
+            )
+            if plan is not guarded:
+                rnd.wait_all()
+                return
+            buffers = rnd.wait_all(lambda trailer: codec.write(trailer, words))
+            codec.read(plan.buckets[-1].trailer_of(buffers[-1]))
 
         return run
 
     fns: dict[str, Callable[[], None]] = {"single_all_reduce": lambda: dist.all_reduce(flat)}
     for cap, plan in plans.items():
         fns[f"bucketed_cap{cap}mb"] = bucketed(plan)
+    fns["bucketed_cap25mb_words"] = bucketed(guarded)
     # the same collectives on already-packed buffers: separates the pack copy from the wire
     packed = plans[25]
     bucketed(packed)()
@@ -136,11 +160,13 @@ def _bandwidth(rank: int, world: int, repeats: int) -> dict[str, Any]:
     out["paired_ratio_vs_single"] = {
         k: _paired(times, "single_all_reduce", k) for k in fns if k != "single_all_reduce"
     }
+    out["paired_ratio_words_vs_none"] = _paired(times, "bucketed_cap25mb_words", "bucketed_cap25mb")
     for name, ts in times.items():
         med = statistics.median(ts)
         out[name] = {"median_s": med, "GB_per_s": numel * 4 / med / 1e9, "samples": len(ts)}
     for cap, plan in plans.items():
         out[f"bucketed_cap{cap}mb"]["buckets"] = len(plan)
+    out["bucketed_cap25mb_words"]["trailer_elements"] = codec.size
     out["bucketed_cap25mb_comm_only"]["buckets"] = len(packed)
     return out
 
@@ -189,7 +215,12 @@ def _bench(rank: int, world: int, repeats: int) -> dict[str, Any]:
         for m, ts in times.items():
             case_out["methods"][m] = {"median_s": statistics.median(ts), "samples": len(ts)}
         case_out["paired_ratios"] = {
+            "guard_on_vs_off": _paired(times, "cross_shard", "cross_shard_noguard"),
+            "guard_on_vs_off_overlap": _paired(
+                times, "cross_shard_overlap", "cross_shard_overlap_noguard"
+            ),
             "cross_shard_vs_ddp": _paired(times, "cross_shard", "ddp"),
+            "cross_shard_noguard_vs_ddp": _paired(times, "cross_shard_noguard", "ddp"),
             "cross_shard_overlap_vs_ddp": _paired(times, "cross_shard_overlap", "ddp"),
             "naive_vs_cross_shard": _paired(times, "naive", "cross_shard"),
             "naive_vs_cross_shard_overlap": _paired(times, "naive", "cross_shard_overlap"),
@@ -198,6 +229,11 @@ def _bench(rank: int, world: int, repeats: int) -> dict[str, Any]:
         case_out["cross_shard_collectives_per_step"] = (cs.collectives - 1) / (
             len(times["cross_shard"]) + 3
         )
+        case_out["repeated_rounds"] = {
+            m: r[1][1].comm_stats.repeated_rounds
+            for m, r in runs.items()
+            if m.startswith("cross_shard")
+        }
         out["cases"][case] = case_out
         for _, (_, opt) in runs.items():
             if isinstance(opt, CrossShardOptimizer):
@@ -214,6 +250,9 @@ def _ratios(result: dict[str, Any]) -> dict[str, Any]:
         r[case] = {
             "paired": c["paired_ratios"],
             "of_medians": {
+                "guard_on_vs_off": med["cross_shard"] / med["cross_shard_noguard"],
+                "guard_on_vs_off_overlap": med["cross_shard_overlap"]
+                / med["cross_shard_overlap_noguard"],
                 "cross_shard_vs_ddp": med["cross_shard"] / med["ddp"],
                 "cross_shard_overlap_vs_ddp": med["cross_shard_overlap"] / med["ddp"],
                 "naive_vs_cross_shard": med["naive"] / med["cross_shard"],
@@ -224,6 +263,7 @@ def _ratios(result: dict[str, Any]) -> dict[str, Any]:
     single = bw["single_all_reduce"]["GB_per_s"]
     r["bandwidth"] = {
         "paired": bw["paired_ratio_vs_single"],
+        "words_vs_none_paired": bw["paired_ratio_words_vs_none"],
         "of_medians": {
             k: v["GB_per_s"] / single for k, v in bw.items() if k.startswith("bucketed")
         },
