@@ -8,23 +8,10 @@ import numpy as np
 import pytest
 
 from distoptim.dtensor import SGD, ExponentialDecay, PiecewiseConstantDecay
+from tests.dtensor.test_keras_fidelity import KERAS
 
 # tf.keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True).get_config() in Keras 2.15
-_KERAS = {
-    "name": "SGD",
-    "weight_decay": None,
-    "clipnorm": None,
-    "global_clipnorm": None,
-    "clipvalue": None,
-    "use_ema": False,
-    "ema_momentum": 0.99,
-    "ema_overwrite_frequency": None,
-    "jit_compile": False,
-    "is_legacy_optimizer": False,
-    "learning_rate": 0.05,
-    "momentum": 0.9,
-    "nesterov": True,
-}
+_KERAS = KERAS["nesterov"]["config"]
 
 
 def test_keras_serialize_wrapper_and_numpy_scalars_are_accepted():

@@ -11,7 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from distoptim.dtensor import SGD, ExponentialDecay, GradientsClipOption, PiecewiseConstantDecay
+from distoptim.dtensor import (
+    SGD,
+    EMAOption,
+    ExponentialDecay,
+    GradientsClipOption,
+    PiecewiseConstantDecay,
+)
 from distoptim.dtensor.kernels import sgd_update
 from distoptim.dtensor.momentum import keras_step, next_scale, velocity
 
@@ -124,7 +130,13 @@ def test_gradients_are_bit_identical_after_a_step(kwargs):
 def _trained(schedule, steps, nesterov=True):
     torch.manual_seed(3)
     m = torch.nn.Linear(4, 3)
-    opt = SGD(m.parameters(), learning_rate=schedule, momentum=0.9, nesterov=nesterov)
+    opt = SGD(
+        m.parameters(),
+        learning_rate=schedule,
+        momentum=0.9,
+        nesterov=nesterov,
+        ema_option=EMAOption(True, 0.9, 5),
+    )
     x = torch.randn(8, 4)
     for _ in range(steps):
         opt.zero_grad()
@@ -134,12 +146,13 @@ def _trained(schedule, steps, nesterov=True):
 
 
 def test_state_dict_shows_keras_v_and_restores_bit_for_bit_across_a_schedule():
+    """With EMA and an overwrite at step 5, through a rate of 0."""
     sched = PiecewiseConstantDecay([2, 4], [0.1, 0.03, 0.0])  # units away from torch's
     m1, o1, x = _trained(sched, 3)
     vs = [o1.get_slot(p, "m") for p in m1.parameters()]
     sd = copy.deepcopy(o1.state_dict())
     for p, v, entry in zip(m1.parameters(), vs, sd["state"].values()):
-        assert set(entry) == {"m"}  # Keras' slot, nothing internal
+        assert set(entry) == {"m", "average"}  # Keras' slots, nothing internal
         torch.testing.assert_close(entry["m"], v, rtol=1e-7, atol=0)  # one rounding at most
         assert torch.equal(o1.get_slot(p, "m"), entry["m"])
     m2, o2, _ = _trained(ExponentialDecay(1.0, 1, 0.5), 1)  # other weights, other units

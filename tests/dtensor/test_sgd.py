@@ -234,36 +234,6 @@ def test_update_step_is_public_and_overridable():
     assert torch.equal(p.detach(), torch.full((2,), 0.75)) and base.iterations == 0
 
 
-# ---- state ------------------------------------------------------------------------------------
-def test_state_dict_round_trip_gives_identical_next_step():
-    def make():
-        torch.manual_seed(3)
-        m = torch.nn.Linear(4, 3)
-        return m, SGD(
-            m.parameters(), lr=0.1, momentum=0.9, nesterov=True, ema_option=EMAOption(True, 0.9, 5)
-        )
-
-    m1, o1 = make()
-    x = torch.randn(8, 4)
-    for _ in range(3):
-        o1.zero_grad()
-        m1(x).square().mean().backward()
-        o1.step()
-    sd = copy.deepcopy(o1.state_dict())
-    msd = copy.deepcopy(m1.state_dict())
-    assert sd["iterations"] == 3
-    m2, o2 = make()
-    m2.load_state_dict(msd)
-    o2.load_state_dict(sd)
-    for m, o in ((m1, o1), (m2, o2)):
-        o.zero_grad()
-        m(x).square().mean().backward()
-        o.step()
-    for a, b in zip(m1.parameters(), m2.parameters()):
-        assert torch.equal(a, b)
-    assert o2.iterations == 4
-
-
 # ---- jit ---------------------------------------------------------------------------------------
 def _run_steps(opt, params, grads):
     for gs in grads:
