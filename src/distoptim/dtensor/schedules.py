@@ -14,12 +14,14 @@ import itertools
 import math
 from typing import Any
 
+from distoptim.checks import type_name
+
 __all__ = ["ExponentialDecay", "PiecewiseConstantDecay"]
 
 
 def _from_config(cls: type, config: Any) -> Any:
     if not isinstance(config, dict):
-        raise TypeError(f"{cls.__name__}.from_config needs a dict, got {type(config).__name__}")
+        raise TypeError(f"{cls.__name__}.from_config needs a dict, got {type_name(config)}")
     allowed = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(config) - allowed)
     if unknown:
@@ -49,7 +51,7 @@ class ExponentialDecay:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"decay_steps must be an int >= 1, got {steps!r}")
         if not isinstance(self.staircase, bool):
-            raise TypeError(f"staircase must be a bool, got {type(self.staircase).__name__}")
+            raise TypeError(f"staircase must be a bool, got {type_name(self.staircase)}")
 
     def __call__(self, step: int) -> float:
         p = step // self.decay_steps if self.staircase else step / self.decay_steps
