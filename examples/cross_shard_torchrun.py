@@ -37,7 +37,7 @@ def _dataset(n: int = 4096, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.sin(x @ w) + 0.05 * torch.randn(n, 1, generator=g)
 
 
-def train(rank: int, world_size: int, epochs: int, batch: int) -> float:
+def train(rank: int, world_size: int, epochs: int, batch: int, save: str | None = None) -> float:
     torch.manual_seed(0)  # same initial weights on every rank
     device = torch.device("cpu")
     if dist.get_backend() == "nccl":  # one GPU per local rank (LOCAL_RANK is set by torchrun)
@@ -70,6 +70,8 @@ def train(rank: int, world_size: int, epochs: int, batch: int) -> float:
     ref = w.clone()
     dist.broadcast(ref, 0)
     assert torch.equal(w, ref), "replicas diverged"
+    if save and rank == 0:  # the final parameters, to compare runs (e.g. one node vs several)
+        torch.save(model.state_dict(), save)
     return loss.item() / world_size
 
 
@@ -78,11 +80,12 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2, help="local ranks without torchrun")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--save", default=None, help="rank 0 saves the final parameters here")
     args = parser.parse_args()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
-        torchrun_main(train, args.epochs, args.batch)
+        torchrun_main(train, args.epochs, args.batch, args.save)
     else:
-        final = spawn(train, args.workers, args=(args.epochs, args.batch))
+        final = spawn(train, args.workers, args=(args.epochs, args.batch, args.save))
         print(f"final loss {final[0]:.4f} (identical on all {args.workers} ranks)")
 
 

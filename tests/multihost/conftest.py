@@ -1,0 +1,31 @@
+"""The hosts of the multi-host tests: made once per session, checked to be gone at the end.
+
+Seven hosts: the jobs of a test module run in waves of up to three at once, each on its own
+hosts (two per multi-node job, one for a single-machine run). Leftovers of earlier runs that
+were killed before their clean-up are swept first; at the end the fixture deletes everything
+and fails if a namespace of this run is left.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from tests.multihost.harness import Hosts, leftovers, namespaces_unavailable, sweep
+
+HOSTS = 7
+
+
+@pytest.fixture(scope="session")
+def hosts() -> Iterator[Hosts]:
+    reason = namespaces_unavailable()
+    if reason is not None:
+        pytest.skip(f"multi-host tests need Linux network namespaces: {reason}")
+    sweep()
+    made = Hosts(HOSTS)
+    try:
+        yield made
+    finally:
+        made.close()
+    assert leftovers(made.prefix) == [], "network namespaces left behind"
