@@ -43,12 +43,14 @@ import torch
 
 from distoptim.dtensor.kernels import KernelParams
 
-__all__ = ["BUFFER", "SCALE", "keras_step", "next_scale", "velocity"]
+__all__ = ["BUFFER", "INTERNAL_KEYS", "SCALE", "keras_step", "next_scale", "velocity"]
 
 BUFFER = "momentum_buffer"
 """Optimizer-state key of a variable's momentum buffer (torch's units)."""
 SCALE = "momentum_scale"
 """Optimizer-state key of the float ``s`` with Keras' ``v = s * buffer``."""
+INTERNAL_KEYS = frozenset({BUFFER, SCALE})
+"""State keys that are never slots and never appear in a state dict (Keras' ``v`` does)."""
 
 
 def next_scale(scale: float, lr: float) -> float:

@@ -42,12 +42,13 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from distoptim.checks import type_name
 from distoptim.dtensor import config as _config
 from distoptim.dtensor import ema as _ema
 from distoptim.dtensor import momentum as _momentum
+from distoptim.dtensor import variables as _vars
 from distoptim.dtensor.clip import clip_local_gradients
 from distoptim.dtensor.config import check_bool, check_lr, check_momentum
 from distoptim.dtensor.kernels import CompiledUpdate, sgd_update
@@ -64,10 +65,8 @@ from distoptim.protocol import (
 __all__ = ["SGD"]
 
 _UNSET: Any = object()
-_GROUP_KEYS = frozenset({"params", "lr", "momentum", "nesterov", "initial_lr", "name"})
 _MOMENTUM_SLOTS = ("m", "momentum")  # Keras 2 names the slot "m", Keras 3 "momentum"
-_INTERNAL = frozenset({_momentum.BUFFER, _momentum.SCALE})
-_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})  # types that are never a DTensor
+_INTERNAL = _momentum.INTERNAL_KEYS
 
 
 class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
@@ -163,7 +162,7 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
         elif not isinstance(groups[0], dict):
             groups = [{"params": groups}]
         for g in groups:  # every group before torch.optim.Optimizer builds anything
-            _check_group(g, mesh)
+            _vars.check_group(g, mesh)
 
         if gradients_clip_option is not None and gradients_clip_option.ignored:
             ignored = " and ".join(gradients_clip_option.ignored)
@@ -202,7 +201,7 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
     # ---- variables and slots -----------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's ``add_param_group``, validated, creating the new parameters' slots."""
-        _check_group(param_group, self._mesh)
+        _vars.check_group(param_group, self._mesh)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         for p in group["params"]:
@@ -211,10 +210,10 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
     def _init_slots(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         state = self.state[p]
         if group["momentum"] != 0 and _momentum.BUFFER not in state:
-            state[_momentum.BUFFER] = _make_slot(p)
+            state[_momentum.BUFFER] = _vars.make_slot(p)
             state[_momentum.SCALE] = 0.0  # a buffer never stepped: v = 0
         if self._ema is not None and "average" not in state:
-            state["average"] = _make_slot(p, p)
+            state["average"] = _vars.make_slot(p, p)
         return state
 
     def build(self, var_list: Iterable[torch.Tensor]) -> None:
@@ -227,7 +226,7 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
         vars_ = list(var_list)
         owned = {id(p) for p in self._all_params()}
         new = [v for v in vars_ if id(v) not in owned]
-        _check_new_vars(new, self._mesh)
+        _vars.check_vars(new, self._mesh)
         for i, v in enumerate(new):
             if not v.is_leaf:
                 raise ValueError(f"variable {i} is not a leaf tensor: SGD can only update leaves")
@@ -319,7 +318,7 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
             initial_value = initial_value.to(
                 dtype=model_variable.dtype, device=model_variable.device
             )
-        slot = _make_slot(model_variable, initial_value)
+        slot = _vars.make_slot(model_variable, initial_value)
         self.state[model_variable][variable_name] = slot
         return slot
 
@@ -357,11 +356,11 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
         # Keras style: new variables are welcome; adopted in _apply_pairs once the gradients
         # are known to be valid too (a call that raises changes nothing).
         owned = {id(p) for p in self._all_params()}
-        _check_new_vars([v for v in vars_ if id(v) not in owned], self._mesh)
+        _vars.check_vars([v for v in vars_ if id(v) not in owned], self._mesh)
 
     def _apply_pairs(self, pairs: GradsAndVars) -> None:
         for i, (g, v) in enumerate(pairs):
-            _check_grad(i, g, v)
+            _vars.check_grad(i, g, v)
         self._check_step_args()
         self.build([v for _, v in pairs])
         with swapped_grads(self._all_params(), pairs):  # type: ignore[arg-type]
@@ -389,7 +388,7 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
             for p in group["params"]:
                 g = p.grad
                 if g is not None:
-                    _check_grad(len(items), g, p)
+                    _vars.check_grad(len(items), g, p)
                     items.append((gi, p, g))
         # ---- nothing has changed so far; from here on the step happens --------------------
         if scheduled is not None:
@@ -508,7 +507,7 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
         )
         if group is None:
             raise ValueError("update_step: the variable is not owned by this optimizer")
-        _check_grad(0, gradient, variable)
+        _vars.check_grad(0, gradient, variable)
         lr = check_lr(self._schedule(self.iterations) if self._schedule else group["lr"])
         if isinstance(variable, DTensor) and gradient.placements != variable.placements:
             gradient = gradient.redistribute(variable.device_mesh, variable.placements)
@@ -622,7 +621,7 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
         params = self._all_params()
         for i, group in enumerate(sd["param_groups"]):
             try:
-                _check_group({**group, "params": []}, None)
+                _vars.check_group({**group, "params": []}, None)
             except (TypeError, ValueError) as exc:
                 raise type(exc)(f"state_dict param group {i}: {exc}") from None
         internal = {}
@@ -632,7 +631,7 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
                     f"state_dict['state'] key {key!r} is not a parameter index in "
                     f"[0, {len(params)})"
                 )
-            _check_saved_state(key, state, params[key])
+            _vars.check_saved_state(key, state, params[key])
             entry = {k: v for k, v in state.items() if k not in _MOMENTUM_SLOTS}
             v = state.get("m", state.get("momentum"))
             if v is not None:
@@ -649,111 +648,3 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
             f"clip={self._clip}, ema={self._ema_option}, jit_compile={self._jit}, "
             f"variables={len(self._all_params())})"
         )
-
-
-# ---- checks (each raises before anything changes) ---------------------------------------------
-def _check_group(group: Any, mesh: DeviceMesh | None) -> None:
-    if not isinstance(group, dict) or "params" not in group:
-        raise TypeError("a param group must be a dict with a 'params' entry")
-    params = group["params"]
-    params = [params] if isinstance(params, torch.Tensor) else list(params)
-    _check_new_vars(params, mesh)
-    unknown = sorted(set(group) - _GROUP_KEYS)
-    if unknown:
-        raise ValueError(
-            f"unknown param group keys {unknown}; SGD groups take {sorted(_GROUP_KEYS)}"
-        )
-    if "lr" in group:
-        check_lr(group["lr"], "param group lr")
-    if "momentum" in group:
-        check_momentum(group["momentum"])
-    if "nesterov" in group:
-        check_bool("nesterov", group["nesterov"])
-
-
-def _check_new_vars(vars_: Sequence[Any], mesh: DeviceMesh | None) -> None:
-    """Each var must be a floating-point tensor the mesh rule admits, each given once."""
-    seen: set[int] = set()
-    for i, v in enumerate(vars_):
-        if not isinstance(v, torch.Tensor):
-            raise TypeError(f"variable {i} must be a torch.Tensor, got {type_name(v)}")
-        if not v.is_floating_point():
-            raise TypeError(
-                f"variable {i} has dtype {v.dtype}: SGD updates floating-point tensors only"
-            )
-        if id(v) in seen:
-            raise ValueError(f"variable {i} appears twice in the list")
-        seen.add(id(v))
-        if isinstance(v, DTensor):
-            if any(isinstance(p, Partial) for p in v.placements):
-                raise ValueError(
-                    f"variable {i} has Partial placements {v.placements}: a parameter must "
-                    "be Shard or Replicate on each mesh dimension"
-                )
-            if mesh is not None and v.device_mesh != mesh:
-                raise ValueError(
-                    f"variable {i} is on mesh {v.device_mesh}, but this SGD was given "
-                    f"mesh={mesh}: every variable must live on that mesh"
-                )
-        elif mesh is not None:
-            raise ValueError(
-                f"variable {i} is a plain tensor, but this SGD was given mesh={mesh}: "
-                "distribute it first (torch.distributed.tensor.distribute_tensor)"
-            )
-
-
-def _check_grad(i: int, g: Any, p: torch.Tensor) -> None:
-    if type(g) is torch.Tensor and type(p) in _PLAIN:  # the common case, quickly
-        if g.is_sparse:
-            raise TypeError(f"gradient {i} is sparse: SGD takes dense gradients only")
-        if g.shape != p.shape:
-            raise ValueError(
-                f"gradient {i} has shape {tuple(g.shape)}, its variable {tuple(p.shape)}"
-            )
-        return
-    if not isinstance(g, torch.Tensor):
-        raise TypeError(f"gradient {i} must be a torch.Tensor, got {type_name(g)}")
-    if g.is_sparse:
-        raise TypeError(f"gradient {i} is sparse: SGD takes dense gradients only")
-    p_dt = isinstance(p, DTensor)
-    if p_dt != isinstance(g, DTensor):
-        kind = "a DTensor" if p_dt else "a plain tensor"
-        raise TypeError(
-            f"gradient {i} must be {kind} like its variable, got {type_name(g)}"
-            + (" (DTensor)" if not p_dt else "")
-        )
-    if g.shape != p.shape:
-        raise ValueError(f"gradient {i} has shape {tuple(g.shape)}, its variable {tuple(p.shape)}")
-    if p_dt and g.device_mesh is not p.device_mesh and g.device_mesh != p.device_mesh:
-        raise ValueError(
-            f"gradient {i} is on mesh {g.device_mesh}, its variable on {p.device_mesh}"
-        )
-
-
-def _check_saved_state(i: int, state: Any, p: torch.Tensor) -> None:
-    """One parameter's entry of a state dict: slot tensors shaped (and laid out) like ``p``."""
-    if not isinstance(state, dict):
-        raise TypeError(f"state_dict['state'][{i}] must be a dict, got {type_name(state)}")
-    for name, value in state.items():
-        where = f"state_dict['state'][{i}][{name!r}]"
-        if name in _INTERNAL:
-            raise ValueError(f"{where}: {name!r} is internal to SGD and never in a state dict")
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{where} must be a tensor (a slot), got {type_name(value)}")
-        if value.shape != p.shape:
-            raise ValueError(
-                f"{where} has shape {tuple(value.shape)}, the parameter {tuple(p.shape)}"
-            )
-        if isinstance(value, DTensor) != isinstance(p, DTensor):
-            kind = "a DTensor" if isinstance(p, DTensor) else "a plain tensor"
-            raise TypeError(f"{where} must be {kind} like its parameter")
-    if "m" in state and "momentum" in state:
-        raise ValueError(f"state_dict['state'][{i}] has both 'm' and its alias 'momentum'")
-
-
-def _make_slot(ref: torch.Tensor, initial: torch.Tensor | None = None) -> torch.Tensor:
-    """A tensor with ``ref``'s shape, dtype, device and (for DTensor) mesh and placements."""
-    with torch.no_grad():
-        if initial is None:
-            return torch.zeros_like(ref, memory_format=torch.preserve_format).detach()
-        return initial.detach().clone(memory_format=torch.preserve_format)
