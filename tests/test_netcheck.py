@@ -158,18 +158,18 @@ def test_disabled_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     check_torchrun_network("t")
 
 
-def test_checks_once_per_process_then_only_new_transports(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_later_call_checks_only_new_transports(monkeypatch: pytest.MonkeyPatch) -> None:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     _job(monkeypatch, "127.0.0.1", store.port)
     check_torchrun_network("t", ("gloo",))
-    del store  # the store is gone: a second full check would fail
-    check_torchrun_network("t", ("gloo",))
-    check_torchrun_network("t", ("tensorpipe",))  # the local check of the new transport only
-    monkeypatch.setenv("TP_SOCKET_IFNAME", "nosuch0")
-    monkeypatch.setattr(netcheck, "_CHECKED", {k: {"gloo"} for k in netcheck._CHECKED})
-    check_torchrun_network("t", ("tensorpipe",))  # one node: a loopback fallback is fine
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "nosuch0")
+    check_torchrun_network("t", ("gloo",))  # gloo was checked: nothing is checked again
+    check_torchrun_network("t", ("tensorpipe",))  # new: checked (one node: loopback is fine)
+    del store
+    check_torchrun_network("t", ("gloo", "tensorpipe"))  # nothing new: returns at once
+    monkeypatch.setattr(netcheck, "_CHECKED", {})  # a fresh process does check the store
+    with pytest.raises(NetworkConfigError, match="cannot reach the rendezvous store"):
+        check_torchrun_network("t", ())
 
 
 # ---- several nodes: the local checks ---------------------------------------------------------
@@ -219,3 +219,58 @@ def test_cluster_from_env_checks_before_rpc(monkeypatch: pytest.MonkeyPatch) -> 
     _job(monkeypatch, "no-such-host.invalid", 29400)
     with pytest.raises(NetworkConfigError, match=r"^Cluster.from_env on host "):
         Cluster.from_env(num_ps=1)
+
+
+def test_cli_torchrun_entry_checks_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    from distoptim.cli.main import torchrun_train
+
+    _job(monkeypatch, "no-such-host.invalid", 29400, RANK="1")  # rank 1 writes no outputs
+    with pytest.raises(NetworkConfigError, match=r"^distoptim.cli.train on host "):
+        torchrun_train(["--algo", "sync", "--epochs", "1"])
+
+
+# ---- several nodes: the exchange ---------------------------------------------------------------
+def _node(env: dict[str, str]) -> str:
+    """One "node" of a two-node job on this machine: the check's error text."""
+    import os
+
+    os.environ.update(env)
+    try:
+        check_torchrun_network("node", ("gloo",), timeout=60)
+    except NetworkConfigError as exc:
+        return str(exc)
+    return "passed"
+
+
+@pytest.mark.slow
+def test_exchange_finds_two_nodes_advertising_one_address() -> None:
+    """Both "nodes" run here, so each advertises an address the other also has: on real
+    hosts, the mark of hostnames resolving to an address every host has (docker0, ...)."""
+    from distoptim.launch import run_processes
+
+    nic = _non_loopback()
+    if nic is None:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    name, address = nic
+    store = dist.TCPStore(address, 0, is_master=True, wait_for_workers=False)
+    envs = [
+        {
+            "MASTER_ADDR": address,
+            "MASTER_PORT": str(store.port),
+            "RANK": str(j),
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "1",
+            "GROUP_RANK": str(j),
+            "GROUP_WORLD_SIZE": "2",
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "GLOO_SOCKET_IFNAME": name,
+        }
+        for j in range(2)
+    ]
+    texts = [o.value for o in run_processes(_node, [(e,) for e in envs], timeout=120)]
+    for j, text in enumerate(texts):
+        assert f"node {j} of 2" in text, text
+        assert "the nodes cannot all reach each other" in text
+        assert f"advertises gloo address {address} (GLOO_SOCKET_IFNAME={name}), an address " in text
+        assert "of this host too: the nodes would connect to themselves" in text

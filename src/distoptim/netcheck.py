@@ -45,8 +45,11 @@ The checks, in order (each failure raises at once)
 
 Costs: one process: a name lookup, one loopback connection, one store client -- milliseconds.
 Across nodes add the exchange: per process ``2 * nodes`` store reads; per node one listener and
-``nodes - 1`` connections. The checks run once per process (a later call only checks
-transports not checked before). ``DISTOPTIM_NETCHECK=0`` turns every check off.
+``nodes - 1`` connections per address. A later call in the same process checks only the
+transports no earlier call checked (the CLI checks gloo, then ``Cluster.from_env`` adds
+TensorPipe: a second, smaller exchange round), and returns at once when there are none; so every
+process must make the same calls, as SPMD code does. ``DISTOPTIM_NETCHECK=0`` turns every check
+off.
 
 Not covered: NCCL's own interface choice (``NCCL_SOCKET_IFNAME``; a NCCL-only job gets checks
 1-3), and a network that fails after start-up.
@@ -643,11 +646,13 @@ def _exchange(
     binds: list[BindAddress],
     failure: NetworkConfigError | None,
     timeout: float,
+    prefix: str,
 ) -> None:
-    """Check 5 (see the module docstring): raises if any node found a problem."""
+    """Check 5 (see the module docstring), keys under ``prefix``: raises if any node found a
+    problem."""
     assert job.node is not None and job.nodes is not None
-    node_keys = [f"{job.key}node/{j}" for j in range(job.nodes)]
-    verdict_keys = [f"{job.key}verdict/{j}" for j in range(job.nodes)]
+    node_keys = [f"{prefix}node/{j}" for j in range(job.nodes)]
+    verdict_keys = [f"{prefix}verdict/{j}" for j in range(job.nodes)]
     listeners: dict[str, _Listener] = {}
     try:
         if job.local_rank == 0:  # the node's voice: publish, probe, judge
@@ -703,7 +708,15 @@ def _missing_error(job: _Job, keys: list[str], timeout: float) -> NetworkConfigE
 # ---------------------------------------------------------------------------------------------
 # the entry point
 # ---------------------------------------------------------------------------------------------
-_CHECKED: dict[tuple[str, int, str], set[str]] = {}
+@dataclass
+class _Checked:
+    """What this process checked for one rendezvous: the transports, and the exchange rounds."""
+
+    transports: set[str]
+    rounds: int = 0
+
+
+_CHECKED: dict[tuple[str, int, str], _Checked] = {}
 
 
 def check_torchrun_network(
@@ -716,8 +729,10 @@ def check_torchrun_network(
     ``"tensorpipe"``; empty for NCCL only). ``timeout``: the longest wait for the other nodes
     (the caller's own start-up timeout, so the check waits no longer than the start-up would;
     ``DISTOPTIM_NETCHECK_TIMEOUT`` overrides it). The checks and their costs are in the module
-    docstring; they run once per process and rendezvous (a later call checks only new
-    transports), and not at all with ``DISTOPTIM_NETCHECK=0``.
+    docstring. Per process and rendezvous, a later call checks only the transports no earlier
+    call checked, and returns at once when there are none; across nodes each call that checks
+    a transport is one exchange round, so every process must make the same calls (as SPMD
+    code does). ``DISTOPTIM_NETCHECK=0`` turns every check off.
     """
     for t in transports:
         if t not in TRANSPORTS:
@@ -728,14 +743,14 @@ def check_torchrun_network(
     if override:
         timeout = float(override)
     job = _Job.from_env(caller)
-    done = _CHECKED.get((job.master_addr, job.master_port, job.key))
-    first = done is None
-    todo = [t for t in dict.fromkeys(transports) if first or t not in done]
-    if not first and not todo:
+    rendezvous = (job.master_addr, job.master_port, job.key)
+    state = _CHECKED.get(rendezvous)
+    todo = [t for t in dict.fromkeys(transports) if state is None or t not in state.transports]
+    if state is not None and not todo:
         return
     resolved = _check_master(job)
-    store = _check_store(job, resolved, timeout) if first else None
-    exchange = first and store is not None and job.multi_node
+    store = _check_store(job, resolved, timeout)
+    exchange = store is not None and job.multi_node and bool(todo)
     exchange = exchange and None not in (job.node, job.nodes, job.local_rank)
     failure: NetworkConfigError | None = None
     binds: list[BindAddress] = []
@@ -745,8 +760,11 @@ def check_torchrun_network(
         if not exchange:
             raise
         failure = exc
+    rounds = 0 if state is None else state.rounds
     if exchange:
-        _exchange(job, store, binds, failure, timeout)
+        _exchange(job, store, binds, failure, timeout, f"{job.key}{rounds}/")
     if failure is not None:
         raise failure
-    _CHECKED.setdefault((job.master_addr, job.master_port, job.key), set()).update(todo)
+    state = _CHECKED.setdefault(rendezvous, _Checked(set()))
+    state.transports.update(todo)
+    state.rounds = rounds + exchange

@@ -58,6 +58,7 @@ def torchrun_train(argv: Sequence[str]) -> int:
     from distoptim.cli import algorithms
     from distoptim.cli.options import UsageError, build_parser, make_plan
     from distoptim.cli.session import run_torchrun_plan
+    from distoptim.netcheck import check_torchrun_network
 
     parser = build_parser()
     try:
@@ -70,6 +71,7 @@ def torchrun_train(argv: Sequence[str]) -> int:
         plan = make_plan(args, world_size=int(os.environ["WORLD_SIZE"]), writes=reporting)
     except UsageError as exc:
         return _usage_error("train", str(exc))
+    check_torchrun_network("distoptim.cli.train", ("gloo",), plan.configs[0].timeout)
     return run_torchrun_plan(plan, ["train", *argv])
 
 
