@@ -21,7 +21,7 @@ Bucket bandwidth: reducing ~5M float32 gradients in 100 tensors with the buckete
 
 Run::
 
-    python benchmarks/cross_shard.py            # ~2-3 minutes on 2 cores
+    python benchmarks/cross_shard.py            # ~3 minutes on 2 quiet cores
     python benchmarks/cross_shard.py --quick    # a smoke run
 
 Prints medians and ratios; writes ``benchmarks/results/cross_shard.json``.
