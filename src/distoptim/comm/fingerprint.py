@@ -3,11 +3,11 @@
 Bucketed all-reduces pair up only if every rank built the same buckets. If one rank's model has
 an extra layer, another dtype or another order, its buckets differ and the collectives would
 mismatch (wrong sums, a wait until the timeout, or -- with gloo, when sizes differ -- the
-receiving process aborted). Before the first gradient collective every
-rank therefore all-gathers a fixed-size digest -- BLAKE2b over the ordered shapes, dtypes and
-``requires_grad`` flags plus the communication options -- and the parameter count. The message
-has the same size on every rank, so the check itself cannot hang on a mismatch; every rank sees
-the same gathered table and all of them raise together. Later changes of the parameter list
+receiving process aborted). Before the first gradient collective every rank therefore
+all-gathers a fixed-size digest -- BLAKE2b over the ordered shapes, dtypes and
+``requires_grad`` flags plus the communication options -- and the parameter count. The
+message has the same size on every rank, so the check itself cannot hang on a mismatch; every
+rank sees the same gathered table and all of them raise together. Later changes of the parameter list
 are agreed round by round through the sequence words (:mod:`distoptim.comm.guard`), which carry
 a 48-bit prefix of the same digest; :class:`ParameterMismatchError` is defined there.
 """
