@@ -3,7 +3,8 @@
 Each rank trains the same MLP on its own shard of a synthetic regression set; the optimizer
 averages gradients across ranks (bucketed all-reduce, overlapped with backward) before every
 Adam step, so all replicas stay identical. Both the PyTorch path (``backward(); step()``) and
-the TF path (``minimize``) are shown.
+the TF path (``minimize``) are shown; ``finish()`` at the end checks that every rank took the
+same steps (see ``docs/cross_shard.md``).
 
 Under torchrun (one process per rank; add nodes with ``--nnodes`` and a rendezvous endpoint)::
 
@@ -65,7 +66,9 @@ def train(rank: int, world_size: int, epochs: int, batch: int, save: str | None 
                 f"  ({opt.comm_stats.collectives} collectives, "
                 f"{opt.comm_stats.bytes_sent / 1e6:.2f} MB sent by rank 0)"
             )
-    # every replica holds the same weights
+    # every rank took the same steps (else DesyncError on every rank, not a hang) ...
+    opt.finish()
+    # ... so every replica holds the same weights
     w = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     ref = w.clone()
     dist.broadcast(ref, 0)
