@@ -99,6 +99,10 @@ def _two_ranks(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
     # options that differ on one rank, and checkpoints of different steps
     other = Config(sync_every=2 if rank == 0 else 4, steps=4)
     out["mismatch_options"] = _expect_mismatch(lambda: ref.run(other, rank, world))
+    seeded = ref.mlp(seed=rank)  # replicas that do not start from the same weights
+    out["mismatch_weights"] = _expect_mismatch(
+        lambda: ref.run(EXACT["diloco_sgd"], rank, world, model=seeded)
+    )
     cfg = EXACT["fragments2"]  # rank 1 keeps its step-4 state, rank 0 its step-6 state
     model, opt = ref.run(cfg, rank, world, stop=4)
     sd = copy.deepcopy(opt.state_dict())
@@ -140,8 +144,9 @@ def test_localsgd_is_the_parameter_average(two_ranks):
 def test_fp32_bytes_are_one_ring_all_reduce_per_sync(two_ranks):
     got = two_ranks[0]["diloco_sgd"]
     syncs = EXACT["diloco_sgd"].steps // EXACT["diloco_sgd"].sync_every
-    assert got["bytes"] == syncs * ring_allreduce_bytes(NUMEL * 8, 2) + MESSAGE_BYTES
-    assert got["collectives"] == syncs + 1  # + the one-time agreement check
+    agreement = MESSAGE_BYTES + 16  # fingerprint, and two float64 sums of the global copy
+    assert got["bytes"] == syncs * ring_allreduce_bytes(NUMEL * 8, 2) + agreement
+    assert got["collectives"] == syncs + 2  # + the one-time agreement checks
 
 
 @pytest.mark.parametrize("wire", ["bf16", "int8"])
@@ -195,11 +200,18 @@ def test_resume_with_a_sync_in_flight(two_ranks, how):
     assert two_ranks[0]["resume", how] and two_ranks[1]["resume", how]
 
 
-@pytest.mark.parametrize("case", ["mismatch_options", "mismatch_steps"])
-def test_replicas_that_disagree_raise_on_every_rank(two_ranks, case):
+@pytest.mark.parametrize(
+    ("case", "says"),
+    [
+        ("mismatch_options", "replicas disagree"),
+        ("mismatch_steps", "replicas disagree"),
+        ("mismatch_weights", "different global copies"),
+    ],
+)
+def test_replicas_that_disagree_raise_on_every_rank(two_ranks, case, says):
     for rank in range(2):
         text = two_ranks[rank][case]
-        assert "replicas disagree" in text and "rank 0" in text and "rank 1" in text, text
+        assert says in text and "rank 0" in text and "rank 1" in text, text
 
 
 # ---------------------------------------------------------------------------------------------

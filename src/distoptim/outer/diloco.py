@@ -97,8 +97,8 @@ class DiLoCo(WrappedOptimizer):
 
     Outside an initialized process group (or on a group of one) the optimizer runs as one
     replica: ``Δ`` is the replica's own and nothing is sent. Before its first collective, and
-    again after ``load_state_dict``, it checks with one small all-gather that every replica of
-    the group has the same parameters, options and step counter
+    again after ``load_state_dict``, it checks with two small all-gathers that every replica of
+    the group has the same parameters, options, step counter and global copy
     (:class:`~distoptim.comm.fingerprint.ParameterMismatchError` on every rank otherwise).
     """
 
@@ -301,7 +301,43 @@ class DiLoCo(WrappedOptimizer):
                 f"{type(self).__name__} options, step in lockstep, and load checkpoints "
                 "taken at the same step."
             ) from None
+        self._check_same_global_copy()
         self._agreed = True
+
+    def _check_same_global_copy(self) -> None:
+        """All replicas must hold the same global copy (same initial weights, same checkpoint).
+
+        One all-gather of two float64 numbers per rank: ``Σ θ_g`` and ``Σ θ_g²`` over every
+        parameter, compared with a relative tolerance of 1e-9 (replicas on different hardware
+        may sum in another order; different weights differ by far more).
+        """
+        device = _comm_device(self._group)
+        with torch.no_grad():
+            per_param = [
+                torch.stack([g.double().sum(), g.double().square().sum()]) for g in self._global
+            ]
+            mine = torch.stack([t.to(device) for t in per_param]).sum(0)
+        table = [torch.empty_like(mine) for _ in range(self._group_size)]
+        self._stats.send(mine.numel() * mine.element_size() * (self._group_size - 1))
+        dist.all_gather(table, mine, group=self._group)
+        if all(torch.allclose(t, table[0], rtol=1e-9, atol=0.0, equal_nan=True) for t in table):
+            return
+        ranks = (
+            dist.get_process_group_ranks(self._group)
+            if self._group is not None
+            else list(range(self._group_size))
+        )
+        lines = [
+            f"  rank {r}: sum {float(t[0]):.12g}, sum of squares {float(t[1]):.12g}"
+            for r, t in zip(ranks, table)
+        ]
+        raise ParameterMismatchError(
+            f"{self._name}: replicas hold different global copies (the parameters at "
+            "construction, or the loaded checkpoints, differ):\n"
+            + "\n".join(lines)
+            + "\nBuild the model identically on every replica (e.g. torch.manual_seed before "
+            "creating it, or broadcast rank 0's parameters) before creating the optimizer."
+        )
 
     def _config(self) -> dict[str, Any]:
         return {
