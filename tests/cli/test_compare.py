@@ -74,16 +74,19 @@ def test_compare_every_algorithm_end_to_end(tmp_path, capsys):
 
 def test_compare_sweeps_the_lambda_grid(tmp_path, capsys):
     out = tmp_path / "out"
-    argv = ["compare", "--algos", "easgd", "--workers", "1", "--communication-period", "2,5"]
+    argv = ["compare", "--algos", "easgd", "--workers", "1,2", "--communication-period", "2,5"]
     argv += ["--epochs", "2", "--eval-points", "5", "--moving-rate", "0.3"]
     assert main([*argv, "--progress", "none", "--out", str(out)]) == 0
     doc = json.loads((out / "results.json").read_text())
     cells = [(r["algorithm"], r["workers"], r["communication_period"]) for r in doc["summary"]]
-    assert cells == [("easgd", 1, 2), ("easgd", 1, 5)]
+    assert cells == [("easgd", 1, 2), ("easgd", 1, 5), ("easgd", 2, 2), ("easgd", 2, 5)]
     commits = [r["communications"] for r in doc["runs"]]
-    assert commits == [2 * 90 // 2, 2 * 90 // 5]  # 90 local steps per epoch on one worker
+    # 90 local steps per epoch on one worker, 45 on each of two
+    assert commits == [2 * 90 // 2, 2 * 90 // 5, 2 * (2 * 45 // 2), 2 * (2 * 45 // 5)]
+    # one pool of 3: the n = 2 clusters ran on processes that had run clusters of 2 before
+    assert len(doc["timing"]["pool_start_s"]) == 1 and doc["timing"]["pool_processes"] == 3
     assert all(r["val_acc"] > 0.3 for r in doc["runs"])
-    assert [r["settings"]["moving_rate"] for r in doc["runs"]] == [0.3, 0.3]
+    assert [r["settings"]["moving_rate"] for r in doc["runs"]] == [0.3] * 4
     # no sync run: temporal efficiency against the grid's best run, said under the table
     best = max(doc["runs"], key=lambda r: r["val_acc"])
     assert best["temporal_efficiency"] == pytest.approx(1.0)

@@ -140,8 +140,8 @@ class ProcessPool:
 
     ``context`` (picklable, e.g. the dataset and a progress queue) is sent once, at start, and
     is every task's first argument. ``lifetime`` bounds how long the pool may exist at all (a
-    backstop; each :meth:`run` has its own deadline). Use as a context manager, or call
-    :meth:`close`.
+    backstop; each :meth:`run` has its own deadline). :meth:`start` it; end it with
+    :meth:`close` (normal) or :meth:`kill`.
     """
 
     def __init__(self, size: int, context: Any = None, *, lifetime: float = 86_400.0) -> None:
@@ -307,14 +307,3 @@ class ProcessPool:
         for fd in self._pidfds:
             os.close(fd)
         self._conns, self._pids, self._pidfds = [], [], []
-
-    def __enter__(self) -> ProcessPool:
-        if self._thread is None:
-            self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if exc[0] is None:
-            self.close()
-        else:
-            self.kill()

@@ -31,7 +31,6 @@ __all__ = [
     "RunRecord",
     "build_history",
     "finish_record",
-    "jsonable",
     "partial_record",
     "record_collective",
     "record_server",
@@ -198,20 +197,7 @@ def record_server(
     record.communications = int(sum(stats.commits_per_worker.values()))
     record.communication_kind = "commits"
     record.bytes_moved = int(stats.bytes_in + stats.bytes_out)
-    record.stats = jsonable(stats.as_dict())
+    record.stats = stats.as_dict()  # JSON types already (string keys)
     if stats.dead_workers:
         record.error = f"dead workers: {list(stats.dead_workers)}"
     return [e for events in worker_events if events is not None for e in events]
-
-
-def jsonable(value: Any) -> Any:
-    """Stats as plain JSON types (dict keys become strings, tensors numbers/lists)."""
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, set)):
-        return [jsonable(v) for v in value]
-    if isinstance(value, torch.Tensor):
-        return value.tolist()
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    return str(value)

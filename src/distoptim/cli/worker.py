@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -153,7 +154,7 @@ def cluster_role(cfg: RunConfig, data: Dataset, sink: Any, run: int | None) -> t
     """
     from distoptim.agn import Cluster
 
-    with _cpp_warnings_off():
+    with _rpc_in_a_reused_process():
         cluster = Cluster.from_env(num_ps=cfg.num_ps)
         if cluster.is_ps:
             try:
@@ -170,16 +171,27 @@ def cluster_role(cfg: RunConfig, data: Dataset, sink: Any, run: int | None) -> t
 
 
 @contextlib.contextmanager
-def _cpp_warnings_off() -> Iterator[None]:
-    """torch's C++ log level at ERROR in this process while inside (unless the user chose one).
+def _rpc_in_a_reused_process() -> Iterator[None]:
+    """What torch's RPC transport needs to run a cluster in a process that ran others before.
 
-    TensorPipe (the RPC transport under the parameter server) logs a warning for every
-    connection a finished peer closes; in a normal end of a run these say nothing. torch reads
-    ``TORCH_CPP_LOG_LEVEL`` once, when it loads, into libc10's ``FLAGS_caffe2_log_level``
-    (0 INFO, 1 WARNING, 2 ERROR); a pool process loaded torch long before, so this sets that
-    flag directly and restores it on exit. Where the symbol is missing it does nothing.
-    Pinned by ``tests/cli/test_worker.py``.
+    Two pieces of per-process torch state, both private, both pinned by
+    ``tests/cli/test_worker.py``:
+
+    * ``torch.distributed.rpc._init_counter``: ``init_rpc`` prefixes its store keys with the
+      number of earlier ``init_rpc`` calls in the process (``rpc_prefix_<k>``). The processes
+      of one run must agree on it or their rendezvous never meets (a pool process that served
+      three clusters and a fresh one wait for each other forever). Each run has a fresh store,
+      so 0 is never stale: it is reset to 0.
+    * torch's C++ log level at ERROR while inside (unless the user set ``TORCH_CPP_LOG_LEVEL``):
+      TensorPipe logs a warning for every connection a finished peer closes, which at a normal
+      end says nothing. torch reads ``TORCH_CPP_LOG_LEVEL`` once, when it loads, into libc10's
+      ``FLAGS_caffe2_log_level`` (0 INFO, 1 WARNING, 2 ERROR); a pool process loaded torch long
+      before, so this sets that flag and restores it on exit. Where it is missing: nothing.
     """
+    rpc = sys.modules.get("torch.distributed.rpc")  # not imported: nothing to reset
+    if rpc is not None and hasattr(rpc, "_init_counter"):
+        with rpc._init_counter_lock:
+            rpc._init_counter = 0
     flag = None if "TORCH_CPP_LOG_LEVEL" in os.environ else _cpp_log_level_flag()
     if flag is None:
         yield
