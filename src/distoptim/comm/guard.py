@@ -148,10 +148,16 @@ class GuardCodec:
     """Writes this rank's words into a trailer and reads every rank's words back.
 
     ``group_size``: ranks in the group; ``group_rank``: this rank's index in it; ``ranks``:
-    the global rank of each group rank (for messages).
+    the global rank of each group rank (for messages); ``owner``: the optimizer errors name.
     """
 
-    def __init__(self, group_size: int, group_rank: int, ranks: Sequence[int]) -> None:
+    def __init__(
+        self,
+        group_size: int,
+        group_rank: int,
+        ranks: Sequence[int],
+        owner: str = "CrossShardOptimizer",
+    ) -> None:
         if not 0 <= group_rank < group_size or len(ranks) != group_size:
             raise ValueError(
                 f"group_rank {group_rank} and ranks {list(ranks)} do not fit a group of "
@@ -160,6 +166,7 @@ class GuardCodec:
         self.group_size = group_size
         self.group_rank = group_rank
         self.ranks = list(ranks)
+        self.owner = owner
 
     @property
     def size(self) -> int:
@@ -189,7 +196,7 @@ class GuardCodec:
             raw = bytes(ints)  # ValueError outside [0, 255]
         except ValueError:
             raise DesyncError(
-                "CrossShardOptimizer: the sequence words of this round are not what any rank "
+                f"{self.owner}: the sequence words of this round are not what any rank "
                 "sent (not whole chunks): the ranks' collectives did not pair -- some rank "
                 "issued a different collective in this position"
             ) from None
@@ -200,7 +207,7 @@ class GuardCodec:
             kind, flags = f["kind"], f["flags"]
             if kind not in _KIND_VALUES or flags > 3:
                 raise DesyncError(
-                    f"CrossShardOptimizer: rank {self.ranks[r]}'s sequence words are not valid "
+                    f"{self.owner}: rank {self.ranks[r]}'s sequence words are not valid "
                     f"(kind {kind}, flags {flags}): the ranks' collectives did not pair"
                 )
             table.append(
@@ -230,16 +237,19 @@ class Verdict:
         return self.edited or self.replanned
 
 
-def check_round(table: Sequence[GuardWords], ranks: Sequence[int]) -> Verdict:
+def check_round(
+    table: Sequence[GuardWords], ranks: Sequence[int], owner: str = "CrossShardOptimizer"
+) -> Verdict:
     """The round's verdict from every rank's words, or the error every rank raises.
 
-    ``ranks``: the global rank of each row. Deterministic in ``table``, so every rank of the
-    group reaches the same verdict (or raises the same error) without another message.
+    ``ranks``: the global rank of each row; ``owner``: the optimizer errors name. Deterministic
+    in ``table``, so every rank of the group reaches the same verdict (or raises the same error)
+    without another message.
     """
     first = table[0]
     if any((w.plan, w.params) != (first.plan, first.params) for w in table):
         raise ParameterMismatchError(
-            "CrossShardOptimizer: ranks disagree on the parameter list or the communication "
+            f"{owner}: ranks disagree on the parameter list or the communication "
             "options, so their gradient buckets would not match:\n"
             + _lines(table, ranks)
             + "\nEvery rank must have the same trainable parameters (shapes, dtypes, "
@@ -250,7 +260,7 @@ def check_round(table: Sequence[GuardWords], ranks: Sequence[int]) -> Verdict:
     sequence = [(w.kind, w.step, w.passes) for w in table]
     if any(s != sequence[0] for s in sequence):
         raise DesyncError(
-            "CrossShardOptimizer: ranks are out of step -- their reduction rounds do not "
+            f"{owner}: ranks are out of step -- their reduction rounds do not "
             f"belong together ({_diagnosis(table)}); no update was applied:\n"
             + _lines(table, ranks)
             + "\nEvery rank must call step() the same number of times, after the same number "
