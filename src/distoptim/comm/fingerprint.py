@@ -43,14 +43,11 @@ def check_agreement(
     options: Mapping[str, object],
     group: dist.ProcessGroup | None,
     device: torch.device,
-    owner: str = "CrossShardOptimizer",
-    advice: str | None = None,
 ) -> None:
     """All-gather ``(count, digest)`` over ``group``; raise :class:`ParameterMismatchError`.
 
     One collective (:data:`MESSAGE_BYTES` per rank; the caller accounts it). ``device`` is
-    where the small message lives (CPU for gloo, the current CUDA device for NCCL). The error
-    names ``owner`` and ends with ``advice`` (what must agree; CrossShardOptimizer's by default).
+    where the small message lives (CPU for gloo, the current CUDA device for NCCL).
     """
     words = torch.frombuffer(bytearray(digest(params, options)), dtype=torch.int64)
     mine = torch.cat([torch.tensor([len(params)], dtype=torch.int64), words]).to(device)
@@ -64,18 +61,13 @@ def check_agreement(
             f"  rank {r}: {int(t[0])} parameters, fingerprint {_hex(t[1:])}"
             for r, t in zip(ranks, table)
         ]
-        if advice is None:
-            advice = (
-                "Every rank must build the same model and optimizer (same parameters, shapes, "
-                "dtypes and requires_grad, in the same order) with the same reduction, "
-                "bucket_cap_mb, compression, overlap and backward_passes_per_step."
-            )
         raise ParameterMismatchError(
-            f"{owner}: ranks disagree on the parameter list or the communication "
+            "CrossShardOptimizer: ranks disagree on the parameter list or the communication "
             "options, so their gradient buckets would not match:\n"
             + "\n".join(lines)
-            + "\n"
-            + advice
+            + "\nEvery rank must build the same model and optimizer (same parameters, shapes, "
+            "dtypes and requires_grad, in the same order) with the same reduction, "
+            "bucket_cap_mb, compression, overlap and backward_passes_per_step."
         )
 
 
