@@ -87,6 +87,7 @@ _IFNAME_VAR = {"gloo": "GLOO_SOCKET_IFNAME", "tensorpipe": "TP_SOCKET_IFNAME"}
 _LABEL = {"gloo": "gloo", "tensorpipe": "TensorPipe (torch.distributed.rpc)"}
 _CONNECT_TIMEOUT = 3.0
 _STORE_JOIN_TIMEOUT = 10.0
+_VERDICT_MARGIN = 5.0
 _LOOPBACK = "127.0.0.1"
 
 _WHY_MASTER = (
@@ -649,7 +650,7 @@ def _exchange(
     prefix: str,
 ) -> None:
     """Check 5 (see the module docstring), keys under ``prefix``: raises if any node found a
-    problem."""
+    problem or did not report within ``timeout``."""
     assert job.node is not None and job.nodes is not None
     node_keys = [f"{prefix}node/{j}" for j in range(job.nodes)]
     verdict_keys = [f"{prefix}verdict/{j}" for j in range(job.nodes)]
@@ -670,38 +671,61 @@ def _exchange(
             )
             store.set(node_keys[job.node], _NodeRecord(job.host, advertised).dumps())
             missing = _wait(store, node_keys, timeout)
+            records = {
+                j: _NodeRecord.loads(store.get(k))
+                for j, k in enumerate(node_keys)
+                if k not in missing
+            }
+            problems = _probe_peers(job, binds, records)
             if missing:
-                raise _missing_error(job, missing, timeout)
-            records = {j: _NodeRecord.loads(store.get(k)) for j, k in enumerate(node_keys)}
-            problems = tuple(_probe_peers(job, binds, records))
-            store.set(verdict_keys[job.node], _Verdict(job.host, problems).dumps())
+                problems.append(_missing_problem(job, missing, timeout))
+            store.set(verdict_keys[job.node], _Verdict(job.host, tuple(problems)).dumps())
         if failure is not None:
             return
-        missing = _wait(store, verdict_keys, timeout)
-        if missing:
-            raise _missing_error(job, missing, timeout)
-        verdicts = [_Verdict.loads(store.get(k)) for k in verdict_keys]
-        found = [(j, v.host, p) for j, v in enumerate(verdicts) for p in v.problems]
+        # this node's leader publishes its verdict at most a probe (and a margin) after its wait
+        own_key = verdict_keys[job.node]
+        if _wait(store, [own_key], timeout + _CONNECT_TIMEOUT + _VERDICT_MARGIN):
+            raise job.error(
+                f"the first process of this node gave no verdict within {timeout:g} s.",
+                f"see the first error in this node's log; {_FIX_MASTER}",
+            )
+        own = _Verdict.loads(store.get(own_key))
+        if own.problems:  # enough to fail: wait briefly for the nodes that are there
+            there = [
+                k
+                for j, k in enumerate(verdict_keys)
+                if j != job.node and store.check([node_keys[j]])
+            ]
+            missing = _wait(store, there, _CONNECT_TIMEOUT)
+        else:  # every node published its addresses: every verdict is on its way
+            missing = _wait(store, verdict_keys, timeout + _CONNECT_TIMEOUT + _VERDICT_MARGIN)
+        found: list[tuple[str, _Problem]] = []
+        for j, k in enumerate(verdict_keys):
+            if store.check([k]):
+                verdict = _Verdict.loads(store.get(k))
+                found += [(f"node {j} (host {verdict.host!r})", p) for p in verdict.problems]
+        if missing and not own.problems:
+            found.append((f"seen from node {job.node}", _missing_problem(job, missing, timeout)))
         if found:
-            ours = [p for j, _, p in found if j == job.node]
+            ours = [p for who, p in found if who.startswith(f"node {job.node} ")]
             raise job.error(
                 "the nodes cannot all reach each other (checked before the first collective):"
-                + "".join(f"\n  - node {j} (host {h!r}): {p.problem}" for j, h, p in found),
-                (ours or [found[0][2]])[0].fix,
+                + "".join(f"\n  - {who}: {p.problem}" for who, p in found),
+                (ours or [found[0][1]])[0].fix,
             )
     finally:
         for listener in listeners.values():
             listener.close()
 
 
-def _missing_error(job: _Job, keys: list[str], timeout: float) -> NetworkConfigError:
+def _missing_problem(job: _Job, keys: list[str], timeout: float) -> _Problem:
     nodes = ", ".join(k.rsplit("/", 1)[1] for k in keys)
-    return job.error(
-        f"node(s) {nodes} did not report to the network check within {timeout:g} s: they "
-        f"cannot reach the rendezvous store at {job.master}, or started late.",
-        f"see the first error in those nodes' logs; {_FIX_MASTER}",
-        "every node's first process publishes its addresses in the store and waits for the "
-        "others' (DISTOPTIM_NETCHECK_TIMEOUT bounds this wait, default: the caller's timeout)",
+    return _Problem(
+        f"node(s) {nodes} did not report to the network check within {timeout:g} s: they cannot "
+        f"reach the rendezvous store at {job.master}, or started late (every node's first "
+        "process publishes its addresses there and waits for the others'; "
+        "DISTOPTIM_NETCHECK_TIMEOUT bounds the wait, default: the caller's timeout).",
+        f"see the first error in the logs of node(s) {nodes}; {_FIX_MASTER}",
     )
 
 
