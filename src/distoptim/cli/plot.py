@@ -9,7 +9,8 @@ stay readable for a 27-run grid:
 * inside a panel, one line per λ, coloured by λ with the same colour for the same λ in every
   panel; sync with the same n is the dashed grey reference line in each of that row's panels;
 * repeats of a cell share its colour (thinner); a run that did not finish ends with an ``x``;
-* one small legend (the λ colours and the sync line) for the whole figure;
+* one small legend (the λ colours and the sync line) for the whole figure; a setting that
+  follows n (EASGD's moving rate) is written in the corner of its panels;
 * the accuracy axis is zoomed to the informative range: from just below the lowest accuracy
   any run had in the second half of its history (so collapses stay visible, the first
   evaluations at chance level do not flatten everything else) up to 100 %.
@@ -63,7 +64,7 @@ def _draw(records: Sequence[RunRecord], x_key: str, x_label: str, path: str, tit
         {r.config.communication_period for r in records if algorithms.get(r.config.algo).periodic}
     )
     cmap = plt.get_cmap("viridis")
-    color = {lam: cmap(0.85 * i / max(1, len(lams) - 1)) for i, lam in enumerate(lams)}
+    color = {lam: cmap(0.8 * i / max(1, len(lams) - 1)) for i, lam in enumerate(lams)}
     fig, axes = plt.subplots(
         len(ns),
         len(columns),
@@ -89,10 +90,24 @@ def _draw(records: Sequence[RunRecord], x_key: str, x_label: str, path: str, tit
             for r in syncs:
                 line(ax, r, **_SYNC_STYLE)
             if not sync_only:
-                for r in records:
-                    if r.config.workers == n and r.config.algo != "sync" and _column(r) == col:
-                        lam = r.config.communication_period
-                        line(ax, r, color=color.get(lam, "C3"))
+                cell = [
+                    r
+                    for r in records
+                    if r.config.workers == n and r.config.algo != "sync" and _column(r) == col
+                ]
+                for r in cell:
+                    line(ax, r, color=color.get(r.config.communication_period, "C3"))
+                details = {algorithms.get(r.config.algo).detail(r.config) for r in cell} - {""}
+                if len(details) == 1:  # e.g. EASGD's alpha, which follows n
+                    ax.text(
+                        0.98,
+                        0.04,
+                        details.pop(),
+                        transform=ax.transAxes,
+                        ha="right",
+                        fontsize=8,
+                        color="0.3",
+                    )
             ax.set_ylim(low, high)
             ax.set_xlim(left=0)
             ax.grid(True, alpha=0.3)
@@ -106,8 +121,9 @@ def _draw(records: Sequence[RunRecord], x_key: str, x_label: str, path: str, tit
     handles = [Line2D([], [], color=color[lam], linewidth=2, label=f"λ = {lam}") for lam in lams]
     if any(r.config.algo == "sync" for r in records):
         handles.append(Line2D([], [], label="sync, same n", **_SYNC_STYLE))
-    fig.suptitle(title, fontsize=11)
-    top = 1 - 0.55 / fig.get_figheight()
+    height = fig.get_figheight()
+    fig.suptitle(title, fontsize=11, y=1 - 0.12 / height, va="top")
+    top = 1 - 0.42 / height  # below the title
     if handles:
         fig.legend(
             handles=handles,
@@ -117,8 +133,8 @@ def _draw(records: Sequence[RunRecord], x_key: str, x_label: str, path: str, tit
             fontsize=8,
             frameon=False,
         )
-        top -= 0.3 / fig.get_figheight()
-    fig.tight_layout(rect=(0, 0, 1, top))
+        top -= 0.28 / height
+    fig.tight_layout(rect=(0, 0, 1, top), pad=0.4, h_pad=0.6, w_pad=0.4)
     tmp = f"{path}.tmp.png"
     fig.savefig(tmp, dpi=100)
     plt.close(fig)
