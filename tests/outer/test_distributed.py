@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from distoptim.comm.fingerprint import MESSAGE_BYTES, ParameterMismatchError
+from distoptim.comm.guard import CHUNKS, DesyncError
 from distoptim.comm.quantize import Int8Codec, QuantizedMean
 from distoptim.comm.stats import CommStats, ring_allreduce_bytes
 from distoptim.launch import spawn
@@ -78,8 +78,8 @@ def _round_trip(cfg: Config, rank: int, world: int, split: int, ckpt_dir: str | 
 def _expect_mismatch(fn: Any) -> str:
     try:
         fn()
-    except ParameterMismatchError as exc:
-        return str(exc)
+    except DesyncError as exc:  # ParameterMismatchError is one too
+        return f"{type(exc).__name__}: {exc}"
     return "no error"
 
 
@@ -144,9 +144,9 @@ def test_localsgd_is_the_parameter_average(two_ranks):
 def test_fp32_bytes_are_one_ring_all_reduce_per_sync(two_ranks):
     got = two_ranks[0]["diloco_sgd"]
     syncs = EXACT["diloco_sgd"].steps // EXACT["diloco_sgd"].sync_every
-    agreement = MESSAGE_BYTES + 16  # fingerprint, and two float64 sums of the global copy
-    assert got["bytes"] == syncs * ring_allreduce_bytes(NUMEL * 8, 2) + agreement
-    assert got["collectives"] == syncs + 2  # + the one-time agreement checks
+    header = CHUNKS + 16  # sequence words and two float64 sums, to the one peer
+    assert got["bytes"] == syncs * (ring_allreduce_bytes(NUMEL * 8, 2) + header)
+    assert got["collectives"] == 2 * syncs  # each sync: its header, then the all-reduce
 
 
 @pytest.mark.parametrize("wire", ["bf16", "int8"])
@@ -203,9 +203,9 @@ def test_resume_with_a_sync_in_flight(two_ranks, how):
 @pytest.mark.parametrize(
     ("case", "says"),
     [
-        ("mismatch_options", "replicas disagree"),
-        ("mismatch_steps", "replicas disagree"),
-        ("mismatch_weights", "different global copies"),
+        ("mismatch_options", "ParameterMismatchError: DiLoCo: ranks disagree on the parameter"),
+        ("mismatch_steps", "DesyncError: DiLoCo: ranks are out of step"),
+        ("mismatch_weights", "ParameterMismatchError: DiLoCo: replicas hold different global"),
     ],
 )
 def test_replicas_that_disagree_raise_on_every_rank(two_ranks, case, says):

@@ -47,10 +47,12 @@ import torch
 import torch.distributed as dist
 
 from distoptim.checks import check_finite_hyperparameters, check_int, check_positive, type_name
-from distoptim.comm.fingerprint import MESSAGE_BYTES, ParameterMismatchError, check_agreement
+from distoptim.comm.fingerprint import digest
+from distoptim.comm.guard import GuardWords, RoundKind, plan_word
 from distoptim.comm.quantize import parse_wire
 from distoptim.comm.stats import CommStats
 from distoptim.cross_shard import _check_group_assignment
+from distoptim.outer.agreement import SyncAgreement
 from distoptim.outer.exchange import FragmentExchange, InFlight
 from distoptim.outer.fragments import Fragment, FragmentSchedule
 from distoptim.protocol import WrappedOptimizer, _check_inner_state_dict, swapped_grads
@@ -96,10 +98,11 @@ class DiLoCo(WrappedOptimizer):
         bucket_cap_mb: payload cap of one pseudo-gradient bucket in MiB (keyword only).
 
     Outside an initialized process group (or on a group of one) the optimizer runs as one
-    replica: ``Δ`` is the replica's own and nothing is sent. Before its first collective, and
-    again after ``load_state_dict``, it checks with two small all-gathers that every replica of
-    the group has the same parameters, options, step counter and global copy
-    (:class:`~distoptim.comm.fingerprint.ParameterMismatchError` on every rank otherwise).
+    replica: ``Δ`` is the replica's own and nothing is sent. Every sync starts with a small
+    fixed-size header (:mod:`~distoptim.outer.agreement`) in which the replicas agree on the
+    step, the fragment, the parameters, the options and the fragment's global copy, so a
+    divergence raises :class:`~distoptim.comm.guard.DesyncError` (or its subclass
+    ``ParameterMismatchError``) on every rank instead of mixing wrong values or hanging.
     """
 
     def __init__(
@@ -202,9 +205,14 @@ class DiLoCo(WrappedOptimizer):
             )
             for f in self._schedule.fragments
         ]
+        self._agreement: SyncAgreement | None = None
+        if group_size > 1:
+            device = _comm_device(group_obj)
+            self._agreement = SyncAgreement(group_obj, group_size, self._stats, device, name)
+        # the parameters and options every header carries (the step then fixes the fragment)
+        self._plan_word = plan_word(digest(params, self._config()))
         self._in_flight: _Sync | None = None
         self._syncs = 0
-        self._agreed = group_size == 1
         self._step_being_loaded: int | None = None
         self._built = True
 
@@ -254,22 +262,22 @@ class DiLoCo(WrappedOptimizer):
         sync = self._in_flight
         if sync is not None and sync.launched_at + self.fragment_sync_delay == t:
             self._in_flight = None
-            self._apply(sync)
+            self._apply(sync, t)
         fragment = self._schedule.launching_at(t)
         if fragment is None:
             return
-        self._ensure_agreed(t)
+        self._agree(fragment, t)
         sync = _Sync(fragment, t, self._exchanges[fragment.index].launch())
         if self.fragment_sync_delay == 0:
-            self._apply(sync)
+            self._apply(sync, t)
         else:
             self._in_flight = sync
 
-    def _apply(self, sync: _Sync) -> None:
+    def _apply(self, sync: _Sync, t: int) -> None:
         """The outer step of one fragment on the global copy, then the local mix (see module)."""
         exchange = self._exchanges[sync.fragment.index]
-        if exchange.quantized:
-            self._ensure_agreed(sync.launched_at)  # phase 2 of a quantized mean is a collective
+        if exchange.quantized and t != sync.launched_at:
+            self._agree(sync.fragment, t)  # phase 2 of a quantized mean is a collective
         mean = exchange.finish(sync.flight)
         local, global_ = exchange.local, exchange.global_
         alpha = self.fragment_update_alpha
@@ -283,61 +291,18 @@ class DiLoCo(WrappedOptimizer):
                 torch._foreach_lerp_(local, kept, alpha)  # alpha·θ_r + (1 - alpha)·θ_g'
         self._syncs += 1
 
-    def _ensure_agreed(self, t: int) -> None:
-        """One small all-gather: same parameters, options and step on every replica."""
-        if self._agreed:
-            return
-        options = dict(self._config(), step=t, outer=type(self._outer).__name__)
-        self._stats.send(MESSAGE_BYTES * (self._group_size - 1))
-        try:
-            check_agreement(self._params, options, self._group, _comm_device(self._group))
-        except ParameterMismatchError as exc:
-            table = [line for line in str(exc).splitlines() if line.startswith("  rank ")]
-            raise ParameterMismatchError(
-                f"{self._name}: replicas disagree on the parameters, the options or the step "
-                f"counter (this rank: step {t}, {self._config()}):\n"
-                + "\n".join(table)
-                + "\nEvery replica must build the same model, inner and outer optimizers and "
-                f"{type(self).__name__} options, step in lockstep, and load checkpoints "
-                "taken at the same step."
-            ) from None
-        self._check_same_global_copy()
-        self._agreed = True
+    def _agree(self, fragment: Fragment, t: int) -> None:
+        """The sync header (see :mod:`~distoptim.outer.agreement`) before sized collectives.
 
-    def _check_same_global_copy(self) -> None:
-        """All replicas must hold the same global copy (same initial weights, same checkpoint).
-
-        One all-gather of two float64 numbers per rank: ``Σ θ_g`` and ``Σ θ_g²`` over every
-        parameter, compared with a relative tolerance of 1e-9 (replicas on different hardware
-        may sum in another order; different weights differ by far more).
+        Equal options and equal steps imply the same fragment and phase on every replica, so
+        the words carry the step and one fingerprint of all parameters and options.
         """
-        device = _comm_device(self._group)
-        with torch.no_grad():
-            per_param = [
-                torch.stack([g.double().sum(), g.double().square().sum()]) for g in self._global
-            ]
-            mine = torch.stack([t.to(device) for t in per_param]).sum(0)
-        table = [torch.empty_like(mine) for _ in range(self._group_size)]
-        self._stats.send(mine.numel() * mine.element_size() * (self._group_size - 1))
-        dist.all_gather(table, mine, group=self._group)
-        if all(torch.allclose(t, table[0], rtol=1e-9, atol=0.0, equal_nan=True) for t in table):
+        if self._agreement is None:
             return
-        ranks = (
-            dist.get_process_group_ranks(self._group)
-            if self._group is not None
-            else list(range(self._group_size))
+        words = GuardWords(
+            RoundKind.STEP, step=t, passes=0, plan=self._plan_word, params=len(self._params)
         )
-        lines = [
-            f"  rank {r}: sum {float(t[0]):.12g}, sum of squares {float(t[1]):.12g}"
-            for r, t in zip(ranks, table)
-        ]
-        raise ParameterMismatchError(
-            f"{self._name}: replicas hold different global copies (the parameters at "
-            "construction, or the loaded checkpoints, differ):\n"
-            + "\n".join(lines)
-            + "\nBuild the model identically on every replica (e.g. torch.manual_seed before "
-            "creating it, or broadcast rank 0's parameters) before creating the optimizer."
-        )
+        self._agreement.check(words, self._exchanges[fragment.index].global_)
 
     def _config(self) -> dict[str, Any]:
         return {
@@ -488,7 +453,6 @@ class DiLoCo(WrappedOptimizer):
             flight = self._exchanges[fragment.index].restore()
             self._in_flight = _Sync(fragment, pending["launched_at"], flight)
         self._syncs = state["syncs"]
-        self._agreed = self._group_size == 1
 
     def __repr__(self) -> str:
         return (
