@@ -189,6 +189,18 @@ def _grad_scaler_everywhere(run: Run, rank: int, it: int) -> None:
     scaler.update()
 
 
+def _grad_scaler_inf_on_rank1(run: Run, rank: int, it: int) -> None:
+    scaler = run.__dict__.setdefault("scaler", torch.amp.GradScaler("cpu", init_scale=1024.0))
+    run.opt.zero_grad()
+    x, y = _batch(rank, it)
+    loss = F.mse_loss(run.model(x), y)
+    if rank == 1 and it == 2:
+        loss = loss * float("inf")  # an overflow on one rank: its scaler skips opt.step()
+    scaler.scale(loss).backward()
+    scaler.step(run.opt)
+    scaler.update()
+
+
 # name -> (case, Run kwargs per rank, expected outcome: "equal" or the error type)
 CASES: dict[str, tuple[Case, Callable[[int], dict[str, Any]], str]] = {
     "edit_noop_one_rank": (_edit_noop_on_rank1, lambda r: {}, "equal"),
@@ -197,6 +209,7 @@ CASES: dict[str, tuple[Case, Callable[[int], dict[str, Any]], str]] = {
     "zero_grad_one_rank": (_zero_grad_on_rank1, lambda r: {}, "equal"),
     "grad_scaler_every_rank": (_grad_scaler_everywhere, lambda r: {}, "equal"),
     "freeze_and_add_every_rank": (_freeze_everywhere, lambda r: {}, "equal"),
+    "grad_scaler_inf_one_rank": (_grad_scaler_inf_on_rank1, lambda r: {}, "DesyncError"),
     "extra_backward_one_rank": (_extra_backward_on_rank1, lambda r: {}, "DesyncError"),
     "extra_backward_guard_off": (
         _extra_backward_on_rank1,
