@@ -1,12 +1,12 @@
 """Low-communication training with DiLoCo and Streaming DiLoCo, under torchrun or locally.
 
-Each rank is one replica: it trains the same MLP on its own shard of a synthetic regression set
-with AdamW (the inner optimizer) and talks to the others only every ``--sync-every`` steps,
-when the replicas average their pseudo-gradients ``θ_global - θ_local`` and apply them to the
-global copy with Nesterov SGD (the outer optimizer, DiLoCo's settings). ``--fragments 4
---wire int8 --delay 1`` turns it into Streaming DiLoCo: four fragments sync in turn, in int8,
-each overlapped with one inner step. Both the PyTorch path (``backward(); step()``) and the TF
-path (``minimize``) are shown.
+Each rank is one replica: it trains the same MLP on its own shard of a synthetic
+classification set (Gaussian blobs) with AdamW (the inner optimizer) and talks to the others
+only every ``--sync-every`` steps, when the replicas average their pseudo-gradients
+``θ_global - θ_local`` and apply them to the global copy with Nesterov SGD (the outer optimizer,
+DiLoCo's settings). ``--fragments 4 --wire int8 --delay 1`` turns it into Streaming DiLoCo: four
+fragments sync in turn, in int8, each overlapped with one inner step. Both the PyTorch path
+(``backward(); step()``) and the TF path (``minimize``) are shown.
 
 Under torchrun (one process per rank; add nodes with ``--nnodes`` and a rendezvous endpoint)::
 
@@ -35,11 +35,12 @@ import distoptim
 from distoptim.launch import spawn, torchrun_main
 
 
-def _dataset(n: int = 4096, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def _blobs(n: int = 4096, classes: int = 8, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A synthetic classification task: each point is drawn around the center of its class."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 16, generator=g)
-    w = 0.25 * torch.randn(16, 1, generator=g)
-    return x, torch.sin(x @ w) + 0.05 * torch.randn(n, 1, generator=g)
+    centers = torch.randn(classes, 16, generator=g)
+    y = torch.randint(classes, (n,), generator=g)
+    return centers[y] + 1.2 * torch.randn(n, 16, generator=g), y
 
 
 def train(rank: int, world_size: int, args: argparse.Namespace) -> float:
@@ -48,7 +49,7 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> float:
     if dist.get_backend() == "nccl":  # one GPU per local rank (LOCAL_RANK is set by torchrun)
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
         torch.cuda.set_device(device)
-    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 1)).to(device)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 8)).to(device)
     inner = torch.optim.AdamW(model.parameters(), lr=4e-3, weight_decay=0.01)
     outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
     opt = distoptim.DiLoCo(
@@ -60,7 +61,7 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> float:
         fragment_update_alpha=args.alpha,
         wire=args.wire,
     )
-    x, y = _dataset()
+    x, y = _blobs()
     x, y = x[rank::world_size].to(device), y[rank::world_size].to(device)  # this rank's shard
     batch = args.batch
     for epoch in range(args.epochs):
@@ -69,22 +70,23 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> float:
             idx = perm[i : i + batch]
             if i % (2 * batch) == 0:  # PyTorch path
                 opt.zero_grad()
-                F.mse_loss(model(x[idx]), y[idx]).backward()
+                F.cross_entropy(model(x[idx]), y[idx]).backward()
                 opt.step()
             else:  # TF path
-                opt.minimize(lambda idx=idx: F.mse_loss(model(x[idx]), y[idx]))
-        # the global copy is what every replica agrees on: score it
+                opt.minimize(lambda idx=idx: F.cross_entropy(model(x[idx]), y[idx]))
+        # the global copy is what every replica agrees on: score it on every rank's shard
         with torch.no_grad():
             local = [p.detach().clone() for p in model.parameters()]
             for p, g in zip(model.parameters(), opt.global_parameters):
                 p.copy_(g)
-            loss = F.mse_loss(model(x), y).detach()
+            correct = (model(x).argmax(1) == y).sum().float()
             for p, v in zip(model.parameters(), local):
                 p.copy_(v)
-        dist.all_reduce(loss)
+        dist.all_reduce(correct)
+        accuracy = correct.item() / (len(x) * world_size)
         if rank == 0:
             print(
-                f"epoch {epoch}: global-copy loss {loss.item() / world_size:.4f}  "
+                f"epoch {epoch}: global-copy accuracy {accuracy:.3f}  "
                 f"({opt.iterations} inner steps, {opt.syncs} fragment syncs, "
                 f"{opt.comm_stats.bytes_sent / 1e3:.1f} kB sent by rank 0)"
             )
@@ -93,7 +95,7 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> float:
     ref = g.clone()
     dist.broadcast(ref, 0)
     assert torch.equal(g, ref), "replicas' global copies diverged"
-    return loss.item() / world_size
+    return accuracy
 
 
 def main() -> None:
@@ -111,7 +113,7 @@ def main() -> None:
         torchrun_main(train, args)
     else:
         final = spawn(train, args.workers, args=(args,))
-        print(f"final loss {final[0]:.4f} (the same global copy on all {args.workers} ranks)")
+        print(f"final accuracy {final[0]:.3f} (the same global copy on all {args.workers} ranks)")
 
 
 if __name__ == "__main__":
