@@ -54,6 +54,7 @@ def _draw(records: Sequence[RunRecord], x_key: str, x_label: str, path: str, tit
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
 
     ns = sorted({r.config.workers for r in records})
     columns = list(dict.fromkeys(_column(r) for r in records if r.config.algo != "sync"))
@@ -109,7 +110,6 @@ def _draw(records: Sequence[RunRecord], x_key: str, x_label: str, path: str, tit
                         color="0.3",
                     )
             ax.set_ylim(low, high)
-            ax.set_xlim(left=0)
             ax.grid(True, alpha=0.3)
             ax.tick_params(labelsize=8)
             if i == 0:
@@ -118,6 +118,14 @@ def _draw(records: Sequence[RunRecord], x_key: str, x_label: str, path: str, tit
                 ax.set_ylabel(f"n = {n}\nval acc (%)", fontsize=9)
             if i == len(ns) - 1:
                 ax.set_xlabel(x_label, fontsize=9)
+        # the row shares its x axis: from 0 to the longest run of that n, whatever its panel
+        right = max(
+            (p[x_key] for r in records if r.config.workers == n for p in r.history), default=0
+        )
+        axes[i][0].set_xlim(0, max(right, 1e-9) * 1.02)
+        axes[i][0].xaxis.set_major_locator(MaxNLocator(6))
+        if x_key == "samples" and right >= 10_000:  # 20k, not 20000: labels must not touch
+            axes[i][0].xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x / 1000:g}k"))
     handles = [Line2D([], [], color=color[lam], linewidth=2, label=f"λ = {lam}") for lam in lams]
     if any(r.config.algo == "sync" for r in records):
         handles.append(Line2D([], [], label="sync, same n", **_SYNC_STYLE))

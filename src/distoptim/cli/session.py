@@ -189,7 +189,8 @@ def _timing_line(t: dict[str, Any]) -> str:
     return (
         f"time: {t['total_s']:.1f} s in all, {t['training_s']:.1f} s training "
         f"({'-' if share is None else f'{100 * (1 - share):.0f}'} %); pool of "
-        f"{t['pool_processes']} processes started in {sum(t['pool_start_s']):.1f} s; "
+        f"{t['pool_processes']} process{'es' if t['pool_processes'] != 1 else ''} started "
+        f"in {sum(t['pool_start_s']):.1f} s; "
         f"load average {t['load_average']['start']} -> {t['load_average']['end']}"
     )
 
@@ -251,6 +252,9 @@ def run_plan(
                     progress.finished(_summary_line(record, display.mode == "plain"))
                 records.append(record)
                 last = interrupt is not None or i + 1 == len(plan.configs)
+                if last:  # before the last write, so that its timing includes the shut-down
+                    _release(pool, events, interrupt is not None)
+                    pool = events = None
                 with _signals_held():
                     if interrupt:
                         state = "interrupted"
@@ -262,13 +266,10 @@ def run_plan(
                 if interrupt:
                     break
         finally:
-            if pool is not None:
-                pool.close() if interrupt is None else pool.kill()
-            if events is not None:
-                events.close()
+            _release(pool, events, interrupt is not None)
     rows = summarize(records)
     render_table(rows, stdout)
-    print(_timing_line(timing.as_dict(records)), file=stdout)  # the table's print included
+    print(_timing_line(timing.as_dict(records)), file=stdout)
     print(f"results: {json_path}", file=stdout)
     if png:
         print(f"plot:    {png}", file=stdout)
@@ -276,6 +277,14 @@ def run_plan(
         print("distoptim: interrupted; the runs so far are in the results above", file=stderr)
         return exit_code(interrupt)
     return 1 if failed else 0
+
+
+def _release(pool: ProcessPool | None, events: EventQueue | None, interrupted: bool) -> None:
+    """End the pool (normally, or at once after an interruption) and its event queue."""
+    if pool is not None:
+        pool.kill() if interrupted else pool.close()
+    if events is not None:
+        events.close()
 
 
 def _start_pool(
@@ -290,8 +299,9 @@ def _start_pool(
         old_events.close()
     again = " again (the last run stopped the old one)" if old is not None else ""
     display.note(
-        f"distoptim: starting {timing.pool_size} worker processes{again}; they serve all "
-        f"{len(plan.configs)} run(s)…"
+        f"distoptim: starting {timing.pool_size} worker process"
+        f"{'es' if timing.pool_size != 1 else ''}{again}; they serve all {len(plan.configs)} "
+        "run(s)…"
     )
     events = EventQueue(display.deliver)
     pool = ProcessPool(
