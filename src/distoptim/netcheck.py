@@ -94,11 +94,12 @@ _WHY_MASTER = (
     "torchrun sets MASTER_ADDR to the --local-addr of the node that got rendezvous rank 0, or to "
     "that node's hostname (socket.getfqdn()) when --local-addr is not given"
 )
-_WHY_BIND = (
-    "gloo binds to the first address of the GLOO_SOCKET_IFNAME interface(s), else to the first "
-    "address of this host the hostname resolves to, else to 127.0.0.1; TensorPipe (rpc) does "
-    "the same with TP_SOCKET_IFNAME"
-)
+_WHY_BIND = {
+    "gloo": "gloo binds to the first address of each GLOO_SOCKET_IFNAME interface, else to the "
+    "first address of this host that the hostname resolves to, else to 127.0.0.1",
+    "tensorpipe": "TensorPipe binds to the first address of the TP_SOCKET_IFNAME interface, "
+    "else to the first address of this host that the hostname resolves to, else to 127.0.0.1",
+}
 _FIX_MASTER = (
     "start torchrun on every node with --local-addr <that node's address on the network the "
     "nodes share> (and --rdzv-conf is_host=true on the node whose address is in "
@@ -402,6 +403,11 @@ def _connect_all(
     return [r if r is not None else ("not attempted", 0.0) for r in results]
 
 
+def _reason(reason: str, seconds: float) -> str:
+    """A failed connection's reason for a message (with its time unless it timed out)."""
+    return reason if reason.startswith("no answer") else f"{reason} after {seconds:.1f} s"
+
+
 class _Listener:
     """A TCP listener on ``address`` that accepts and drops connections until closed."""
 
@@ -471,7 +477,7 @@ def _check_store(job: _Job, resolved: list[tuple], timeout: float) -> Any:
     outcomes = _connect_all([(None, s) for s in resolved], _CONNECT_TIMEOUT)
     if all(reason is not None for reason, _ in outcomes):
         tried = "; ".join(
-            f"{s[0]}: {reason} after {t:.1f} s" for s, (reason, t) in zip(resolved, outcomes)
+            f"{s[0]}: {_reason(reason, t)}" for s, (reason, t) in zip(resolved, outcomes)
         )
         raise job.error(
             f"cannot reach the rendezvous store at {job.master} from this host "
@@ -515,7 +521,7 @@ def _check_binds(job: _Job, transports: Sequence[str]) -> list[BindAddress]:
                 f"({b.source}); the other nodes cannot connect to it and the first collective "
                 "would hang.",
                 _fix_interface(job, b.transport),
-                _WHY_BIND,
+                _WHY_BIND[b.transport],
             )
     return binds
 
@@ -622,8 +628,7 @@ def _probe_peers(
                 _Problem(
                     f"{_LABEL[b.transport]} binds to {b.address} here ({b.source}) and cannot "
                     f"connect to node {j} (host {records[j].host!r}) at {theirs.address} "
-                    f"({theirs.source}): {reason}"
-                    + ("." if reason.startswith("no answer") else f" after {t:.1f} s."),
+                    f"({theirs.source}): {_reason(reason, t)}.",
                     _fix_interface(job, b.transport),
                 )
             )
