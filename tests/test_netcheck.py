@@ -14,28 +14,10 @@ import torch.distributed as dist
 from distoptim import netcheck
 from distoptim.netcheck import NetworkConfigError, bind_addresses, check_torchrun_network
 
-_VARS = (
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "GROUP_WORLD_SIZE",
-    "TORCHELASTIC_USE_AGENT_STORE",
-    "TORCHELASTIC_RUN_ID",
-    "TORCHELASTIC_RESTART_COUNT",
-    "GLOO_SOCKET_IFNAME",
-    "TP_SOCKET_IFNAME",
-    "DISTOPTIM_NETCHECK",
-    "DISTOPTIM_NETCHECK_TIMEOUT",
-)
-
 
 @pytest.fixture(autouse=True)
 def _clean(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in _VARS:
+    for var in netcheck.ENVIRONMENT:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(netcheck, "_CHECKED", {})
 

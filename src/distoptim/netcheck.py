@@ -73,6 +73,7 @@ from datetime import timedelta
 from typing import Any
 
 __all__ = [
+    "ENVIRONMENT",
     "TRANSPORTS",
     "BindAddress",
     "NetworkConfigError",
@@ -82,6 +83,25 @@ __all__ = [
 
 TRANSPORTS = ("gloo", "tensorpipe")
 """The transports whose bind address :func:`bind_addresses` knows."""
+
+ENVIRONMENT = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "GLOO_SOCKET_IFNAME",
+    "TP_SOCKET_IFNAME",
+    "DISTOPTIM_NETCHECK",
+    "DISTOPTIM_NETCHECK_TIMEOUT",
+)
+"""Every environment variable the check reads (torchrun's, the interface choices, its own)."""
 
 _IFNAME_VAR = {"gloo": "GLOO_SOCKET_IFNAME", "tensorpipe": "TP_SOCKET_IFNAME"}
 _LABEL = {"gloo": "gloo", "tensorpipe": "TensorPipe (torch.distributed.rpc)"}

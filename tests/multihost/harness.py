@@ -47,6 +47,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from distoptim.netcheck import ENVIRONMENT
+
 __all__ = [
     "DATA_NET",
     "MGMT_NET",
@@ -66,22 +68,8 @@ _BASE = "dmh"
 _NAME = re.compile(rf"^{_BASE}([0-9a-z]+)\.(\d+)-")
 _COUNTER = [0]
 _Cwd = str | os.PathLike[str] | Sequence[str | os.PathLike[str] | None] | None
-# variables a command must not inherit from the test process (each run sets its own)
-_SCRUB = (
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "GROUP_WORLD_SIZE",
-    "GLOO_SOCKET_IFNAME",
-    "TP_SOCKET_IFNAME",
-    "TORCHELASTIC_USE_AGENT_STORE",
-    "DISTOPTIM_NETCHECK",
-    "DISTOPTIM_NETCHECK_TIMEOUT",
-)
+# what a command must not inherit from the test process (each run sets its own)
+_SCRUB = ENVIRONMENT
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -195,10 +183,6 @@ class HostRun:
     seconds: float
     timed_out: bool = False
     killed: bool = False
-
-    @property
-    def output(self) -> str:
-        return self.stdout + self.stderr
 
     def describe(self) -> str:
         """The run and its logs, for an assertion message."""
@@ -429,15 +413,3 @@ class Hosts:
             run.stop()
             raise
         return run
-
-    def run(
-        self,
-        commands: Sequence[Sequence[str] | None],
-        *,
-        env: Mapping[str, str] | Sequence[Mapping[str, str]] | None = None,
-        resolve: str = "data",
-        timeout: float = 60.0,
-        cwd: _Cwd = None,
-    ) -> list[HostRun]:
-        """:meth:`start` then :meth:`Running.wait`."""
-        return self.start(commands, env=env, resolve=resolve, timeout=timeout, cwd=cwd).wait()

@@ -43,7 +43,7 @@ def test_hosts_see_their_own_name_and_only_the_shared_network() -> None:
     with Hosts(2) as hs:
         h0, h1 = hs.hosts
         targets = [h1.addr, h1.mgmt_addr, "192.0.2.77"]
-        runs = hs.run([[sys.executable, "-c", _PROBE, *targets], None], resolve="mgmt")
+        runs = hs.start([[sys.executable, "-c", _PROBE, *targets], None], resolve="mgmt").wait()
         (run,) = runs
         assert run.returncode == 0, run.describe()
         name_line, reach_line = run.stdout.splitlines()
@@ -51,7 +51,7 @@ def test_hosts_see_their_own_name_and_only_the_shared_network() -> None:
         # eth0 reaches the other host; its mgmt0 and anything else are unreachable
         assert reach_line.split()[0] == "refused"
         assert "refused" not in reach_line.split()[1:]
-        runs = hs.run([None, [sys.executable, "-c", _PROBE]], resolve="loopback")
+        runs = hs.start([None, [sys.executable, "-c", _PROBE]], resolve="loopback").wait()
         assert runs[0].stdout.splitlines()[0] == "h1 127.0.1.1"
         assert _root_links() == links, "nothing is created in the root namespace"
         prefix = hs.prefix
@@ -64,7 +64,7 @@ def test_timeout_kills_everything_and_failure_inside_cleans_up() -> None:
     prefix = None
     with pytest.raises(RuntimeError, match="boom"), Hosts(2) as hs:
         prefix = hs.prefix
-        (run,) = hs.run([["sleep", "30"]], timeout=1.0)
+        (run,) = hs.start([["sleep", "30"]], timeout=1.0).wait()
         assert run.timed_out and run.returncode is None
         assert 1.0 <= run.seconds < 10
         hs.start([["sleep", "30"], ["sleep", "30"]], timeout=60)  # left running on purpose
