@@ -10,10 +10,18 @@ import torch
 import torch.distributed as dist
 
 from distoptim.launch import (
+    RESTART_COUNT_ENV,
+    PeerFailureError,
+    ProcessOutcome,
+    ProcessSupervisor,
     ProcessTimeoutError,
     RankFailedError,
+    _with_process_group,
+    is_peer_failure,
+    root_cause,
     run_processes,
     spawn,
+    torchrun_env,
     torchrun_main,
 )
 
@@ -86,6 +94,113 @@ def test_spawn_returns_values_in_rank_order_and_tensors_travel():
     assert all(o["world"] == 2 and o["initialized"] for o in out)
     assert [o["env_rank"] for o in out] == ["0", "1"]
     assert all(torch.equal(o["sum"], torch.tensor([10.0])) for o in out)
+
+
+def _raise_between_collectives(rank: int, world_size: int) -> int:
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    if rank == 1:
+        raise ValueError("the real cause, from rank one")
+    dist.all_reduce(t)  # rank 0 waits here until rank 1's group is gone: a consequence
+    return rank
+
+
+def test_real_cause_between_collectives_beats_the_peers_gloo_error():
+    """Rank 1 raises between collectives; rank 0 then fails in gloo. Three trials in two runs:
+    two pairs side by side without fail-fast (both reports inspected), then one spawn."""
+    stores = [dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in "ab"]
+    outcomes = run_processes(
+        _with_process_group,
+        [(_raise_between_collectives, "gloo", 30.0, ())] * 4,
+        envs=[torchrun_env(r, 2, s.port) for s in stores for r in range(2)],
+        fail_fast=False,
+        num_threads=1,
+        timeout=60,
+    )
+    for pair in (outcomes[:2], outcomes[2:]):
+        first, second = pair
+        assert second.raised and not second.secondary
+        assert isinstance(second.exception, ValueError)
+        assert first.raised and first.secondary, first.error  # gloo: connection closed by peer
+        assert second.failed_at <= first.failed_at  # reported before the group was torn down
+        assert root_cause(pair) is second
+    with pytest.raises(RankFailedError, match="the real cause") as info:
+        spawn(_raise_between_collectives, 2, timeout=60, num_threads=1)
+    assert info.value.rank == 1 and isinstance(info.value.__cause__, ValueError)
+    assert all(o.index == 0 and o.secondary for o in info.value.others)
+
+
+def test_root_cause_order_and_peer_failure_classification():
+    assert is_peer_failure(RuntimeError("[pair.cc:553] Connection closed by peer [1.2.3.4]:5"))
+    assert is_peer_failure(PeerFailureError("shard gone"))
+    assert is_peer_failure(dist.DistNetworkError("x"))
+    assert not is_peer_failure(ValueError("Connection closed by peer"))  # user code's own error
+    assert not is_peer_failure(RuntimeError("shape mismatch"))
+
+    def out(i, raised, secondary, at):
+        return ProcessOutcome(
+            i, f"rank {i}", False, raised=raised, secondary=secondary, failed_at=at
+        )
+
+    consequence, death, late_user, user = (
+        out(0, True, True, 1.0),
+        out(1, False, False, 2.0),
+        out(2, True, False, 5.0),
+        out(3, True, False, 4.0),
+    )
+    assert root_cause([consequence, death, late_user, user]) is user
+    assert root_cause([consequence, death]) is death
+    assert root_cause([consequence, out(4, True, True, 0.5)]).index == 4
+    err = RankFailedError(3, "rank 3", "ValueError: x", None, [consequence])
+    assert "also failed" in str(err) and "rank 0" in str(err)
+
+
+def _behave(kind: str, path: str) -> str:
+    count = int(os.environ.get(RESTART_COUNT_ENV, "0"))
+    if kind == "die_once" and count == 0:
+        os._exit(9)
+    if kind == "raise_twice" and count < 2:
+        raise OSError(f"attempt {count}")
+    if kind == "wait_for_file":
+        deadline = time.monotonic() + 60
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    if kind == "write_file":
+        with open(path, "w") as f:
+            f.write("x")
+    return f"{kind}:{count}"
+
+
+def test_supervisor_restarts_and_processes_added_while_running(tmp_path):
+    restarted = []
+    sup = ProcessSupervisor(timeout=90, num_threads=1, on_restart=restarted.append)
+    flag = str(tmp_path / "flag")
+    sup.add(_behave, ("die_once", flag), name="a", restarts=1)
+    sup.add(_behave, ("raise_twice", flag), name="b", restarts=2)
+    sup.add(_behave, ("wait_for_file", flag), name="c")
+    import threading
+
+    late = threading.Thread(target=lambda: sup.add(_behave, ("write_file", flag), name="late"))
+    timer = threading.Timer(1.0, late.start)
+    timer.start()
+    try:
+        outcomes = sup.run()
+    finally:
+        timer.cancel()
+    assert [o.value for o in outcomes] == [
+        "die_once:1",
+        "raise_twice:2",
+        "wait_for_file:0",
+        "write_file:0",
+    ]
+    assert [o.restarts for o in outcomes] == [1, 2, 0, 0]
+    assert sorted(o.name for o in restarted) == ["a", "b", "b"]
+    assert [o.raised for o in restarted if o.name == "b"] == [True, True]
+    with pytest.raises(RuntimeError, match="has ended"):
+        sup.add(_behave, ("write_file", flag))
+    # out of restarts: the failure counts (here critical: the run raises it)
+    with pytest.raises(RankFailedError, match="attempt 1"):
+        run_processes(_behave, [("raise_twice", flag)], restarts=1, timeout=60)
 
 
 def test_rank_exception_reraised_with_its_traceback():

@@ -1,18 +1,47 @@
-"""Local multi-process runs with bounded failure, and the torchrun glue.
+"""Local multi-process runs with bounded failure, the real cause of a failure, and torchrun glue.
 
-Owns: starting processes, collecting their return values, and making sure that a rank that
-raises, dies or hangs ends the whole run with a clear error within ``timeout`` and leaves no
-orphan process behind.
+Owns: starting processes, restarting the ones allowed to restart, collecting their return
+values, and making sure that a process that raises, dies or hangs ends the run with an error
+that names the *real cause* within ``timeout``, leaving no orphan process behind.
 
 Layers
 ------
-* :func:`run_processes` — start ``len(args_per_process)`` processes running ``fn(*args)``,
-  collect results in order. The AGN cluster (``distoptim.agn.spawn``) builds on it directly,
-  with ``fail_fast=False`` so that one dead worker does not end the others.
-* :func:`spawn` — the same with a ``torch.distributed`` process group per process:
+* :class:`ProcessSupervisor` -- processes that may be added while the run is under way and
+  restarted when they fail (``restarts=``); the parent's bookkeeping: outcomes, restarts, the
+  root cause of a failed run. The AGN cluster (``distoptim.agn``) uses it directly: shards are
+  restarted from their checkpoints, late workers are added to a running cluster.
+* :func:`run_processes` -- a fixed list of processes running ``fn(*args)``, outcomes in order.
+* :func:`spawn` -- the same with a ``torch.distributed`` process group per process:
   ``fn(rank, world_size, *args)``.
-* :func:`torchrun_main` — run the same ``fn`` under ``torchrun`` (one process per rank,
+* :func:`torchrun_main` -- run the same ``fn`` under ``torchrun`` (one process per rank,
   multi-node); it reads the environment torchrun sets.
+
+The real cause of a failed run
+------------------------------
+When one rank raises, its peers usually fail too, a moment later, with a *consequence*: gloo's
+"Connection closed by peer" once the failing rank's process group is gone, a timeout, a parameter
+server that stopped answering. Three rules make the caller see the cause, not a consequence:
+
+1. A child reports its exception to the parent **as soon as it is raised**
+   (:func:`report_failure`), before anything is torn down: :func:`spawn`'s process-group wrapper
+   reports before it destroys the group, so the report of the rank that raised first is on its
+   way before any peer can notice. Each report carries the wall-clock time of the failure and
+   whether the exception is a consequence of a peer's failure (:func:`is_peer_failure`:
+   ``torch.distributed``'s own errors, gloo's connection and timeout errors,
+   :class:`PeerFailureError` and its subclasses).
+2. On the first failure the parent waits a short bounded grace period (``grace``, default
+   2 s; it ends early once every process has ended) for the other processes' reports.
+3. It then picks the root cause (:func:`root_cause`): an exception raised in user code before a
+   process death, before a peer's consequence; among equals, the earliest. The error raised is
+   :class:`RankFailedError` for the root cause, with the other failures listed after it
+   (``others``).
+
+Restarts
+--------
+A process added with ``restarts=N`` that raises or dies is started again with the same
+function and arguments, up to ``N`` times, with ``DISTOPTIM_RESTART_COUNT`` (the number of
+restarts so far; unset on the first start) added to its environment -- the per-process analogue
+of torchrun's ``TORCHELASTIC_RESTART_COUNT``, which torchrun changes for the whole job at once.
 
 How a local run mirrors torchrun
 --------------------------------
@@ -29,11 +58,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import io
+import math
 import multiprocessing as mp
 import os
 import pickle
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -48,14 +79,21 @@ import torch.distributed as dist
 from distoptim.netcheck import check_torchrun_network
 
 __all__ = [
+    "DEFAULT_GRACE",
     "DEFAULT_TIMEOUT",
+    "RESTART_COUNT_ENV",
+    "PeerFailureError",
     "ProcessOutcome",
+    "ProcessSupervisor",
     "ProcessTimeoutError",
     "RankFailedError",
-    "run_processes",
     "from_bytes",
     "import_dynamo_before_groups",
+    "is_peer_failure",
+    "report_failure",
     "require_torchrun_env",
+    "root_cause",
+    "run_processes",
     "spawn",
     "to_bytes",
     "torchrun_env",
@@ -65,22 +103,72 @@ __all__ = [
 DEFAULT_TIMEOUT = 300.0
 """Seconds a local run may take before every process is killed (and collective timeout)."""
 
+DEFAULT_GRACE = 2.0
+"""Seconds the parent waits, after a first failure, for the other processes' reports."""
+
+RESTART_COUNT_ENV = "DISTOPTIM_RESTART_COUNT"
+"""How many times this process was restarted by its :class:`ProcessSupervisor` (unset: never)."""
+
 _KILL_GRACE = 5.0
+
+# Substrings of the messages gloo/c10d raise on a rank whose *peer* failed or went away.
+_PEER_FAILURE_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "caused pair closure",
+    "Timed out waiting",
+    "Broken pipe",
+    "Socket Timeout",
+    "NCCL communicator was aborted",
+)
+
+
+class PeerFailureError(RuntimeError):
+    """This process failed *because another one did* (a peer died, hung or stopped answering).
+
+    Raise a subclass of it for such errors so that :func:`root_cause` ranks them after the
+    failure that caused them (e.g. ``distoptim.agn.ParameterServerError``).
+    """
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` looks like the consequence of a peer's failure, not a cause.
+
+    True for :class:`PeerFailureError`, ``torch.distributed.DistError`` (backend, network and
+    store errors) and for ``RuntimeError``\\ s carrying gloo's connection/timeout messages.
+    """
+    if isinstance(exc, (PeerFailureError, dist.DistError)):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _PEER_FAILURE_MARKERS)
 
 
 class RankFailedError(RuntimeError):
     """A process raised or died. ``rank``: which one; ``remote_traceback``: its traceback text.
 
-    When the child's exception could be pickled it is chained as ``__cause__``.
+    When the child's exception could be pickled it is chained as ``__cause__``. ``others``: the
+    other processes that failed in the same run (usually consequences of this one), each as a
+    :class:`ProcessOutcome`; they are listed at the end of the message.
     """
 
-    def __init__(self, rank: int, name: str, message: str, remote_traceback: str | None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        name: str,
+        message: str,
+        remote_traceback: str | None,
+        others: Sequence[ProcessOutcome] = (),
+    ) -> None:
         self.rank = rank
         self.name = name
         self.remote_traceback = remote_traceback
+        self.others = list(others)
         text = f"{name} failed: {message}"
         if remote_traceback:
             text += f"\n\n--- traceback of {name} ---\n{remote_traceback.rstrip()}"
+        if self.others:
+            text += "\n\nalso failed (after it, most likely as a consequence):"
+            for o in self.others:
+                text += f"\n  - {o.name}: {o.headline()}"
         super().__init__(text)
 
 
@@ -98,7 +186,14 @@ class ProcessTimeoutError(TimeoutError):
 
 @dataclass
 class ProcessOutcome:
-    """What one process did: ``ok`` with ``value``, or not ok with ``error`` (text)."""
+    """What one process did: ``ok`` with ``value``, or not ok with ``error`` (text).
+
+    ``raised``: it reported an exception (``exception`` when it could be unpickled), as opposed
+    to dying without a word (then ``exitcode`` says how). ``secondary``: that exception looks
+    like the consequence of a peer's failure (:func:`is_peer_failure`). ``failed_at``: wall-clock
+    time of the failure (reported by the child, or when the parent saw the death).
+    ``restarts``: how many times the process was restarted.
+    """
 
     index: int
     name: str
@@ -107,18 +202,61 @@ class ProcessOutcome:
     error: str | None = None
     exitcode: int | None = None
     exception: BaseException | None = None
+    raised: bool = False
+    secondary: bool = False
+    failed_at: float | None = None
+    restarts: int = 0
 
     def headline(self) -> str:
         """One line saying what went wrong: ``Type: message``, the last error line, or the exit."""
         if self.exception is not None:
-            return f"{type(self.exception).__name__}: {self.exception}"
+            first = str(self.exception).strip().splitlines()
+            return f"{type(self.exception).__name__}: {first[0] if first else ''}".rstrip(": ")
         text = (self.error or "").strip()
         return text.splitlines()[-1] if text else f"exit code {self.exitcode}"
+
+
+def root_cause(failures: Sequence[ProcessOutcome]) -> ProcessOutcome:
+    """The failure that most likely caused the others.
+
+    Order: an exception raised in user code (``raised and not secondary``), then a death
+    without a report, then a peer's consequence; within each kind the earliest ``failed_at``
+    (then the lowest index).
+    """
+    if not failures:
+        raise ValueError("root_cause needs at least one failed outcome")
+
+    def key(o: ProcessOutcome) -> tuple[int, float, int]:
+        kind = 0 if o.raised and not o.secondary else 1 if not o.raised else 2
+        return (kind, math.inf if o.failed_at is None else o.failed_at, o.index)
+
+    return min(failures, key=key)
 
 
 # ---------------------------------------------------------------------------------------------
 # child side
 # ---------------------------------------------------------------------------------------------
+@dataclass
+class _Result:
+    """Child -> parent: ``fn`` returned; its value as :func:`to_bytes`."""
+
+    blob: bytes
+
+
+@dataclass
+class _Failure:
+    """Child -> parent: ``fn`` raised (sent as soon as it is caught)."""
+
+    exception: bytes | None  # pickled exception, when it pickles
+    traceback: str
+    secondary: bool
+    at: float
+
+
+_PARENT: Connection | None = None  # this child's pipe to the parent (None outside launch)
+_REPORTED = False  # a failure went to the parent already: this process's outcome is decided
+
+
 def _die_with_parent() -> None:
     """Ask Linux to SIGKILL this process when its parent dies, so nothing is orphaned."""
     if not sys.platform.startswith("linux"):
@@ -141,6 +279,27 @@ def from_bytes(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
+def report_failure(exc: BaseException) -> None:
+    """Send ``exc`` to the parent launcher now, before this process tears anything down.
+
+    Call it where an exception is caught and before cleanup that peers can observe (destroying a
+    process group, leaving a cluster). The first report of a process decides its outcome; later
+    calls do nothing, and so does a call outside a process started by this module.
+    """
+    global _REPORTED
+    conn = _PARENT
+    if conn is None or _REPORTED:
+        return
+    _REPORTED = True
+    try:
+        blob: bytes | None = pickle.dumps(exc)
+    except Exception:
+        blob = None
+    text = "".join(traceback.format_exception(exc))
+    with contextlib.suppress(Exception):
+        conn.send(_Failure(blob, text, is_peer_failure(exc), time.time()))
+
+
 def _child_main(
     conn: Connection,
     fn: Callable[..., Any],
@@ -149,47 +308,332 @@ def _child_main(
     num_threads: int | None,
     parent_pid: int,
 ) -> None:
+    global _PARENT
     _die_with_parent()
     if os.getppid() != parent_pid:  # parent died before prctl took effect
         os._exit(1)
     os.environ.update(env)
     if num_threads is not None:
         torch.set_num_threads(num_threads)
+    _PARENT = conn
     try:
         value = fn(*args)
-        payload = ("ok", to_bytes(value), None)
     except BaseException as exc:  # report everything, SystemExit and KeyboardInterrupt too
-        tb = traceback.format_exc()
+        report_failure(exc)
+    else:
         try:
-            blob = pickle.dumps(exc)
-        except Exception:
-            blob = None
-        payload = ("error", blob, f"{tb}")
-    try:
-        conn.send(payload)
-    except Exception as exc:  # e.g. an unpicklable return value
-        conn.send(("error", None, f"could not send the result to the parent: {exc!r}"))
+            conn.send(_Result(to_bytes(value)))
+        except Exception as exc:  # e.g. an unpicklable return value
+            report_failure(RuntimeError(f"could not send the result to the parent: {exc!r}"))
     finally:
+        _PARENT = None
         conn.close()
 
 
 # ---------------------------------------------------------------------------------------------
 # parent side
 # ---------------------------------------------------------------------------------------------
-def _kill_all(procs: Sequence[mp.process.BaseProcess]) -> None:
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    deadline = time.monotonic() + _KILL_GRACE
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            p.kill()
-            p.join(_KILL_GRACE)
-
-
 def _default_threads(nprocs: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, nprocs))
+
+
+def _stop(proc: mp.process.BaseProcess) -> None:
+    """End ``proc``: SIGTERM, then SIGKILL after a grace period; always reaped."""
+    if proc.is_alive():
+        proc.terminate()
+    proc.join(_KILL_GRACE)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(_KILL_GRACE)
+
+
+_ENVIRON_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _environ(env: Mapping[str, str]) -> Any:
+    """``os.environ`` updated with ``env`` for the duration (a child started meanwhile inherits
+    it from its first instruction; ``_child_main`` sets it again, for the record)."""
+    with _ENVIRON_LOCK:
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+@dataclass
+class _Entry:
+    """One supervised process (the parent's view)."""
+
+    index: int
+    name: str
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    env: dict[str, str]
+    restarts_left: int
+    critical: bool
+    proc: mp.process.BaseProcess | None = None
+    conn: Connection | None = None
+    restarts: int = 0
+    outcome: ProcessOutcome | None = None  # final (after restarts)
+
+
+class ProcessSupervisor:
+    """Processes that run ``fn(*args)`` each, supervised until every one has ended.
+
+    ``add(fn, args, ...)`` starts a process (also while :meth:`run` is waiting, from another
+    thread); :meth:`run` waits until every process added so far has ended and returns their
+    :class:`ProcessOutcome` in the order they were added. Per process:
+
+    * ``restarts=N``: a failure (exception or death) restarts it, up to ``N`` times (see the
+      module docstring); ``on_restart(outcome)`` hears of each restart.
+    * ``critical=True``: its final failure ends the run: after the grace period (module
+      docstring) every process is killed and :class:`RankFailedError` is raised for the root
+      cause. ``critical=False``: the failure is recorded and ``on_failure(outcome)`` called;
+      the others run on. A callback that raises ends the run with that exception.
+
+    ``timeout`` bounds the whole run from the first :meth:`run` (:class:`ProcessTimeoutError`);
+    on any exit (Ctrl-C included) no child is left running. ``num_threads``: torch intra-op
+    threads per child (None: torch's default). ``fn`` and arguments must be picklable
+    (processes start with the ``spawn`` method); return values travel with ``torch.save``.
+    """
+
+    def __init__(
+        self,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        grace: float = DEFAULT_GRACE,
+        num_threads: int | None = None,
+        on_failure: Callable[[ProcessOutcome], None] | None = None,
+        on_restart: Callable[[ProcessOutcome], None] | None = None,
+    ) -> None:
+        if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if isinstance(grace, bool) or not (isinstance(grace, (int, float)) and grace >= 0):
+            raise ValueError(f"grace must be a number of seconds >= 0, got {grace!r}")
+        self.timeout = float(timeout)
+        self.grace = float(grace)
+        self.num_threads = num_threads
+        self.on_failure = on_failure
+        self.on_restart = on_restart
+        self._ctx = mp.get_context("spawn")
+        self._lock = threading.Lock()
+        self._entries: list[_Entry] = []
+        self._wake_r, self._wake_w = os.pipe()
+        self._closed = False
+
+    # ---- starting -------------------------------------------------------------------------------
+    def add(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        *,
+        name: str | None = None,
+        env: Mapping[str, str] | None = None,
+        restarts: int = 0,
+        critical: bool = True,
+    ) -> int:
+        """Start one process running ``fn(*args)``; returns its index (order of addition)."""
+        if not callable(fn):
+            raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+        if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
+            raise ValueError(f"restarts must be an int >= 0, got {restarts!r}")
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("this supervisor has ended; start a new one")
+            index = len(self._entries)
+            entry = _Entry(
+                index,
+                name or f"rank {index}",
+                fn,
+                tuple(args),
+                dict(env or {}),
+                restarts,
+                critical,
+            )
+            self._start(entry)
+            self._entries.append(entry)
+        os.write(self._wake_w, b"+")
+        return index
+
+    def _start(self, entry: _Entry) -> None:
+        recv, send = self._ctx.Pipe(duplex=False)
+        env = dict(entry.env)
+        if entry.restarts:
+            env[RESTART_COUNT_ENV] = str(entry.restarts)
+        proc = self._ctx.Process(
+            target=_child_main,
+            args=(send, entry.fn, entry.args, env, self.num_threads, os.getpid()),
+            name=f"distoptim-{entry.name.replace(' ', '-')}",
+        )
+        with _environ(env):  # in place when the child's interpreter starts (C++ log levels...)
+            proc.start()
+        send.close()
+        entry.proc, entry.conn = proc, recv
+
+    @property
+    def names(self) -> list[str]:
+        with self._lock:
+            return [e.name for e in self._entries]
+
+    def pid(self, index: int) -> int | None:
+        """The current process id of process ``index`` (changes when it is restarted)."""
+        with self._lock:
+            proc = self._entries[index].proc
+        return None if proc is None else proc.pid
+
+    # ---- waiting --------------------------------------------------------------------------------
+    def run(self) -> list[ProcessOutcome]:
+        """Wait until every process has ended; their outcomes in order of addition.
+
+        Raises :class:`RankFailedError` (a critical process failed: the root cause, see the
+        module docstring), :class:`ProcessTimeoutError`, or what a callback raised.
+        """
+        deadline = time.monotonic() + self.timeout
+        grace_until: float | None = None
+        try:
+            while True:
+                with self._lock:
+                    entries = list(self._entries)
+                live = [e for e in entries if e.outcome is None]
+                failed = [e.outcome for e in entries if e.outcome is not None and not e.outcome.ok]
+                critical_failed = [
+                    e for e in entries if e.critical and e.outcome is not None and not e.outcome.ok
+                ]
+                if critical_failed and grace_until is None:
+                    grace_until = time.monotonic() + self.grace
+                if grace_until is not None and (not live or time.monotonic() >= grace_until):
+                    root = root_cause(failed)  # type: ignore[arg-type]
+                    others = [o for o in failed if o is not root]  # type: ignore[misc]
+                    raise RankFailedError(
+                        root.index, root.name, root.headline(), root.error, others
+                    ) from root.exception
+                if not live:
+                    break
+                now = time.monotonic()
+                if now >= deadline:
+                    raise ProcessTimeoutError(self.timeout, [e.name for e in live])
+                until = deadline if grace_until is None else min(deadline, grace_until)
+                waitables: dict[Any, _Entry] = {}
+                for e in live:
+                    assert e.conn is not None and e.proc is not None
+                    waitables[e.conn] = e
+                    waitables[e.proc.sentinel] = e
+                ready = wait([*waitables, self._wake_r], timeout=max(0.0, until - now))
+                if self._wake_r in ready:
+                    os.read(self._wake_r, 4096)
+                for e in {id(waitables[r]): waitables[r] for r in ready if r in waitables}.values():
+                    if e.outcome is None:
+                        self._collect(e)
+            for e in entries:  # every outcome is in: let them exit on their own first
+                assert e.proc is not None
+                e.proc.join(_KILL_GRACE)
+            return [e.outcome for e in entries]  # type: ignore[misc]
+        finally:
+            self.close()
+
+    def _collect(self, e: _Entry) -> None:
+        """Read what process ``e`` has to say (result, failure, or death) and act on it."""
+        assert e.conn is not None and e.proc is not None
+        outcome = _read_outcome(e)
+        if outcome is None:
+            return
+        if not outcome.ok and e.restarts_left > 0:
+            _stop(e.proc)  # a process that reported early may still be tearing down
+            e.conn.close()
+            e.restarts_left -= 1
+            e.restarts += 1
+            with self._lock:
+                self._start(e)
+            if self.on_restart is not None:
+                self.on_restart(outcome)
+            return
+        e.outcome = outcome
+        if not outcome.ok and not e.critical and self.on_failure is not None:
+            self.on_failure(outcome)
+
+    def close(self) -> None:
+        """Kill every process still running (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            entries = list(self._entries)
+        for e in entries:
+            if e.proc is not None and e.proc.is_alive():
+                e.proc.terminate()
+        deadline = time.monotonic() + _KILL_GRACE
+        for e in entries:
+            if e.proc is None:
+                continue
+            e.proc.join(max(0.0, deadline - time.monotonic()))
+            if e.proc.is_alive():
+                e.proc.kill()
+                e.proc.join(_KILL_GRACE)
+            if e.conn is not None:
+                e.conn.close()
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _read_outcome(e: _Entry) -> ProcessOutcome | None:
+    """Process ``e``'s outcome if it has one (a result, a failure, or death); else None."""
+    assert e.conn is not None and e.proc is not None
+    conn, proc = e.conn, e.proc
+    if conn.poll():  # a message, or EOF because the child is gone
+        try:
+            msg = conn.recv()
+        except EOFError:
+            pass
+        else:
+            if isinstance(msg, _Result):
+                proc.join(_KILL_GRACE)
+                return ProcessOutcome(
+                    e.index,
+                    e.name,
+                    True,
+                    value=from_bytes(msg.blob),
+                    exitcode=proc.exitcode,
+                    restarts=e.restarts,
+                )
+            exc = None
+            if msg.exception is not None:
+                with contextlib.suppress(Exception):
+                    exc = pickle.loads(msg.exception)
+            return ProcessOutcome(
+                e.index,
+                e.name,
+                False,
+                error=msg.traceback,
+                exitcode=proc.exitcode,
+                exception=exc,
+                raised=True,
+                secondary=msg.secondary,
+                failed_at=msg.at,
+                restarts=e.restarts,
+            )
+    elif proc.is_alive():
+        return None
+    seen = time.time()
+    proc.join(_KILL_GRACE)
+    code = proc.exitcode
+    how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+    return ProcessOutcome(
+        e.index,
+        e.name,
+        False,
+        error=f"{e.name} exited ({how}) without returning a result",
+        exitcode=code,
+        failed_at=seen,
+        restarts=e.restarts,
+    )
 
 
 def run_processes(
@@ -202,6 +646,8 @@ def run_processes(
     fail_fast: bool = True,
     num_threads: int | None = None,
     on_failure: Callable[[ProcessOutcome], None] | None = None,
+    restarts: int | Sequence[int] = 0,
+    grace: float = DEFAULT_GRACE,
 ) -> list[ProcessOutcome]:
     """Run ``fn(*args_per_process[i])`` in one fresh process each and collect the outcomes.
 
@@ -210,10 +656,13 @@ def run_processes(
     are fine.
 
     * ``fail_fast=True``: the first process that raises or exits without a result ends the run:
-      the others are killed and :class:`RankFailedError` is raised with that process's
-      traceback.
+      after a grace period of ``grace`` seconds for the others' reports, all are killed and
+      :class:`RankFailedError` is raised for the root cause (see the module docstring), with
+      the other failures listed.
     * ``fail_fast=False``: failures are recorded in the returned outcomes (and reported to
       ``on_failure`` as they happen) while the others run on.
+    * ``restarts``: per process (or one number for all), how many times a process that raises
+      or dies is restarted with the same arguments before its failure counts.
 
     Either way, if not every process has finished after ``timeout`` seconds, all are killed and
     :class:`ProcessTimeoutError` is raised. On any exit (including Ctrl-C in the parent) no
@@ -223,93 +672,31 @@ def run_processes(
     n = len(args_per_process)
     if n < 1:
         raise ValueError("run_processes needs at least one process")
-    if not (isinstance(timeout, (int, float)) and timeout > 0):
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     names = list(names) if names is not None else [f"rank {i}" for i in range(n)]
     envs = list(envs) if envs is not None else [{} for _ in range(n)]
-    if len(names) != n or len(envs) != n:
-        raise ValueError("names and envs must have one entry per process")
-    threads = num_threads if num_threads is not None else _default_threads(n)
-
-    ctx = mp.get_context("spawn")
-    procs: list[mp.process.BaseProcess] = []
-    conns: list[Connection] = []
-    outcomes: list[ProcessOutcome | None] = [None] * n
+    per_restarts = [restarts] * n if isinstance(restarts, int) else list(restarts)
+    if len(names) != n or len(envs) != n or len(per_restarts) != n:
+        raise ValueError("names, envs and restarts must have one entry per process")
+    sup = ProcessSupervisor(
+        timeout=timeout,
+        grace=grace,
+        num_threads=num_threads if num_threads is not None else _default_threads(n),
+        on_failure=on_failure,
+    )
     try:
         for i, args in enumerate(args_per_process):
-            recv, send = ctx.Pipe(duplex=False)
-            p = ctx.Process(
-                target=_child_main,
-                args=(send, fn, tuple(args), dict(envs[i]), threads, os.getpid()),
-                name=f"distoptim-{names[i].replace(' ', '-')}",
+            sup.add(
+                fn,
+                tuple(args),
+                name=names[i],
+                env=envs[i],
+                restarts=per_restarts[i],
+                critical=fail_fast,
             )
-            p.start()
-            send.close()
-            procs.append(p)
-            conns.append(recv)
-
-        deadline = time.monotonic() + timeout
-        pending = set(range(n))
-        while pending:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise ProcessTimeoutError(timeout, [names[i] for i in sorted(pending)])
-            waitables: dict[Any, int] = {}
-            for i in pending:
-                waitables[conns[i]] = i
-                waitables[procs[i].sentinel] = i
-            ready = wait(list(waitables), timeout=remaining)
-            for obj in ready:
-                i = waitables[obj]
-                if i not in pending:
-                    continue
-                outcome = _collect(i, names[i], conns[i], procs[i])
-                if outcome is None:  # sentinel raced ahead of the pipe; read it next round
-                    continue
-                pending.discard(i)
-                outcomes[i] = outcome
-                if not outcome.ok:
-                    if fail_fast:
-                        raise RankFailedError(
-                            i, names[i], outcome.headline(), outcome.error
-                        ) from outcome.exception
-                    if on_failure is not None:
-                        on_failure(outcome)
-        for p in procs:
-            p.join(_KILL_GRACE)
-    finally:
-        _kill_all(procs)
-        for c in conns:
-            c.close()
-    return [o for o in outcomes if o is not None]
-
-
-def _collect(
-    i: int, name: str, conn: Connection, proc: mp.process.BaseProcess
-) -> ProcessOutcome | None:
-    """Process ``i``'s outcome if it has one (a result, an error, or death); else None."""
-    if conn.poll():  # a message, or EOF because the child is gone
-        try:
-            status, blob, tb = conn.recv()
-        except EOFError:
-            pass
-        else:
-            proc.join(_KILL_GRACE)
-            if status == "ok":
-                return ProcessOutcome(i, name, True, value=from_bytes(blob), exitcode=proc.exitcode)
-            exc = None
-            if blob is not None:
-                with contextlib.suppress(Exception):
-                    exc = pickle.loads(blob)
-            return ProcessOutcome(i, name, False, error=tb, exitcode=proc.exitcode, exception=exc)
-    elif proc.is_alive():
-        return None
-    proc.join(_KILL_GRACE)
-    code = proc.exitcode
-    how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-    return ProcessOutcome(
-        i, name, False, error=f"{name} exited ({how}) without returning a result", exitcode=code
-    )
+    except BaseException:
+        sup.close()
+        raise
+    return sup.run()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,7 +733,11 @@ def import_dynamo_before_groups() -> None:
 def _with_process_group(
     fn: Callable[..., Any], backend: str | None, timeout: float, args: tuple[Any, ...]
 ) -> Any:
-    """Init the default process group from the torchrun environment, run ``fn``, tear down."""
+    """Init the default process group from the torchrun environment, run ``fn``, tear down.
+
+    An exception of ``fn`` is reported to the parent launcher (:func:`report_failure`) before
+    the group is destroyed, so that it reaches the parent before the peers' consequences.
+    """
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     owns_group = not dist.is_initialized()
@@ -361,6 +752,9 @@ def _with_process_group(
         )
     try:
         return fn(rank, world_size, *args)
+    except BaseException as exc:
+        report_failure(exc)
+        raise
     finally:
         if owns_group and dist.is_initialized():
             dist.destroy_process_group()
@@ -373,13 +767,17 @@ def spawn(
     backend: str = "gloo",
     timeout: float = DEFAULT_TIMEOUT,
     num_threads: int | None = None,
+    *,
+    grace: float = DEFAULT_GRACE,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``nprocs`` local ranks; return values in rank order.
 
     Each rank has the default ``torch.distributed`` process group initialized (``backend``,
     loopback, a free port) with ``timeout`` as the collective timeout too. A rank that raises
-    re-raises in the parent as :class:`RankFailedError` with that rank's traceback; a rank that
-    dies or hangs ends the call within ``timeout`` (:class:`RankFailedError` /
+    re-raises in the parent as :class:`RankFailedError` for the *root cause* (the first
+    exception raised in user code on any rank, with its traceback; the other ranks' consequent
+    errors, e.g. gloo's "Connection closed by peer", listed after it); a rank that dies or
+    hangs ends the call within ``timeout`` (:class:`RankFailedError` /
     :class:`ProcessTimeoutError`), with every process killed.
 
     ``fn`` must be a module-level function (processes start with ``spawn``). The same ``fn``
@@ -392,14 +790,17 @@ def spawn(
     if not isinstance(args, tuple):
         raise TypeError(f"args must be a tuple, got {type(args).__name__}")
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    outcomes = run_processes(
-        _with_process_group,
-        [(fn, backend, timeout, args)] * nprocs,
-        timeout=timeout,
-        envs=[torchrun_env(r, nprocs, store.port) for r in range(nprocs)],
-        num_threads=num_threads,
-    )
-    del store
+    try:
+        outcomes = run_processes(
+            _with_process_group,
+            [(fn, backend, timeout, args)] * nprocs,
+            timeout=timeout,
+            envs=[torchrun_env(r, nprocs, store.port) for r in range(nprocs)],
+            num_threads=num_threads,
+            grace=grace,
+        )
+    finally:
+        del store
     return [o.value for o in outcomes]
 
 

@@ -1,8 +1,8 @@
-"""distoptim.agn on real local clusters (torch.distributed.rpc): exact TF-contrib semantics.
+"""distoptim.agn on real local clusters, on both transports: exact TF-contrib semantics.
 
-rpc start-up is slow, so each cluster run checks many things: one module-scoped run per
-cluster shape, several tests reading its result. Worker functions return what they saw; the
-tests compare it with a plain-torch reference simulation of the documented math.
+A cluster start is slow, so each cluster run checks many things: one module-scoped run per
+cluster shape and transport, several tests reading its result. Worker functions return what they
+saw; the tests compare it with a plain-torch reference simulation of the documented math.
 """
 
 from __future__ import annotations
@@ -16,10 +16,12 @@ import torch
 
 import distoptim
 from distoptim.agn import ParameterServerError, spawn
-from distoptim.agn import server as agn_server
+from distoptim.agn.transport.messages import Commit, Ping
 from distoptim.launch import RankFailedError
 
 pytestmark = pytest.mark.timeout(150)
+
+TRANSPORTS = ["p2p", "rpc"]
 
 LR = 0.1
 MOMENTUM = 0.5
@@ -131,8 +133,7 @@ def _single_worker(ctx, out_dir: str) -> dict:
     # ...and by a shard on its own, for a client that sends one anyway
     key = next(iter(opt._conn.links[1].layout.sizes))
     bad = {key: torch.full((3,), float("inf"))}
-    call = ctx.call_async(1, agn_server.rpc_commit, ("nan", 0, 0, bad, None, False))
-    out["nan_direct"] = ctx.result(call, 1, "test commit")
+    out["nan_direct"] = ctx.request(1, Commit("nan", 0, 0, bad))
     out["nan_center_after"] = opt.center_variables()
     return out
 
@@ -152,8 +153,7 @@ def _resume_worker(ctx, out_dir: str) -> dict:
     out["run"] = _train(opt, m, ctx, 4)
     torch.save(out, os.path.join(out_dir, "resume.pt"))
     # a dead parameter server: a clear error, not a hang
-    pid = torch.distributed.rpc.rpc_sync("ps:1", os.getpid)
-    os.kill(pid, signal.SIGKILL)
+    os.kill(ctx.request(1, Ping()).pid, signal.SIGKILL)
     try:
         for _ in range(4):
             _train(opt, m, ctx, 4, record=False)
@@ -257,13 +257,18 @@ def _close(a, b):
 # ---------------------------------------------------------------------------------------------
 # cluster runs (module-scoped: each starts one cluster)
 # ---------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def ckpt_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("agn_ckpt")
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def transport(request):
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def single(ckpt_dir, tmp_path_factory):
+def ckpt_dir(tmp_path_factory, transport):
+    return tmp_path_factory.mktemp(f"agn_ckpt_{transport}")
+
+
+@pytest.fixture(scope="module")
+def single(ckpt_dir, tmp_path_factory, transport):
     out_dir = str(tmp_path_factory.mktemp("single"))
     return spawn(
         _single_worker,
@@ -273,6 +278,8 @@ def single(ckpt_dir, tmp_path_factory):
         timeout=120,
         checkpoint_dir=ckpt_dir,
         checkpoint_every=1,
+        transport=transport,
+        rpc_timeout=30,
     )
 
 
@@ -357,16 +364,24 @@ def test_nan_commit_is_refused(single):
     assert single.stats.refused_commits == 1
 
 
-def test_checkpoint_restart_resume(single, ckpt_dir, tmp_path):
+def test_checkpoint_restart_resume(single, ckpt_dir, tmp_path, transport):
     assert sorted(os.listdir(ckpt_dir)) == ["ps0.pt", "ps1.pt"]  # no temp files left behind
     first = single.worker_results[0]
     _, server_opt, center = _simulate(
         "gradient", first["agn4_c0"], first["agn4"]["grads"], 4, momentum=MOMENTUM
     )
-    with pytest.raises(RankFailedError, match="ps 1"):  # the worker kills ps:1 at the end
+    with pytest.raises(RankFailedError, match="ps 1") as info:  # the worker kills ps 1 at the end
         spawn(
-            _resume_worker, 1, num_ps=2, args=(str(tmp_path),), timeout=120, checkpoint_dir=ckpt_dir
+            _resume_worker,
+            1,
+            num_ps=2,
+            args=(str(tmp_path),),
+            timeout=120,
+            checkpoint_dir=ckpt_dir,
+            transport=transport,
+            rpc_timeout=30,
         )
+    assert "killed by signal 9" in str(info.value)  # the root cause: the death, not its echo
     out = torch.load(tmp_path / "resume.pt")
     _close(out["after_init"], single.centers["agn4"])  # the checkpoint, not the new seed
     assert out["global_step_after_init"] == 2
@@ -384,13 +399,22 @@ def test_checkpoint_restart_resume(single, ckpt_dir, tmp_path):
         _close(rec["local"][k], local)
         _close(rec["center"][k], c)
     assert rec["global_step"][-1] == 3
-    assert "ps:1" in out["dead_ps_error"] and "did not complete" in out["dead_ps_error"]
+    assert "parameter server" in out["dead_ps_error"]
+    assert "ps:1" in out["dead_ps_error"] or "parameter server 1" in out["dead_ps_error"]
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
+def pair(tmp_path_factory, transport):
     out_dir = tmp_path_factory.mktemp("pair")
-    result = spawn(_two_workers, 2, num_ps=1, args=(str(out_dir),), timeout=120)
+    result = spawn(
+        _two_workers,
+        2,
+        num_ps=1,
+        args=(str(out_dir),),
+        timeout=120,
+        transport=transport,
+        rpc_timeout=30,
+    )
     return result, out_dir
 
 

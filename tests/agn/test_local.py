@@ -10,9 +10,21 @@ import pytest
 import torch
 
 import distoptim
-from distoptim.agn import AGNCustomGetter, Cluster, ParameterServer, spawn
+from distoptim.agn import AGNCustomGetter, Cluster, ParameterServer, ShardLink, spawn
 from distoptim.agn.flat import FlatLayout
-from distoptim.agn.server import AddUpdate, ApplyOptimizer, TableSpec
+from distoptim.agn.rules import AddUpdate, ApplyOptimizer, ElasticUpdate
+from distoptim.agn.transport import wire
+from distoptim.agn.transport.messages import (
+    Commit,
+    ErrorReply,
+    Finish,
+    Ping,
+    Pong,
+    Pull,
+    Request,
+    Seed,
+    TableSpec,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -89,8 +101,9 @@ def test_hook_outside_a_cluster_and_bad_hook_arguments():
         opt.make_session_run_hook("yes", 0)
     with pytest.raises(ValueError, match="task_index"):
         opt.make_session_run_hook(True, -1)
-    with pytest.raises(ValueError, match="task_index must be < num_worker"):
-        opt.get_init_op(2)
+    with pytest.raises(ValueError, match="task_index"):
+        opt.get_init_op(-1)
+    assert callable(opt.get_init_op(2))  # a late worker's task index exceeds num_worker - 1
 
 
 def test_delegates_slots_and_state_dict():
@@ -124,6 +137,16 @@ def test_cluster_and_spawn_bad_input():
         ({"num_worker": 1, "checkpoint_every": 5}, "needs checkpoint_dir"),
         ({"num_worker": 1, "checkpoint_every": 0, "checkpoint_dir": "/tmp/x"}, "checkpoint_every"),
         ({"num_worker": 1, "strategy": "random"}, "strategy"),
+        ({"num_worker": 1, "transport": "tcp"}, "transport must be one of"),
+        ({"num_worker": 1, "max_restarts": 1}, "max_restarts needs checkpoint_dir"),
+        ({"num_worker": 1, "max_restarts": -1}, "max_restarts"),
+        (
+            {"num_worker": 1, "max_restarts": 1, "checkpoint_dir": "/tmp/x", "transport": "rpc"},
+            "needs transport='p2p'",
+        ),
+        ({"num_worker": 1, "on_startup_failure": "ignore"}, "on_startup_failure"),
+        ({"num_worker": 1, "on_startup_failure": "drop", "transport": "rpc"}, "p2p"),
+        ({"num_worker": 1, "reconnect_timeout": -1.0}, "reconnect_timeout"),
     ]:
         with pytest.raises(ValueError, match=match):
             spawn(fn, **kwargs)
@@ -163,6 +186,51 @@ def test_flat_layout_views_share_storage_and_flatten_copies():
         )
 
 
+# ---- early errors: bad parameters and hyperparameters, named ---------------------------------
+@pytest.mark.parametrize(
+    "make, error, match",
+    [
+        (lambda: torch.nn.Linear(2, 3, device="meta").parameters(), TypeError, "meta device"),
+        (lambda: [torch.zeros(3, dtype=torch.int64)], TypeError, "not floating point"),
+        (
+            lambda: [torch.nn.Parameter(torch.zeros(2)), torch.zeros(2, 2).to_sparse()],
+            TypeError,
+            r"param_groups\[0\]\['params'\]\[1\].*sparse",
+        ),
+    ],
+)
+@pytest.mark.parametrize("cls", ["AGNOptimizer", "DownpourOptimizer", "ElasticAverageOptimizer"])
+def test_unsupported_parameters_fail_at_construction_naming_them(cls, make, error, match):
+    inner = torch.optim.SGD(list(make()), lr=0.1)
+    with pytest.raises(error, match=match):
+        getattr(distoptim, cls)(inner, 2)
+
+
+@pytest.mark.parametrize("bad", [{"lr": float("nan")}, {"momentum": float("inf")}])
+def test_non_finite_hyperparameters_are_refused(bad):
+    m = _model()
+    inner = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.5)
+    inner.param_groups[0].update(bad)
+    with pytest.raises(ValueError, match=r"AGNOptimizer: param group 0 .* must be a finite"):
+        distoptim.AGNOptimizer(inner, 2)
+
+
+def test_load_state_dict_validates_before_changing_anything():
+    m = _model()
+    opt = distoptim.AGNOptimizer(_sgd(m, momentum=0.9), 1)
+    m(torch.ones(1, 2)).sum().backward()
+    opt.wrapped.step()
+    before = copy.deepcopy(opt.state_dict())
+    bad = copy.deepcopy(before)
+    bad["wrapper"] = {"local_step": -3}
+    bad["state"] = {}  # would wipe the momentum if it were loaded first
+    with pytest.raises(ValueError, match="local_step"):
+        opt.load_state_dict(bad)
+    after = opt.state_dict()
+    assert after["wrapper"] == before["wrapper"]
+    assert torch.equal(after["state"][0]["momentum_buffer"], before["state"][0]["momentum_buffer"])
+
+
 # ---- one shard, called directly ----------------------------------------------------------------
 def _spec(rule, params, opt=None, use_locking=True):
     return TableSpec(
@@ -186,33 +254,54 @@ def _spec(rule, params, opt=None, use_locking=True):
     )
 
 
+def _seed(ps, name, spec, flats):
+    return ps.seed(Seed(name, spec, flats)).reply
+
+
+def _pull(ps, name, layout, task=1, algorithm="test", wait_s=0.0):
+    return ps.pull(Pull(name, task, algorithm, layout.signature(), wait_s)).reply
+
+
+def _commit(ps, name, task, pulled, flats, live=False):
+    handled = ps.commit(Commit(name, task, pulled, flats), live_reply=live)
+    return handled
+
+
 def test_shard_applies_server_optimizer_refuses_nan_and_resumes(tmp_path):
     params = [torch.nn.Parameter(torch.ones(2, 2)), torch.nn.Parameter(torch.zeros(3))]
     ref_opt = torch.optim.SGD(params, lr=0.5, momentum=0.9)
     spec = _spec(ApplyOptimizer(), params, ref_opt)
     layout = spec.layout()
+    stale = tmp_path / ".ps0.abc123"  # what a shard killed mid-checkpoint leaves behind
+    stale.write_bytes(b"")
     ps = ParameterServer(0, 1, 2, checkpoint_dir=tmp_path, checkpoint_every=2)
+    assert not stale.exists() and ps.removed_temporaries == [str(stale)]
     with pytest.raises(RuntimeError, match="no center variables"):
-        ps.pull("t", 1, "test", layout.signature(), 0.0)
-    ps.seed("t", spec, layout.flatten(params))
+        _pull(ps, "t", layout)
+    _seed(ps, "t", spec, layout.flatten(params))
     grads = [torch.full((2, 2), 0.25), torch.arange(3.0)]
     for task in (0, 1):
-        r = ps.commit("t", task, 0, layout.flatten(grads), None, False)
+        r = _commit(ps, "t", task, 0, layout.flatten(grads)).reply
         assert not r.refused and r.version == task + 1 and r.staleness == task
         for p, g in zip(params, grads):
             p.grad = g.clone()
         ref_opt.step()
         assert all(torch.equal(a, b) for a, b in zip(layout.views(r.flats), params))
     bad = layout.flatten([torch.full((2, 2), float("nan")), torch.zeros(3)])
-    r = ps.commit("t", 1, 2, bad, None, False)
-    assert r.refused and r.version == 2
+    r = _commit(ps, "t", 1, 2, bad).reply
+    assert r.refused and r.version == 2 and "NaN/Inf" in r.reason
     assert all(torch.equal(a, b) for a, b in zip(layout.views(r.flats), params))
     with pytest.raises(ValueError, match="must build the same model"):
-        ps.pull("t", 1, "test", FlatLayout([((4,), torch.float32)]).signature(), 0.0)
+        ps.pull(Pull("t", 1, "test", FlatLayout([((4,), torch.float32)]).signature(), 0.0))
     with pytest.raises(ValueError, match="seeded by the chief as test"):
-        ps.pull("t", 1, "other", layout.signature(), 0.0)
+        _pull(ps, "t", layout, algorithm="other")
     with pytest.raises(ValueError, match="commit payload"):
-        ps.commit("t", 1, 2, {"float32": torch.zeros(5)}, None, False)
+        _commit(ps, "t", 1, 2, {"float32": torch.zeros(5)})
+    # handle(): one method per request type; errors come back as values of the right kind
+    err = ps.handle(Commit("t", 1, 2, {"float32": torch.zeros(5)})).reply
+    assert isinstance(err, ErrorReply) and isinstance(err.to_exception(), ValueError)
+    assert isinstance(ps.handle(Ping()).reply, Pong)
+    assert isinstance(ps.handle(Request()).reply, ErrorReply)
 
     # checkpoint written at version 2; a new shard resumes center, optimizer state, counters
     ps2 = ParameterServer(0, 1, 2, checkpoint_dir=tmp_path)
@@ -220,7 +309,7 @@ def test_shard_applies_server_optimizer_refuses_nan_and_resumes(tmp_path):
     assert rep["resumed"] and rep["counters"]["version"] == 2
     assert rep["counters"]["commits"] == {0: 1, 1: 1}
     assert all(torch.equal(a, b) for a, b in zip(rep["center"], params))
-    r = ps2.commit("t", 0, 2, layout.flatten(grads), None, False)
+    r = _commit(ps2, "t", 0, 2, layout.flatten(grads)).reply
     for p, g in zip(params, grads):
         p.grad = g.clone()
     ref_opt.step()  # same momentum buffer as the checkpointed one
@@ -229,16 +318,65 @@ def test_shard_applies_server_optimizer_refuses_nan_and_resumes(tmp_path):
         ParameterServer(0, 2, 2, checkpoint_dir=tmp_path)
 
 
+def test_center_guard_refuses_a_finite_commit_with_a_non_finite_result_exactly():
+    """The issue's case: a finite commit with a huge learning rate would make the center Inf."""
+    params = [torch.nn.Parameter(torch.ones(4))]
+    opt = torch.optim.SGD(params, lr=1e38, momentum=0.9)
+    spec = _spec(ApplyOptimizer(), params, opt)
+    layout = spec.layout()
+    ps = ParameterServer(0, 1, 1)
+    _seed(ps, "t", spec, layout.flatten(params))
+    good = _commit(ps, "t", 0, 0, layout.flatten([torch.full((4,), 1e-38)])).reply
+    assert not good.refused
+    table = ps._tables["t"]
+    center = table.flats["float32"].clone()
+    momentum = table.optimizer.state[table.views[0]]["momentum_buffer"].clone()
+    r = _commit(ps, "t", 0, 1, layout.flatten([torch.full((4,), 10.0)])).reply
+    assert r.refused and "non-finite" in r.reason and r.version == 1
+    assert torch.equal(table.flats["float32"], center)  # exactly as before, state too
+    assert torch.equal(table.optimizer.state[table.views[0]]["momentum_buffer"], momentum)
+    assert torch.isfinite(r.flats["float32"]).all()
+    counters = ps.report()["tables"]["t"]["counters"]
+    assert counters["refused"] == 1 and counters["refused_result"] == 1
+    # the next sane commit is accepted from the unchanged state
+    assert not _commit(ps, "t", 0, 1, layout.flatten([torch.full((4,), 1e-38)])).reply.refused
+
+    # additive rules: a bound proves most commits safe; near overflow, the exact check refuses
+    big = torch.finfo(torch.float32).max * 0.6
+    spec = _spec(AddUpdate(), [torch.zeros(3)])
+    _seed(ps, "a", spec, {"float32": torch.full((3,), big)})
+    r = _commit(ps, "a", 0, 0, {"float32": torch.tensor([big, 0.0, 0.0])}).reply
+    assert r.refused and "non-finite" in r.reason
+    assert torch.equal(ps._tables["a"].flats["float32"], torch.full((3,), big))
+    r = _commit(ps, "a", 0, 0, {"float32": torch.tensor([-big, 1.0, 0.0])}).reply
+    assert not r.refused and torch.equal(r.flats["float32"], torch.tensor([0.0, big + 1, big]))
+    r = _commit(ps, "a", 0, 1, {"float32": torch.tensor([float("inf"), 0.0, 0.0])}).reply
+    assert r.refused and "contained NaN/Inf" in r.reason
+
+
+def test_elastic_rule_replies_the_old_center():
+    spec = _spec(ElasticUpdate(0.5), [torch.zeros(2)])
+    ps = ParameterServer(0, 1, 1)
+    _seed(ps, "e", spec, {"float32": torch.tensor([0.0, 2.0])})
+    for live in (False, True):
+        before = ps._tables["e"].flats["float32"].clone()
+        handled = _commit(ps, "e", 0, 0, {"float32": torch.tensor([4.0, 4.0])}, live=live)
+        assert torch.equal(handled.reply.flats["float32"], before)
+        handled.sent()  # releases the read lock of a live reply
+    assert torch.equal(ps._tables["e"].flats["float32"], torch.tensor([3.0, 3.5]))
+
+
 def test_shard_lock_serializes_concurrent_commits():
     params = [torch.zeros(1000)]
     spec = _spec(AddUpdate(), params)
     layout = spec.layout()
     ps = ParameterServer(0, 1, 4)
-    ps.seed("t", spec, layout.flatten(params))
+    _seed(ps, "t", spec, layout.flatten(params))
 
     def work(task):
-        for _ in range(100):  # a payload is consumed by the shard (its buffers carry the reply)
-            ps.commit("t", task, 0, layout.flatten([torch.ones(1000)]), None, False)
+        for i in range(100):  # a payload is consumed by the shard (its buffers carry the reply)
+            handled = _commit(ps, "t", task, 0, layout.flatten([torch.ones(1000)]), live=i % 2)
+            handled.sent()
 
     threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
     for t in threads:
@@ -252,24 +390,53 @@ def test_shard_lock_serializes_concurrent_commits():
     assert sum(rep["counters"]["staleness"].values()) == 400
 
 
-def test_wait_for_workers_ends_on_finish_or_death():
-    ps = ParameterServer(0, 1, 3)
+def test_live_reply_holds_the_read_lock_until_sent():
+    spec = _spec(AddUpdate(), [torch.zeros(2)])
+    ps = ParameterServer(0, 1, 2)
+    _seed(ps, "t", spec, {"float32": torch.zeros(2)})
+    first = _commit(ps, "t", 0, 0, {"float32": torch.ones(2)}, live=True)
+    assert first.reply.flats["float32"] is ps._tables["t"].flats["float32"]  # no copy
+    done = threading.Event()
+
+    def second():
+        _commit(ps, "t", 1, 0, {"float32": torch.ones(2)}, live=True).sent()
+        done.set()
+
+    t = threading.Thread(target=second)
+    t.start()
+    assert not done.wait(0.3)  # the second commit waits while the first reply is being sent
+    assert torch.equal(first.reply.flats["float32"], torch.ones(2))
+    first.sent()
+    assert done.wait(10)
+    t.join(10)
+
+
+def test_wait_for_workers_ends_on_finish_failure_or_death():
+    ps = ParameterServer(0, 1, 4)
     ps.finish(0, failed=False)
+    ps.handle(Finish(3, failed=True))
     probes = []
 
-    def probe(pending):
+    def gone(pending):
         probes.append(list(pending))
         if len(probes) == 1:
             ps.finish(2, failed=False)  # finished meanwhile: never counted dead
-            return [1, 2]
-        return []
+            return {1: "dead", 2: "dead"}
+        return {}
 
-    ps.wait_for_workers(probe, probe_period_s=0.01, timeout_s=10)
+    ps.wait_for_workers(gone, probe_period_s=0.01, timeout_s=10)
     rep = ps.report()
     assert rep["dead_workers"] == [1] and rep["finished_workers"] == [0, 2]
+    assert rep["failed_workers"] == [3]
+    # elastic: a late worker (task 4) counts once it exists; a lost connection is a death
+    ps5 = ParameterServer(0, 1, 1)
+    ps5.finish(0, failed=False)
+    ps5.connection_lost(1)
+    ps5.wait_for_workers(lambda pending: {}, 0.01, 10, task_count=lambda: 2)
+    assert ps5.report()["dead_workers"] == [1]
     ps3 = ParameterServer(0, 1, 1)
     with pytest.raises(TimeoutError, match="neither finished nor died"):
-        ps3.wait_for_workers(lambda pending: [], probe_period_s=0.01, timeout_s=0.05)
+        ps3.wait_for_workers(lambda pending: {}, probe_period_s=0.01, timeout_s=0.05)
     assert math.isfinite(rep["wall_time_s"])
 
 
@@ -289,15 +456,49 @@ def test_reply_buffer_reuse_never_touches_optimizer_state_or_live_center():
     spec = _spec(ApplyOptimizer(), params, _KeepsGrad(params, lr=1.0))
     layout = spec.layout()
     ps = ParameterServer(0, 1, 1)
-    ps.seed("t", spec, layout.flatten(params))
-    r = ps.commit("t", 0, 0, layout.flatten([torch.ones(4)]), None, False)
+    _seed(ps, "t", spec, layout.flatten(params))
+    payload = layout.flatten([torch.ones(4)])
+    r = _commit(ps, "t", 0, 0, payload).reply
     assert torch.equal(r.flats["float32"], torch.full((4,), -1.0))
     kept = ps._tables["t"].optimizer.state[ps._tables["t"].views[0]]["last_grad"]
-    assert torch.equal(kept, torch.ones(4))  # the kept gradient was not overwritten by the reply
+    assert torch.equal(kept, torch.ones(4))  # the kept gradient owns its memory now
+    assert kept.data_ptr() != payload["float32"].data_ptr()
 
     # use_locking=False: additive commits reply with the live center (no snapshot)
     spec = _spec(AddUpdate(), params, use_locking=False)
-    ps.seed("u", spec, layout.flatten([torch.zeros(4)]))
-    r = ps.commit("u", 0, 0, layout.flatten([torch.ones(4)]), None, False)
+    _seed(ps, "u", spec, layout.flatten([torch.zeros(4)]))
+    r = _commit(ps, "u", 0, 0, layout.flatten([torch.ones(4)])).reply
     assert r.flats["float32"] is ps._tables["u"].flats["float32"]
     assert torch.equal(r.flats["float32"], torch.ones(4)) and r.version == 1
+
+
+# ---- the p2p wire format and the extension point -----------------------------------------------
+def test_wire_roundtrip_inline_and_large_metadata():
+    flats = {"float32": torch.arange(5.0), "float64": torch.ones(2, dtype=torch.float64)}
+    for hparams in (None, {0: {f"k{i}": float(i) for i in range(100)}}):  # fits / does not fit
+        msg = Commit("opt", 3, 7, flats, hparams, False)
+        header, extra, buffers = wire.encode(msg)
+        assert header.numel() == wire.HEADER_BYTES and (extra is None) == (hparams is None)
+        n, meta = wire.decode_header(header)
+        meta = meta if meta is not None else bytes(extra.numpy())
+        assert len(meta) == n
+        bare, specs = wire.finish_decode(meta)
+        assert bare.flats == {} and bare.hparams == hparams and bare.pulled_version == 7
+        assert [(b.key, b.dtype, b.numel) for b in specs] == [
+            ("float32", torch.float32, 5),
+            ("float64", torch.float64, 2),
+        ]
+        assert [b.data_ptr() for b in buffers] == [t.data_ptr() for t in flats.values()]
+    bad = torch.zeros(wire.HEADER_BYTES, dtype=torch.uint8)
+    with pytest.raises(wire.WireError, match="bad message header"):
+        wire.decode_header(bad)
+
+
+def test_shard_link_is_the_public_extension_point():
+    assert distoptim.agn.ShardLink is ShardLink
+    p = [torch.nn.Parameter(torch.zeros(2, 2)), torch.nn.Parameter(torch.zeros(3))]
+    link = ShardLink(0, [0, 1], p, FlatLayout([(t.shape, t.dtype) for t in p]))
+    link.assign({"float32": torch.arange(7.0)})
+    assert torch.equal(p[1].detach(), torch.tensor([4.0, 5.0, 6.0]))
+    assert torch.equal(link.local()["float32"], torch.arange(7.0))
+    assert link.reply_buffers() is link.reply_buffers()

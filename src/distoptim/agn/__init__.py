@@ -1,43 +1,63 @@
-"""Asynchronous data parallelism on a parameter server (``torch.distributed.rpc``).
+"""Asynchronous data parallelism on a parameter server (AGN, DOWNPOUR, EASGD).
 
 Owns nothing itself; the public names of the package:
 
-* :func:`spawn`, :class:`Cluster` (``Cluster.from_env`` under torchrun), :class:`ClusterResult`,
-  :class:`ClusterStats`, :class:`ShardReport`, :class:`ParameterServerError` — the cluster
-  (:mod:`distoptim.agn.cluster`);
+* :func:`spawn`, :class:`LocalCluster` (late workers, shard restarts), :class:`Cluster`
+  (``Cluster.from_env`` under torchrun, ``Cluster.join`` for a late worker),
+  :class:`ClusterResult`, :class:`ClusterStats`, :class:`ShardReport`,
+  :class:`ParameterServerError` -- the cluster (:mod:`distoptim.agn.cluster`), on the transports
+  of :mod:`distoptim.agn.transport` (``"p2p"``, the default, or ``"rpc"``);
 * :class:`AGNOptimizer` (:mod:`~distoptim.agn.agn`), :class:`DownpourOptimizer`
   (:mod:`~distoptim.agn.downpour`), :class:`ElasticAverageOptimizer`
-  (:mod:`~distoptim.agn.easgd`) — the algorithms, all on :mod:`distoptim.agn.worker`;
-* :class:`AGNCustomGetter` (:mod:`~distoptim.agn.getter`) — placement of center variables;
-* :class:`ParameterServer` (:mod:`~distoptim.agn.server`) — a shard.
+  (:mod:`~distoptim.agn.easgd`) -- the algorithms, all on :mod:`distoptim.agn.worker`;
+* :class:`ShardLink` (:mod:`~distoptim.agn.link`) and the server rules
+  (:mod:`~distoptim.agn.rules`) -- the extension point for new algorithms;
+* :class:`AGNCustomGetter` (:mod:`~distoptim.agn.getter`) -- placement of center variables;
+* :class:`ParameterServer` (:mod:`~distoptim.agn.server`) -- a shard.
+
+The algorithms' math, the transports and the fault semantics are in ``docs/agn.md``.
 """
 
 from distoptim.agn.agn import AGNOptimizer
 from distoptim.agn.cluster import (
+    TRANSPORTS,
     Cluster,
     ClusterResult,
     ClusterStats,
-    ParameterServerError,
+    LocalCluster,
     ShardReport,
+    WorkerStartupError,
     current_cluster,
     spawn,
 )
 from distoptim.agn.downpour import DownpourOptimizer
 from distoptim.agn.easgd import ElasticAverageOptimizer
 from distoptim.agn.getter import AGNCustomGetter
+from distoptim.agn.link import ShardLink
+from distoptim.agn.rules import AddUpdate, ApplyOptimizer, ElasticUpdate, ServerRule
 from distoptim.agn.server import ParameterServer
+from distoptim.agn.transport import ParameterServerError, ShardLostError
 
 __all__ = [
+    "TRANSPORTS",
     "AGNCustomGetter",
     "AGNOptimizer",
+    "AddUpdate",
+    "ApplyOptimizer",
     "Cluster",
     "ClusterResult",
     "ClusterStats",
     "DownpourOptimizer",
     "ElasticAverageOptimizer",
+    "ElasticUpdate",
+    "LocalCluster",
     "ParameterServer",
     "ParameterServerError",
+    "ServerRule",
+    "ShardLink",
+    "ShardLostError",
     "ShardReport",
+    "WorkerStartupError",
     "current_cluster",
     "spawn",
 ]

@@ -2,7 +2,7 @@
 
 Owns: AGN's commit rule and server rule (Hermans, Spanakis, Möckel, "Accumulated Gradient
 Normalization", ACML 2017, arXiv 1710.02368; the semantics of ``tf.contrib.opt.AGNOptimizer``).
-Everything else (placement, buffers, RPC, init hook) is :mod:`distoptim.agn.worker`.
+Everything else (placement, buffers, transport, init hook) is :mod:`distoptim.agn.worker`.
 """
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 
 from distoptim.agn.getter import AGNCustomGetter
-from distoptim.agn.server import AddUpdate, ApplyOptimizer, ServerRule
-from distoptim.agn.worker import AsyncWorkerOptimizer, _ShardLink
+from distoptim.agn.link import ShardLink
+from distoptim.agn.rules import AddUpdate, ApplyOptimizer, ServerRule
+from distoptim.agn.worker import AsyncWorkerOptimizer
 
 __all__ = ["UPDATE_RULES", "AGNOptimizer"]
 
@@ -74,7 +75,7 @@ class AGNOptimizer(AsyncWorkerOptimizer):
     def _server_rule(self) -> ServerRule:
         return ApplyOptimizer() if self.update_rule == "gradient" else AddUpdate()
 
-    def _payload(self, link: _ShardLink) -> dict[str, torch.Tensor]:
+    def _payload(self, link: ShardLink) -> dict[str, torch.Tensor]:
         lam = self.communication_period
         if self.update_rule == "gradient":
             assert link.acc is not None

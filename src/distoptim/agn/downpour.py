@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 
 from distoptim.agn.getter import AGNCustomGetter
-from distoptim.agn.server import AddUpdate, ServerRule
-from distoptim.agn.worker import AsyncWorkerOptimizer, _ShardLink
+from distoptim.agn.link import ShardLink
+from distoptim.agn.rules import AddUpdate, ServerRule
+from distoptim.agn.worker import AsyncWorkerOptimizer
 
 __all__ = ["DownpourOptimizer"]
 
@@ -46,6 +47,6 @@ class DownpourOptimizer(AsyncWorkerOptimizer):
     def _server_rule(self) -> ServerRule:
         return AddUpdate()
 
-    def _payload(self, link: _ShardLink) -> dict[str, torch.Tensor]:
+    def _payload(self, link: ShardLink) -> dict[str, torch.Tensor]:
         assert link.pulled is not None
         return {k: v - link.pulled[k] for k, v in link.local().items()}

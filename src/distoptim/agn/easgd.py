@@ -1,7 +1,8 @@
 """ElasticAverageOptimizer: asynchronous Elastic Averaging SGD, as TF contrib's.
 
-Owns: EASGD's commit rule (send θ, move θ toward the old center) and its server rule (move the
-center toward θ by the same amount) — Zhang, Choromanska, LeCun, "Deep learning with Elastic
+Owns: EASGD's commit rule (send θ, move θ toward the old center); its server rule (move the
+center toward θ by the same amount, :class:`~distoptim.agn.rules.ElasticUpdate`) lives with the
+other rules — Zhang, Choromanska, LeCun, "Deep learning with Elastic
 Averaging SGD", NeurIPS 2015; ``tf.contrib.opt.ElasticAverageOptimizer``.
 """
 
@@ -12,30 +13,14 @@ import math
 import torch
 
 from distoptim.agn.getter import AGNCustomGetter
-from distoptim.agn.server import ServerRule
-from distoptim.agn.worker import AsyncWorkerOptimizer, _ShardLink
+from distoptim.agn.link import ShardLink
+from distoptim.agn.rules import ElasticUpdate, ServerRule, elastic_difference
+from distoptim.agn.worker import AsyncWorkerOptimizer
 
 __all__ = ["ElasticAverageOptimizer", "ElasticUpdate"]
 
 BETA = 0.9
 """TF contrib's default ``moving_rate = BETA / communication_period / num_worker``."""
-
-
-def _elastic_difference(local: list[torch.Tensor], center: list[torch.Tensor], alpha: float):
-    """``d = alpha (θ - c)``, computed by the same ops on both sides so they agree bit for bit."""
-    return torch._foreach_mul(torch._foreach_sub(local, center), alpha)
-
-
-class ElasticUpdate(ServerRule):
-    """``d = alpha (θ - c)``; ``c ← c + d``; the reply carries ``c`` from before the update."""
-
-    reply_before_update = True
-
-    def __init__(self, alpha: float) -> None:
-        self.alpha = alpha
-
-    def apply(self, center, update, optimizer):
-        torch._foreach_add_(center, _elastic_difference(update, center, self.alpha))
 
 
 class ElasticAverageOptimizer(AsyncWorkerOptimizer):
@@ -83,11 +68,11 @@ class ElasticAverageOptimizer(AsyncWorkerOptimizer):
     def _server_rule(self) -> ServerRule:
         return ElasticUpdate(self.moving_rate)
 
-    def _payload(self, link: _ShardLink) -> dict[str, torch.Tensor]:
+    def _payload(self, link: ShardLink) -> dict[str, torch.Tensor]:
         return link.local()
 
     def _absorb(self, link, sent, reply):
         local = link.layout.views(sent)
-        d = _elastic_difference(local, link.layout.views(reply), self.moving_rate)
+        d = elastic_difference(local, link.layout.views(reply), self.moving_rate)
         torch._foreach_sub_(local, d)
         link.assign(sent)

@@ -1,188 +1,142 @@
-"""The parameter-server shard: center variables, the server rule, counters, checkpoints.
+"""The parameter-server shard: center variables, counters, checkpoints, workers' membership.
 
-Owns: everything one PS process keeps and does. A shard holds one *table* per distributed
-optimizer (keyed by the optimizer's ``name``, so one cluster can serve several optimizers, e.g. a
-generator and a discriminator). A table is
+Owns: everything one PS process keeps and does, independent of the transport. A shard holds
+one *table* per distributed optimizer (keyed by the optimizer's ``name``, so one cluster can
+serve several optimizers, e.g. a generator and a discriminator). A table is
 
 * the **center variables** of the parameters placed on this shard (``AGNCustomGetter``), stored
   as one flat buffer per dtype (:class:`~distoptim.agn.flat.FlatLayout`), in parameter order;
-* the **server rule** the chief seeded it with (:class:`ServerRule`): how a commit changes the
-  center — apply a server optimizer (AGN), add (AGN ``"delta"``, DOWNPOUR), elastic pull (EASGD);
-* for AGN's default rule, the **server optimizer**: a new instance of the worker's wrapped
-  optimizer class with its hyperparameters (per param group), whose state (momentum, Adam
-  moments, ...) lives here, over views into the center buffers;
+* the **server rule** the chief seeded it with (:mod:`distoptim.agn.rules`) and, for rules that
+  use one, the **server optimizer**: a new instance of the worker's wrapped optimizer class with
+  its hyperparameters (per param group), whose state lives here, over views into the center;
 * counters: ``version`` (accepted commits = the global step), commits per worker, refused
-  commits, the staleness histogram, bytes in/out.
+  commits (and how many for a non-finite *result*), the staleness histogram, bytes in/out.
 
-Concurrency and math of a commit (``commit``), one RPC per shard per worker commit::
+Requests arrive as typed messages (:mod:`distoptim.agn.transport.messages`);
+:meth:`ParameterServer.handle` gives each type its own method.
 
-    with lock (if use_locking):           # arrival order; no barrier between workers
+Concurrency and math of a commit (:meth:`ParameterServer.commit`), one request per shard per
+worker commit::
+
+    with the table's write lock (if use_locking, or the rule uses an optimizer):
         staleness = version - version_at_workers_last_pull
-        if payload not finite:  refused += 1; reply center            (center untouched)
-        else:                   center <- rule(center, payload); version += 1; reply ...
+        apply the rule under the center guard (rules.apply_guarded):
+            accepted: center <- rule(center, payload); version += 1
+            refused (NaN/Inf sent, or the result would not be finite): center untouched
+    reply with the center (the one before the update for EASGD)
 
-With ``use_locking=False`` additive rules run without the lock (Hogwild!-style: a concurrent
-pull may see a partly applied update, as with TF's ``use_locking=False``). A server optimizer's
-step is serialized anyway: torch optimizers read gradients from ``.grad``, which two concurrent
-commits would overwrite for each other. Counters are always exact (their own lock).
+The reply is sent from the live center buffers when the transport can send it before the
+center may change again (p2p: the write lock is downgraded to a read lock, held until the
+reply's bytes are out -- no snapshot copy); otherwise a snapshot is copied into the spent
+payload buffers. Readers (replies, pulls) proceed together; a commit waits for them (writers
+first, so commits are not starved). With ``use_locking=False`` additive rules run without the
+lock (Hogwild!-style: a concurrent pull may see a partly applied update, as with TF's
+``use_locking=False``). Counters are always exact (their own lock).
+
+Membership: a worker is *finished* (it said so), *failed* (it said it raised) or *dead* (its
+connection broke without a word, a probe found its process gone, or the launcher said it
+died). :meth:`wait_for_workers` returns once every worker the cluster knows of is one of those;
+``num_worker`` is the expected count and late workers add to it (elastic clusters). A dead
+worker that reconnects (p2p) is alive again.
 
 Checkpoints (``checkpoint_dir``): ``ps{shard}.pt`` holds every table (center, rule, optimizer
 class/hyperparameters/state, counters). It is written to a temporary file and renamed over the
 old one (atomic on POSIX), every ``checkpoint_every`` accepted commits of a table and when the
-shard stops. A shard started with an existing checkpoint loads it: its tables are seeded
-already, so the chief's seed is ignored (the chief pulls the resumed center like everyone else)
-and ``version`` continues.
+shard stops. A shard started with an existing checkpoint loads it (after removing temporary
+files a killed shard may have left): its tables are seeded already, so the chief's seed is
+ignored (the chief pulls the resumed center like everyone else) and ``version`` continues.
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import inspect
 import io
 import math
 import os
+import socket
 import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from distoptim.agn.flat import FlatLayout, nbytes
+from distoptim.agn.flat import nbytes
+from distoptim.agn.rules import Backup, Refusal, apply_guarded
+from distoptim.agn.transport.base import Handled
+from distoptim.agn.transport.messages import (
+    Ack,
+    Commit,
+    CommitReply,
+    ErrorReply,
+    Finish,
+    Hello,
+    Ping,
+    Pong,
+    Pull,
+    PullReply,
+    Request,
+    Seed,
+    TableSpec,
+    Welcome,
+)
 from distoptim.comm.link import transmit
 
-__all__ = [
-    "AddUpdate",
-    "ApplyOptimizer",
-    "CommitReply",
-    "ParameterServer",
-    "PullReply",
-    "RemoteError",
-    "ServerRule",
-    "TableSpec",
-]
+__all__ = ["CHECKPOINT_FORMAT", "ParameterServer"]
 
 CHECKPOINT_FORMAT = 1
 
 
-# ---------------------------------------------------------------------------------------------
-# server rules
-# ---------------------------------------------------------------------------------------------
-class ServerRule:
-    """How an accepted commit changes the center (runs on the PS, inside the table's lock).
+class _ReadWriteLock:
+    """Many readers or one writer; a waiting writer blocks new readers (no writer starvation).
 
-    ``apply(center, update, optimizer)``: ``center`` and ``update`` are per-variable tensors of
-    this shard (``center`` are views into the center buffers and must be changed in place);
-    ``optimizer`` is the server optimizer when ``uses_optimizer`` else ``None``.
-    ``reply_before_update``: the reply carries the center as it was *before* the update (EASGD
-    needs it to move its local copy) instead of after.
+    ``downgrade()`` turns the caller's write lock into a read lock atomically.
     """
 
-    uses_optimizer = False
-    reply_before_update = False
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writer = False
+        self._writers_waiting = 0
 
-    def apply(
-        self,
-        center: list[torch.Tensor],
-        update: list[torch.Tensor],
-        optimizer: torch.optim.Optimizer | None,
-    ) -> None:
-        raise NotImplementedError
+    def acquire_read(self) -> None:
+        with self._cond:
+            while self._writer or self._writers_waiting:
+                self._cond.wait()
+            self._readers += 1
 
-    def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and vars(other) == vars(self)
+    def release_read(self) -> None:
+        with self._cond:
+            self._readers -= 1
+            if self._readers == 0:
+                self._cond.notify_all()
 
-    def __hash__(self) -> int:
-        return hash(type(self))
+    def acquire_write(self) -> None:
+        with self._cond:
+            self._writers_waiting += 1
+            try:
+                while self._writer or self._readers:
+                    self._cond.wait()
+            finally:
+                self._writers_waiting -= 1
+            self._writer = True
 
-    def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
-        return f"{type(self).__name__}({args})"
+    def release_write(self) -> None:
+        with self._cond:
+            self._writer = False
+            self._cond.notify_all()
 
-
-class ApplyOptimizer(ServerRule):
-    """``center <- server_optimizer.step(center, grad=update)`` (AGN, TF contrib's rule)."""
-
-    uses_optimizer = True
-
-    def apply(self, center, update, optimizer):
-        assert optimizer is not None
-        for p, g in zip(center, update):
-            p.grad = g
-        try:
-            optimizer.step()
-        finally:
-            for p in center:
-                p.grad = None
-
-
-class AddUpdate(ServerRule):
-    """``center += update`` (AGN ``update_rule="delta"``, DOWNPOUR)."""
-
-    def apply(self, center, update, optimizer):
-        torch._foreach_add_(center, update)
+    def downgrade(self) -> None:
+        with self._cond:
+            self._writer = False
+            self._readers += 1
+            self._cond.notify_all()
 
 
-# ---------------------------------------------------------------------------------------------
-# messages
-# ---------------------------------------------------------------------------------------------
-@dataclass
-class TableSpec:
-    """What the chief tells a shard when it seeds a table.
-
-    ``param_indices``/``shapes``/``dtypes``: the shard's variables, in parameter order.
-    ``groups``: for the server optimizer, ``(worker_param_group_index, hyperparameters,
-    positions of the shard's variables in that group)``. ``optimizer_cls``/``defaults``: the
-    wrapped optimizer's class and defaults (``None`` when the rule uses no optimizer).
-    """
-
-    algorithm: str
-    rule: ServerRule
-    param_indices: list[int]
-    shapes: list[tuple[int, ...]]
-    dtypes: list[torch.dtype]
-    use_locking: bool = True
-    optimizer_cls: type | None = None
-    defaults: dict[str, Any] = field(default_factory=dict)
-    groups: list[tuple[int, dict[str, Any], list[int]]] = field(default_factory=list)
-
-    def layout(self) -> FlatLayout:
-        return FlatLayout(list(zip(self.shapes, self.dtypes)))
-
-
-@dataclass
-class PullReply:
-    version: int
-    flats: dict[str, torch.Tensor]
-    resumed: bool = False
-
-
-@dataclass
-class CommitReply:
-    refused: bool
-    version: int
-    staleness: int
-    flats: dict[str, torch.Tensor]
-
-
-@dataclass
-class RemoteError:
-    """A server-side error, sent back as a value so the worker re-raises the right type."""
-
-    kind: str
-    message: str
-
-    def to_exception(self) -> Exception:
-        cls = {"ValueError": ValueError, "TypeError": TypeError}.get(self.kind, RuntimeError)
-        return cls(self.message)
-
-
-# ---------------------------------------------------------------------------------------------
-# a table
-# ---------------------------------------------------------------------------------------------
 def _build_optimizer(spec: TableSpec, views: list[torch.Tensor]) -> torch.optim.Optimizer:
     """A fresh ``spec.optimizer_cls`` over ``views`` with the worker's hyperparameters."""
     assert spec.optimizer_cls is not None
@@ -204,43 +158,29 @@ def _build_optimizer(spec: TableSpec, views: list[torch.Tensor]) -> torch.optim.
         ) from exc
 
 
-def _finite(flats: dict[str, torch.Tensor]) -> bool:
-    """True iff every element is finite.
-
-    Fast path: a sum reduction (no temporary the size of the buffer) is finite only if every
-    term is (NaN and Inf propagate); a non-finite sum may also be an overflow of finite terms,
-    so only then is the exact element-wise test run.
-    """
-    for t in flats.values():
-        if not t.is_floating_point():
-            continue
-        if not math.isfinite(float(t.sum())) and not bool(torch.isfinite(t).all()):
-            return False
-    return True
-
-
 class _Table:
-    def __init__(self, name: str, spec: TableSpec, flats: dict[str, torch.Tensor]) -> None:
+    def __init__(self, name: str, spec: TableSpec, flats: Mapping[str, torch.Tensor]) -> None:
         self.name = name
         self.spec = spec
         self.layout = spec.layout()
         self.flats = {k: v.detach().clone().contiguous() for k, v in flats.items()}
         self.views = self.layout.views(self.flats)
         self.optimizer = _build_optimizer(spec, self.views) if spec.rule.uses_optimizer else None
-        self.update_lock = threading.Lock()
+        self.backup = Backup.like(self.flats)
+        self.rw = _ReadWriteLock()
         self.stats_lock = threading.Lock()
         self.version = 0
         self.commits: Counter[int] = Counter()
         self.refused = 0
+        self.refused_result = 0
         self.staleness: Counter[int] = Counter()
         self.bytes_in = 0
         self.bytes_out = 0
 
-    def guard(self) -> contextlib.AbstractContextManager[Any]:
-        """The lock a center update holds (see the module docstring on ``use_locking``)."""
-        if self.spec.use_locking or self.spec.rule.uses_optimizer:
-            return self.update_lock
-        return contextlib.nullcontext()
+    @property
+    def locking(self) -> bool:
+        """Whether commits take the write lock (see the module docstring)."""
+        return self.spec.use_locking or self.spec.rule.uses_optimizer
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in self.flats.items()}
@@ -264,6 +204,7 @@ class _Table:
                 "version": self.version,
                 "commits": dict(self.commits),
                 "refused": self.refused,
+                "refused_result": self.refused_result,
                 "staleness": dict(self.staleness),
                 "bytes_in": self.bytes_in,
                 "bytes_out": self.bytes_out,
@@ -273,13 +214,15 @@ class _Table:
         self.version = int(c["version"])
         self.commits = Counter({int(k): int(v) for k, v in c["commits"].items()})
         self.refused = int(c["refused"])
+        self.refused_result = int(c.get("refused_result", 0))
         self.staleness = Counter({int(k): int(v) for k, v in c["staleness"].items()})
         self.bytes_in = int(c["bytes_in"])
         self.bytes_out = int(c["bytes_out"])
 
     def state(self) -> dict[str, Any]:
-        """Everything a checkpoint keeps, consistent (taken under the update lock)."""
-        with self.update_lock:
+        """Everything a checkpoint keeps, consistent (taken under the read lock)."""
+        self.rw.acquire_read()
+        try:
             opt_state = None
             if self.optimizer is not None:
                 buf = io.BytesIO()  # deep copy of the state, detached from live tensors
@@ -291,6 +234,8 @@ class _Table:
                 "optimizer": opt_state,
                 "counters": self.counters(),
             }
+        finally:
+            self.rw.release_read()
 
     @classmethod
     def from_state(cls, name: str, state: dict[str, Any]) -> _Table:
@@ -301,14 +246,36 @@ class _Table:
         return t
 
 
-# ---------------------------------------------------------------------------------------------
-# the shard
-# ---------------------------------------------------------------------------------------------
-class ParameterServer:
-    """One PS shard (``shard`` of ``num_ps``) serving ``num_worker`` workers.
+def _restore_hparams(table: _Table, kept: list[dict[str, Any]]) -> None:
+    assert table.optimizer is not None
+    for group, old in zip(table.optimizer.param_groups, kept):
+        group.update(old)
 
-    The RPC handlers below call its methods; :meth:`wait_for_workers` is the serving loop's
-    end condition: every worker has finished or was found dead.
+
+def _set_hparams(table: _Table, hparams: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Follow the workers' hyperparameters (LR schedules) on the server optimizer's groups;
+    returns the previous values (to restore if the commit is refused)."""
+    assert table.optimizer is not None
+    kept = [{k: v for k, v in g.items() if k != "params"} for g in table.optimizer.param_groups]
+    for group, (worker_group, _, _) in zip(table.optimizer.param_groups, table.spec.groups):
+        hp = hparams.get(worker_group)
+        if hp:
+            for k, v in hp.items():
+                if (
+                    k != "params"
+                    and isinstance(v, (int, float))
+                    and not (isinstance(v, float) and math.isnan(v))
+                ):
+                    group[k] = v
+    return kept
+
+
+class ParameterServer:
+    """One PS shard (``shard`` of ``num_ps``) expecting ``num_worker`` workers.
+
+    A transport calls :meth:`handle` for every request it receives; :meth:`wait_for_workers`
+    is the serving loop's end condition. ``incarnation``: 1 + the number of times this shard
+    was restarted (told to workers in :class:`~distoptim.agn.transport.messages.Welcome`).
     """
 
     def __init__(
@@ -318,22 +285,222 @@ class ParameterServer:
         num_worker: int,
         checkpoint_dir: str | os.PathLike[str] | None = None,
         checkpoint_every: int | None = None,
+        incarnation: int = 1,
     ) -> None:
         self.shard = shard
         self.num_ps = num_ps
         self.num_worker = num_worker
+        self.incarnation = incarnation
         self.checkpoint_dir = None if checkpoint_dir is None else os.fspath(checkpoint_dir)
         self.checkpoint_every = checkpoint_every
         self._tables: dict[str, _Table] = {}
         self._resumed: set[str] = set()
         self._cond = threading.Condition()
         self._finished: set[int] = set()
+        self._failed: set[int] = set()
         self._dead: set[int] = set()
+        self._hosts: dict[int, str] = {}
         self._ckpt_lock = threading.Lock()
         self.started = time.monotonic()
         if self.checkpoint_dir is not None:
             os.makedirs(self.checkpoint_dir, exist_ok=True)
+            self.removed_temporaries = self._remove_temporaries()
             self._load_checkpoint()
+
+    # ---- requests ----------------------------------------------------------------------------
+    def handle(self, request: Request, live_reply: bool = False) -> Handled:
+        """Answer one request (never raises for the worker's mistakes: they become an
+        :class:`ErrorReply` that the worker re-raises by type).
+
+        ``live_reply``: the transport sends the reply before anything else can change the center
+        and calls :meth:`Handled.sent` afterwards, so replies may reference the live center.
+        """
+        try:
+            match request:
+                case Commit():
+                    return self.commit(request, live_reply)
+                case Pull():
+                    return self.pull(request, live_reply)
+                case Seed():
+                    return self.seed(request)
+                case Hello():
+                    return Handled(self.hello(request))
+                case Finish():
+                    return Handled(self.finish(request.task, request.failed))
+                case Ping():
+                    return Handled(Pong(os.getpid()))
+                case _:
+                    raise TypeError(f"unknown request {type(request).__name__}")
+        except (ValueError, TypeError, RuntimeError, TimeoutError) as exc:
+            return Handled(ErrorReply(type(exc).__name__, str(exc)))
+
+    def hello(self, request: Hello) -> Welcome:
+        """A worker connected (again: a worker counted dead is alive again)."""
+        with self._cond:
+            self._dead.discard(request.task)
+            self._hosts[request.task] = request.host
+        return Welcome(self.shard, self.incarnation, os.getpid(), socket.gethostname())
+
+    def seed(self, request: Seed) -> Handled:
+        """Create table ``request.table`` from the chief's values; if it exists (resumed),
+        keep it and check that the chief built the same thing."""
+        spec, flats = request.spec, request.flats
+        if not isinstance(spec, TableSpec):
+            raise TypeError("seed needs a TableSpec")
+        layout = spec.layout()
+        layout.check(flats, "seed")
+        with self._cond:
+            table = self._tables.get(request.table)
+            if table is None:
+                table = _Table(request.table, spec, flats)
+                self._tables[request.table] = table
+                self._cond.notify_all()
+            else:
+                table.check_worker(spec.algorithm, layout.signature(), task=-1)
+                if table.spec.rule != spec.rule:
+                    raise ValueError(
+                        f"optimizer {request.table!r} exists with rule {table.spec.rule!r}, the "
+                        f"chief now seeds {spec.rule!r}"
+                    )
+        with table.stats_lock:
+            table.bytes_in += nbytes(flats)
+        pull = Pull(request.table, -1, spec.algorithm, layout.signature(), 0.0)
+        return self.pull(pull, live_reply=False)
+
+    def pull(self, request: Pull, live_reply: bool = False) -> Handled:
+        """The current center (waiting up to ``request.wait_s`` for the chief's seed)."""
+        table = self._table(request.table, request.wait_s)
+        table.check_worker(request.algorithm, request.signature, request.task)
+        locking = table.locking
+        if locking:
+            table.rw.acquire_read()
+        if live_reply:
+            flats, version = table.flats, table.version
+            after = table.rw.release_read if locking else None
+        else:
+            try:
+                flats, version = table.snapshot(), table.version
+            finally:
+                if locking:
+                    table.rw.release_read()
+            after = None
+        out = nbytes(flats)
+        with table.stats_lock:
+            table.bytes_out += out
+        transmit(out)
+        reply = PullReply(version, flats, resumed=request.table in self._resumed)
+        return Handled(reply, after)
+
+    def commit(self, request: Commit, live_reply: bool = False) -> Handled:
+        """Apply one commit of worker ``request.task`` (see the module docstring for the math).
+
+        ``request.flats`` is consumed: its buffers may carry the reply.
+        """
+        table = self._table(request.table)
+        payload = request.flats
+        if not request.refused_by_worker:
+            table.layout.check(payload, "commit payload")
+        rule = table.spec.rule
+        locking = table.locking
+        if locking:
+            table.rw.acquire_write()
+        release: Callable[[], None] | None = table.rw.release_write if locking else None
+        try:
+            staleness = table.version - request.pulled_version
+            refusal: Refusal | None = Refusal("payload") if request.refused_by_worker else None
+            source = table.flats
+            kept_hparams = None
+            if refusal is None:
+                if request.hparams and table.optimizer is not None:
+                    kept_hparams = _set_hparams(table, request.hparams)
+                if rule.reply_before_update and locking:
+                    table.backup.take(table.flats, table.optimizer, table.version)
+                    source = table.backup.center
+                elif rule.reply_before_update:
+                    source = table.snapshot()  # others may be using the backup concurrently
+                refusal = apply_guarded(
+                    rule,
+                    table.flats,
+                    table.views,
+                    payload,
+                    table.layout.views(payload),
+                    table.optimizer,
+                    table.backup,
+                    table.version,
+                    exclusive=locking,
+                )
+                if refusal is not None:
+                    source = table.flats
+                    if kept_hparams is not None:  # a refused commit's hyperparameters do not stick
+                        _restore_hparams(table, kept_hparams)
+            accepted = refusal is None
+            with table.stats_lock:
+                if accepted:
+                    table.version += 1
+                    table.commits[request.task] += 1
+                    table.staleness[staleness] += 1
+                else:
+                    table.refused += 1
+                    table.refused_result += int(refusal is not None and refusal.reason == "result")
+                table.bytes_in += nbytes(payload)
+                table.bytes_out += nbytes(source)
+                version = table.version
+            if live_reply or (not locking and not rule.reply_before_update):
+                reply_flats = source  # live: sent before the center can change (or Hogwild!)
+                if locking:
+                    table.rw.downgrade()
+                    release = table.rw.release_read
+            elif payload and not request.refused_by_worker:
+                reply_flats = payload  # the spent payload buffers carry the snapshot
+                torch._foreach_copy_(list(payload.values()), [source[k] for k in payload])
+            else:
+                reply_flats = {k: v.clone() for k, v in source.items()}
+            if not live_reply and release is not None:
+                release()
+                release = None
+        except BaseException:
+            if release is not None:
+                release()
+            raise
+        transmit(nbytes(reply_flats))
+        reply = CommitReply(
+            refused=not accepted,
+            version=version,
+            staleness=staleness,
+            flats=reply_flats,
+            reason="" if refusal is None else refusal.describe(),
+        )
+        every = self.checkpoint_every
+        due = accepted and every is not None and self.checkpoint_dir is not None
+        due = due and version % every == 0  # type: ignore[operator]
+        if release is None:
+            if due:
+                self.checkpoint()
+            return Handled(reply)
+
+        def after_send() -> None:
+            assert release is not None
+            release()
+            if due:
+                self.checkpoint()
+
+        return Handled(reply, after_send)
+
+    # ---- tables --------------------------------------------------------------------------------
+    def _table(self, name: str, wait_s: float = 0.0) -> _Table:
+        deadline = time.monotonic() + wait_s
+        with self._cond:
+            while name not in self._tables:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RuntimeError(
+                        f"optimizer {name!r} has no center variables on parameter server "
+                        f"{self.shard} yet (waited {wait_s:g}s): the chief seeds them in "
+                        "make_session_run_hook(is_chief=True, ...).after_create_session(); is "
+                        "a chief running, and did it build the same optimizer name?"
+                    )
+                self._cond.wait(left)
+            return self._tables[name]
 
     # ---- checkpoints ---------------------------------------------------------------------------
     @property
@@ -341,6 +508,16 @@ class ParameterServer:
         if self.checkpoint_dir is None:
             return None
         return os.path.join(self.checkpoint_dir, f"ps{self.shard}.pt")
+
+    def _remove_temporaries(self) -> list[str]:
+        """Delete temporary checkpoint files a killed shard left (``.ps{shard}.*``)."""
+        assert self.checkpoint_dir is not None
+        removed = []
+        for path in glob.glob(os.path.join(self.checkpoint_dir, f".ps{self.shard}.*")):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+                removed.append(path)
+        return removed
 
     def _load_checkpoint(self) -> None:
         path = self.checkpoint_path
@@ -385,146 +562,50 @@ class ParameterServer:
                 raise
         return path
 
-    # ---- tables --------------------------------------------------------------------------------
-    def _table(self, name: str, wait_s: float = 0.0) -> _Table:
-        deadline = time.monotonic() + wait_s
-        with self._cond:
-            while name not in self._tables:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise RuntimeError(
-                        f"optimizer {name!r} has no center variables on parameter server "
-                        f"{self.shard} yet (waited {wait_s:g}s): the chief seeds them in "
-                        "make_session_run_hook(is_chief=True, ...).after_create_session(); is "
-                        "a chief running, and did it build the same optimizer name?"
-                    )
-                self._cond.wait(left)
-            return self._tables[name]
-
-    def seed(self, name: str, spec: TableSpec, flats: dict[str, torch.Tensor]) -> PullReply:
-        """Create table ``name`` from the chief's values; if it exists (resumed), keep it."""
-        if not isinstance(spec, TableSpec) or not isinstance(spec.rule, ServerRule):
-            raise TypeError("seed needs a TableSpec with a ServerRule")
-        layout = spec.layout()
-        layout.check(flats, "seed")
-        with self._cond:
-            table = self._tables.get(name)
-            if table is None:
-                table = _Table(name, spec, flats)
-                self._tables[name] = table
-                self._cond.notify_all()
-            else:
-                table.check_worker(spec.algorithm, layout.signature(), task=-1)
-                if table.spec.rule != spec.rule:
-                    raise ValueError(
-                        f"optimizer {name!r} exists with rule {table.spec.rule!r}, the chief "
-                        f"now seeds {spec.rule!r}"
-                    )
-        with table.stats_lock:
-            table.bytes_in += nbytes(flats)
-        return self.pull(name, -1, spec.algorithm, layout.signature(), 0.0)
-
-    def pull(
-        self, name: str, task: int, algorithm: str, signature: tuple, wait_s: float
-    ) -> PullReply:
-        """The current center of this shard (waiting up to ``wait_s`` for the chief's seed)."""
-        table = self._table(name, wait_s)
-        table.check_worker(algorithm, signature, task)
-        with table.guard():
-            flats = table.snapshot()
-            version = table.version
-        out = nbytes(flats)
-        with table.stats_lock:
-            table.bytes_out += out
-        transmit(out)
-        return PullReply(version, flats, resumed=name in self._resumed)
-
-    def commit(
-        self,
-        name: str,
-        task: int,
-        pulled_version: int,
-        payload: dict[str, torch.Tensor],
-        hparams: dict[int, dict[str, Any]] | None,
-        refused_by_worker: bool,
-    ) -> CommitReply:
-        """Apply one commit of worker ``task`` (see the module docstring for the math).
-
-        ``payload`` is consumed: its buffers may be reused for the reply.
-        """
-        table = self._table(name)
-        if not refused_by_worker:
-            table.layout.check(payload, "commit payload")
-        accept = not refused_by_worker and _finite(payload)
-        rule = table.spec.rule
-        with table.guard():
-            staleness = table.version - pulled_version
-            reply: dict[str, torch.Tensor] | None = None
-            if accept:
-                if rule.reply_before_update:
-                    reply = table.snapshot()
-                if hparams and table.optimizer is not None:
-                    _set_hparams(table, hparams)
-                rule.apply(table.views, table.layout.views(payload), table.optimizer)
-            if reply is None and not table.spec.use_locking:
-                reply = dict(table.flats)  # may show a concurrent update, as TF's without locking
-            elif reply is None and accept and not _holds(table.optimizer, payload):
-                # the payload's buffers are ours and spent: reuse them for the snapshot (no
-                # allocation of a model-sized buffer per commit)
-                reply = payload
-                for k, v in table.flats.items():
-                    reply[k].copy_(v)
-            elif reply is None:
-                reply = table.snapshot()
-            with table.stats_lock:
-                if accept:
-                    table.version += 1
-                    table.commits[task] += 1
-                    table.staleness[staleness] += 1
-                else:
-                    table.refused += 1
-                table.bytes_in += nbytes(payload)
-                table.bytes_out += nbytes(reply)
-                version = table.version
-        every = self.checkpoint_every
-        if (
-            accept
-            and every is not None
-            and self.checkpoint_dir is not None
-            and version % every == 0
-        ):
-            self.checkpoint()
-        transmit(nbytes(reply))
-        return CommitReply(not accept, version, staleness, reply)
-
     # ---- workers' lifecycle ----------------------------------------------------------------------
-    def finish(self, task: int, failed: bool) -> None:
+    def finish(self, task: int, failed: bool) -> Ack:
+        """Worker ``task`` is done (``failed``: it raised)."""
         with self._cond:
-            (self._dead if failed else self._finished).add(task)
+            self._dead.discard(task)
+            (self._failed if failed else self._finished).add(task)
+            self._cond.notify_all()
+        return Ack()
+
+    def connection_lost(self, task: int) -> None:
+        """Worker ``task``'s connection broke: dead, unless it said it was done."""
+        with self._cond:
+            if task not in self._finished and task not in self._failed:
+                self._dead.add(task)
             self._cond.notify_all()
 
-    def is_finished(self, task: int) -> bool:
+    def is_done(self, task: int) -> bool:
         with self._cond:
-            return task in self._finished
+            return task in self._finished or task in self._failed
+
+    def _ended(self) -> set[int]:
+        return self._finished | self._failed | self._dead
 
     def wait_for_workers(
         self,
-        probe: Callable[[Sequence[int]], Sequence[int]],
+        gone: Callable[[list[int]], Mapping[int, str]],
         probe_period_s: float = 1.0,
         timeout_s: float | None = None,
+        task_count: Callable[[], int] | None = None,
     ) -> None:
-        """Return once every worker has finished or was found dead.
+        """Return once every worker the cluster knows of has finished, failed or died.
 
-        Wakes at every ``finish``; every ``probe_period_s`` without news it calls
-        ``probe(pending_tasks)``, which returns the tasks whose process is gone. A task that
-        finished meanwhile is never counted dead. ``timeout_s`` bounds the whole wait.
+        ``task_count()`` (default: ``num_worker``) is how many tasks exist now (the expected
+        ones plus late joiners). Wakes at every ``finish``; every ``probe_period_s`` without news
+        it calls ``gone(pending_tasks)``, which maps tasks known to have ended to ``"finished"``,
+        ``"failed"`` or ``"dead"``. A task that finished meanwhile is never counted dead.
+        ``timeout_s`` bounds the whole wait.
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        count = task_count or (lambda: self.num_worker)
         while True:
+            n = max(self.num_worker, count())
             with self._cond:
-                pending = [
-                    t for t in range(self.num_worker) if t not in self._finished | self._dead
-                ]
+                pending = [t for t in range(n) if t not in self._ended()]
                 if not pending:
                     return
                 if deadline is not None and time.monotonic() >= deadline:
@@ -533,13 +614,21 @@ class ParameterServer:
                         f"died within {timeout_s:g}s"
                     )
                 self._cond.wait(probe_period_s)
-                pending = [
-                    t for t in range(self.num_worker) if t not in self._finished | self._dead
-                ]
+                pending = [t for t in range(n) if t not in self._ended()]
             if pending:
-                gone = probe(pending)
+                news = gone(pending)
                 with self._cond:
-                    self._dead.update(t for t in gone if t not in self._finished)
+                    for t, how in news.items():
+                        if t in self._finished or t in self._failed:
+                            continue
+                        if how == "finished":
+                            self._dead.discard(t)
+                            self._finished.add(t)
+                        elif how == "failed":
+                            self._dead.discard(t)
+                            self._failed.add(t)
+                        else:
+                            self._dead.add(t)
 
     # ---- read-outs -------------------------------------------------------------------------------
     def report(self) -> dict[str, Any]:
@@ -547,11 +636,15 @@ class ParameterServer:
         with self._cond:
             tables = dict(self._tables)
             dead = sorted(self._dead)
+            failed = sorted(self._failed)
             finished = sorted(self._finished)
         out: dict[str, Any] = {}
         for name, t in tables.items():
-            with t.guard():
+            t.rw.acquire_read()
+            try:
                 flats = t.snapshot()
+            finally:
+                t.rw.release_read()
             out[name] = {
                 "param_indices": list(t.spec.param_indices),
                 "center": [v.clone() for v in t.layout.views(flats)],
@@ -563,82 +656,8 @@ class ParameterServer:
             "shard": self.shard,
             "tables": out,
             "dead_workers": dead,
+            "failed_workers": failed,
             "finished_workers": finished,
             "wall_time_s": time.monotonic() - self.started,
+            "incarnation": self.incarnation,
         }
-
-
-def _holds(optimizer: torch.optim.Optimizer | None, flats: dict[str, torch.Tensor]) -> bool:
-    """Whether ``optimizer``'s state keeps a reference into ``flats`` (e.g. a kept gradient)."""
-    if optimizer is None:
-        return False
-    ptrs = {t.untyped_storage().data_ptr() for t in flats.values()}
-    return any(
-        isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() in ptrs
-        for state in optimizer.state.values()
-        for v in state.values()
-    )
-
-
-def _set_hparams(table: _Table, hparams: dict[int, dict[str, Any]]) -> None:
-    """Follow the workers' hyperparameters (LR schedules) on the server optimizer's groups."""
-    assert table.optimizer is not None
-    for group, (worker_group, _, _) in zip(table.optimizer.param_groups, table.spec.groups):
-        hp = hparams.get(worker_group)
-        if hp:
-            for k, v in hp.items():
-                if (
-                    k != "params"
-                    and isinstance(v, (int, float))
-                    and not (isinstance(v, float) and math.isnan(v))
-                ):
-                    group[k] = v
-
-
-# ---------------------------------------------------------------------------------------------
-# RPC entry points (run on the PS's RPC thread pool)
-# ---------------------------------------------------------------------------------------------
-_SERVER: ParameterServer | None = None
-
-
-def install(server: ParameterServer | None) -> None:
-    """Make ``server`` the shard the RPC handlers of this process serve."""
-    global _SERVER
-    _SERVER = server
-
-
-def _serve(method: str, *args: Any) -> Any:
-    server = _SERVER
-    if server is None:
-        return RemoteError("RuntimeError", "this process is not a parameter server")
-    try:
-        return getattr(server, method)(*args)
-    except (ValueError, TypeError, RuntimeError, TimeoutError) as exc:
-        return RemoteError(type(exc).__name__, str(exc))
-
-
-def rpc_seed(name: str, spec: TableSpec, flats: dict[str, torch.Tensor]) -> Any:
-    return _serve("seed", name, spec, flats)
-
-
-def rpc_pull(name: str, task: int, algorithm: str, signature: tuple, wait_s: float) -> Any:
-    return _serve("pull", name, task, algorithm, signature, wait_s)
-
-
-def rpc_commit(
-    name: str,
-    task: int,
-    pulled_version: int,
-    payload: dict[str, torch.Tensor],
-    hparams: dict[int, dict[str, Any]] | None,
-    refused_by_worker: bool,
-) -> Any:
-    return _serve("commit", name, task, pulled_version, payload, hparams, refused_by_worker)
-
-
-def rpc_finish(task: int, failed: bool) -> Any:
-    return _serve("finish", task, failed)
-
-
-def rpc_ping() -> int:
-    return os.getpid()

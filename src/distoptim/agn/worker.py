@@ -1,76 +1,57 @@
 """The worker side shared by every asynchronous algorithm: accumulate, commit, pull.
 
 Owns: :class:`AsyncWorkerOptimizer`, the ``torch.optim.Optimizer`` a worker trains with, and its
-session-run hook. It connects to the cluster of its process, places each parameter's center
-variable on a shard (``AGNCustomGetter``), seeds or pulls the centers, runs the wrapped
-optimizer locally every step and, every ``communication_period`` (λ) steps, sends **one RPC per
-shard** carrying one flat buffer per dtype and receives that shard's center in the same round
-trip. The algorithms (:mod:`~distoptim.agn.agn`, :mod:`~distoptim.agn.downpour`,
-:mod:`~distoptim.agn.easgd`) differ only in three small pieces a subclass provides:
+session-run hook. It validates its parameters and hyperparameters at construction, connects to
+the cluster of its process, places each parameter's center variable on a shard
+(``AGNCustomGetter``), seeds or pulls the centers, runs the wrapped optimizer locally every step
+and, every ``communication_period`` (λ) steps, sends **one request per shard** carrying one
+flat buffer per dtype and receives that shard's center in the same round trip. The algorithms
+(:mod:`~distoptim.agn.agn`, :mod:`~distoptim.agn.downpour`, :mod:`~distoptim.agn.easgd`)
+differ only in three small pieces a subclass provides, per :class:`~distoptim.agn.link.ShardLink`
+(the extension point, documented there):
 
 * ``_payload(link)``: what it commits (e.g. ``a/λ``, ``θ - θ_pulled``, ``θ``);
 * ``_absorb(link, sent, reply)``: what the local copy becomes afterwards (default: the center);
-* ``_server_rule()``: how the shard applies a commit (:class:`~distoptim.agn.server.ServerRule`).
+* ``_server_rule()``: how the shard applies a commit (:mod:`distoptim.agn.rules`).
 
 A worker step, in order: validate (initialized?) → accumulate (AGN: ``a += g``) → the
 wrapped optimizer's ``step()`` on the local parameters → ``local_step += 1`` → if
 ``local_step % λ == 0``: commit and absorb. Nothing waits for other workers.
 
-Non-finite commits: with several shards the worker checks its payload first and, if any value is
+Refused commits: with several shards the worker checks its payload first and, if any value is
 NaN/Inf, sends an empty "refused" commit to every shard so that *no* shard applies a part of it;
-a single shard checks the payload itself. Either way the center is untouched, the shard counts a
-refusal, and the worker warns (``RuntimeWarning``) and takes the center as its local copy.
+a shard also refuses a commit whose *result* would not be finite (the center guard of
+:mod:`distoptim.agn.rules`). Either way that shard's center is untouched, it counts a refusal,
+and the worker warns (``RuntimeWarning``, with the reason) and takes the center as its local
+copy.
+
+A restarted shard (p2p, ``reconnect_timeout > 0``): a request that finds the connection broken
+reconnects (bounded) and the worker re-pulls that shard's center into its local copy; the
+commit in flight is lost. Links of other optimizers on that shard resynchronize before their
+next commit (their ``incarnation`` is behind the connection's).
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from distoptim.agn import server as _server
 from distoptim.agn.cluster import Cluster, current_cluster
 from distoptim.agn.flat import FlatLayout, nbytes
 from distoptim.agn.getter import AGNCustomGetter
+from distoptim.agn.link import ShardLink
+from distoptim.agn.rules import ServerRule, finite
+from distoptim.agn.transport.base import ParameterServerError, Pending, ShardLostError
+from distoptim.agn.transport.messages import Commit, CommitReply, Pull, PullReply, Seed, TableSpec
+from distoptim.checks import check_finite_hyperparameters, check_int
 from distoptim.comm.link import transmit
 from distoptim.protocol import WrappedOptimizer
 
 __all__ = ["AsyncWorkerOptimizer", "SessionRunHook"]
-
-
-def _check_int(name: str, value: Any, low: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    return value
-
-
-@dataclass
-class _ShardLink:
-    """This worker's view of one shard: its parameters there and the worker-side buffers."""
-
-    shard: int
-    positions: list[int]  # indices into the optimizer's parameter list
-    params: list[torch.Tensor]
-    layout: FlatLayout
-    version: int = 0  # the shard's version at this worker's last pull
-    acc: dict[str, torch.Tensor] | None = None  # AGN's accumulator a, flat
-    acc_views: list[torch.Tensor] = field(default_factory=list)
-    acc_is_zero: bool = True  # a == 0 logically; the next accumulate overwrites instead of adding
-    pulled: dict[str, torch.Tensor] | None = None  # the center as last pulled, flat
-    sent_hparams: dict[int, dict[str, Any]] = field(default_factory=dict)
-
-    def local(self) -> dict[str, torch.Tensor]:
-        """Fresh flat copies of the local parameters."""
-        return self.layout.flatten(self.params)
-
-    def assign(self, flats: dict[str, torch.Tensor]) -> None:
-        """Local parameters := ``flats``."""
-        with torch.no_grad():
-            for p, v in zip(self.params, self.layout.views(flats)):
-                p.copy_(v)
 
 
 class SessionRunHook:
@@ -112,8 +93,41 @@ class SessionRunHook:
 class _Connection:
     cluster: Cluster
     task_index: int
-    links: list[_ShardLink]
+    links: list[ShardLink]
     num_params: int
+
+
+def _check_params(owner: str, optimizer: torch.optim.Optimizer) -> None:
+    """Dense floating CPU tensors only, named by their place in ``param_groups`` otherwise."""
+    seen: set[int] = set()
+    for gi, group in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(group["params"]):
+            where = f"param_groups[{gi}]['params'][{pi}] (shape {tuple(p.shape)}, {p.dtype})"
+            if id(p) in seen:
+                raise ValueError(f"{owner}: {where} appears twice in the optimizer's param_groups")
+            seen.add(id(p))
+            if p.is_meta:
+                raise TypeError(
+                    f"{owner}: {where} is on the meta device (it has no values to serve); "
+                    "materialize the model first, e.g. model.to_empty(device='cpu') and "
+                    "initialize it, then build the optimizer"
+                )
+            if p.is_sparse or p.layout != torch.strided:
+                raise TypeError(
+                    f"{owner}: {where} is a {p.layout} tensor; the parameter server holds "
+                    "dense tensors only"
+                )
+            if not p.is_floating_point():
+                raise TypeError(
+                    f"{owner}: {where} is not floating point; the parameter server trains "
+                    "floating-point parameters only (float16/bfloat16/float32/float64)"
+                )
+            if p.device.type != "cpu":
+                raise TypeError(
+                    f"{owner}: {where} is on {p.device}; the parameter server moves CPU "
+                    "tensors (keep the model on the CPU, or copy to and from the device "
+                    "around the optimizer)"
+                )
 
 
 class AsyncWorkerOptimizer(WrappedOptimizer):
@@ -141,8 +155,8 @@ class AsyncWorkerOptimizer(WrappedOptimizer):
                 f"{type(self).__name__} wraps a torch.optim.Optimizer (e.g. torch.optim.SGD), "
                 f"got {type(optimizer).__name__}"
             )
-        _check_int("num_worker", num_worker, 1)
-        _check_int("communication_period", communication_period, 1)
+        check_int("num_worker", num_worker, 1)
+        check_int("communication_period", communication_period, 1)
         if custom_getter is not None and not isinstance(custom_getter, AGNCustomGetter):
             raise TypeError(
                 "custom_getter must be a distoptim.AGNCustomGetter or None (the cluster's "
@@ -152,9 +166,11 @@ class AsyncWorkerOptimizer(WrappedOptimizer):
             raise TypeError(f"use_locking must be a bool, got {type(use_locking).__name__}")
         if not isinstance(name, str) or not name:
             raise TypeError(f"name must be a non-empty str, got {name!r}")
+        check_finite_hyperparameters(optimizer, type(self).__name__)
+        _check_params(type(self).__name__, optimizer)
         super().__init__(optimizer, name=name)
-        self.num_worker = num_worker
-        self.communication_period = communication_period
+        self.num_worker = int(num_worker)
+        self.communication_period = int(communication_period)
         self.custom_getter = custom_getter
         self.use_locking = use_locking
         self.local_step = 0
@@ -163,20 +179,20 @@ class AsyncWorkerOptimizer(WrappedOptimizer):
         self._ready = False
 
     # ---- per-algorithm pieces -------------------------------------------------------------------
-    def _server_rule(self) -> _server.ServerRule:
+    def _server_rule(self) -> ServerRule:
         raise NotImplementedError
 
-    def _payload(self, link: _ShardLink) -> dict[str, torch.Tensor]:
+    def _payload(self, link: ShardLink) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
     def _absorb(
-        self, link: _ShardLink, sent: dict[str, torch.Tensor], reply: dict[str, torch.Tensor]
+        self, link: ShardLink, sent: dict[str, torch.Tensor], reply: dict[str, torch.Tensor]
     ) -> None:
         """After an accepted commit; default: the local copy becomes the received center."""
         self._reset_to(link, reply)
 
     # ---- shared worker machinery ----------------------------------------------------------------
-    def _reset_to(self, link: _ShardLink, center: dict[str, torch.Tensor]) -> None:
+    def _reset_to(self, link: ShardLink, center: dict[str, torch.Tensor]) -> None:
         """Local copy := center, accumulator := 0, last pull := center."""
         link.assign(center)
         link.acc_is_zero = True  # saves a pass over a: the next step writes g instead of adding it
@@ -185,9 +201,7 @@ class AsyncWorkerOptimizer(WrappedOptimizer):
 
     def _connect(self, task_index: int) -> None:
         """Placement and buffers (``hook.begin()``); no message is sent."""
-        _check_int("task_index", task_index, 0)
-        if task_index >= self.num_worker:
-            raise ValueError(f"task_index must be < num_worker={self.num_worker}, got {task_index}")
+        check_int("task_index", task_index, 0)
         cluster = current_cluster()
         if not cluster.is_worker:
             raise RuntimeError(f"{self._name} runs on workers; this process is {cluster.name}")
@@ -198,7 +212,8 @@ class AsyncWorkerOptimizer(WrappedOptimizer):
             )
         if self.num_worker != cluster.num_worker:
             raise ValueError(
-                f"num_worker={self.num_worker} but the cluster has {cluster.num_worker} workers"
+                f"num_worker={self.num_worker} but the cluster expects {cluster.num_worker} "
+                "workers (pass ctx.num_worker)"
             )
         getter = self.custom_getter or cluster.custom_getter
         if getter.num_ps is not None and getter.num_ps != cluster.num_ps:
@@ -209,11 +224,7 @@ class AsyncWorkerOptimizer(WrappedOptimizer):
         params = self._all_params()
         if not params:
             raise ValueError(f"{self._name} has no parameters to distribute")
-        if len({id(p) for p in params}) != len(params):
-            raise ValueError("a parameter appears twice in the optimizer's param_groups")
-        for p in params:
-            if p.is_sparse or not p.is_floating_point():
-                raise TypeError(f"parameters must be dense floating tensors, got {p.dtype}")
+        _check_params(type(self).__name__, self.wrapped)
         placement = getter.placement(params, cluster.num_ps)
         links = []
         for shard in range(cluster.num_ps):
@@ -221,7 +232,7 @@ class AsyncWorkerOptimizer(WrappedOptimizer):
             if not pos:
                 continue
             held = [params[i] for i in pos]
-            link = _ShardLink(shard, pos, held, FlatLayout([(p.shape, p.dtype) for p in held]))
+            link = ShardLink(shard, pos, held, FlatLayout([(p.shape, p.dtype) for p in held]))
             if self._keeps_accumulator:
                 link.acc = link.layout.zeros(held[0].device)
                 link.acc_views = link.layout.views(link.acc)
@@ -242,7 +253,7 @@ class AsyncWorkerOptimizer(WrappedOptimizer):
             )
         return self._conn
 
-    def _spec(self, link: _ShardLink) -> _server.TableSpec:
+    def _spec(self, link: ShardLink) -> TableSpec:
         rule = self._server_rule()
         groups: list[tuple[int, dict[str, Any], list[int]]] = []
         if rule.uses_optimizer:
@@ -255,7 +266,7 @@ class AsyncWorkerOptimizer(WrappedOptimizer):
                 if pos:
                     hp = {k: v for k, v in g.items() if k != "params"}
                     groups.append((gi, hp, pos))
-        return _server.TableSpec(
+        return TableSpec(
             algorithm=self.algorithm,
             rule=rule,
             param_indices=list(link.positions),
@@ -270,37 +281,54 @@ class AsyncWorkerOptimizer(WrappedOptimizer):
     def _seed(self) -> None:
         """Chief: create the center variables (and the server optimizer) on every shard."""
         conn = self._require_connected()
-        calls = []
+        pending = []
         for link in conn.links:
             flats = link.local()
             transmit(nbytes(flats))
-            calls.append(
-                conn.cluster.call_async(
-                    link.shard, _server.rpc_seed, (self._name, self._spec(link), flats)
-                )
-            )
-        for link, call in zip(conn.links, calls):
-            conn.cluster.result(call, link.shard, f"seeding optimizer {self._name!r}")
+            seed = Seed(self._name, self._spec(link), flats)
+            pending.append(conn.cluster.send(link.shard, seed))
+        for p in pending:
+            conn.cluster.receive(p)
 
-    def _pull(self, wait_s: float) -> list[_server.PullReply]:
+    def _pull_request(self, link: ShardLink, wait_s: float) -> Pull:
         conn = self._require_connected()
-        margin = conn.cluster.rpc_timeout
-        calls = [
-            conn.cluster.call_async(
-                link.shard,
-                _server.rpc_pull,
-                (self._name, conn.task_index, self.algorithm, link.layout.signature(), wait_s),
-                timeout=wait_s + margin,
-            )
+        return Pull(self._name, conn.task_index, self.algorithm, link.layout.signature(), wait_s)
+
+    def _pull(self, wait_s: float) -> list[PullReply]:
+        conn = self._require_connected()
+        timeout = wait_s + conn.cluster.rpc_timeout
+        pending = [
+            conn.cluster.send(link.shard, self._pull_request(link, wait_s), timeout=timeout)
             for link in conn.links
         ]
-        replies = [
-            conn.cluster.result(c, link.shard, f"pulling optimizer {self._name!r}")
-            for link, c in zip(conn.links, calls)
-        ]
-        for r in replies:
-            self.global_step = max(self.global_step, r.version)
+        replies = []
+        for link, p in zip(conn.links, pending):
+            try:
+                reply = conn.cluster.receive(p)
+            except ShardLostError as exc:
+                conn.cluster.reconnect(link.shard, exc)
+                reply = conn.cluster.request(
+                    link.shard, self._pull_request(link, wait_s), timeout=timeout
+                )
+            assert isinstance(reply, PullReply)
+            replies.append(reply)
+            self.global_step = max(self.global_step, reply.version)
         return replies
+
+    def _resync(self, link: ShardLink) -> None:
+        """After a shard restart: pull its (resumed) center into the local copy."""
+        conn = self._require_connected()
+        cluster = conn.cluster
+        reply = cluster.request(
+            link.shard,
+            self._pull_request(link, cluster.rpc_timeout),
+            timeout=2 * cluster.rpc_timeout,
+        )
+        assert isinstance(reply, PullReply)
+        link.version = reply.version
+        link.incarnation = cluster.incarnation(link.shard)
+        link.sent_hparams.clear()
+        self._reset_to(link, reply.flats)
 
     def _initialize(self, task_index: int) -> None:
         if self._conn is None or self._conn.task_index != task_index:
@@ -309,6 +337,7 @@ class AsyncWorkerOptimizer(WrappedOptimizer):
         replies = self._pull(wait_s=conn.cluster.rpc_timeout)
         for link, r in zip(conn.links, replies):
             link.version = r.version
+            link.incarnation = conn.cluster.incarnation(link.shard)
             self._reset_to(link, r.flats)
         self._ready = True
 
@@ -317,14 +346,15 @@ class AsyncWorkerOptimizer(WrappedOptimizer):
         """The hook that initializes the centers (see :class:`SessionRunHook`)."""
         if not isinstance(is_chief, bool):
             raise TypeError(f"is_chief must be a bool, got {type(is_chief).__name__}")
-        _check_int("task_index", task_index, 0)
+        check_int("task_index", task_index, 0)
         return SessionRunHook(self, is_chief, task_index)
 
     def get_init_op(self, task_index: int) -> Callable[[], None]:
-        """A callable: wait (bounded) for the centers, local params := center, accumulators := 0."""
-        _check_int("task_index", task_index, 0)
-        if task_index >= self.num_worker:
-            raise ValueError(f"task_index must be < num_worker={self.num_worker}, got {task_index}")
+        """A callable: wait (bounded) for the centers, local params := center, accumulators := 0.
+
+        ``task_index`` may exceed ``num_worker - 1`` for a late worker (elastic clusters).
+        """
+        check_int("task_index", task_index, 0)
         return lambda: self._initialize(task_index)
 
     def center_variables(self) -> list[torch.Tensor]:
@@ -370,7 +400,7 @@ class AsyncWorkerOptimizer(WrappedOptimizer):
         if self.local_step % self.communication_period == 0:
             self._commit()
 
-    def _hparams(self, link: _ShardLink) -> dict[int, dict[str, Any]] | None:
+    def _hparams(self, link: ShardLink) -> dict[int, dict[str, Any]] | None:
         """Numeric hyperparameters that changed since the last commit (LR schedules)."""
         changed: dict[int, dict[str, Any]] = {}
         for gi, g in enumerate(self.param_groups):
@@ -387,32 +417,49 @@ class AsyncWorkerOptimizer(WrappedOptimizer):
     def _commit(self) -> None:
         conn = self._require_connected()
         cluster = conn.cluster
+        for link in conn.links:  # a shard restarted under another optimizer's request
+            if cluster.incarnation(link.shard) != link.incarnation:
+                self._resync(link)
         payloads = [self._payload(link) for link in conn.links]
-        refuse = len(conn.links) > 1 and not all(_server._finite(p) for p in payloads)
+        refuse = len(conn.links) > 1 and not all(finite(p) for p in payloads)
         uses_opt = self._server_rule().uses_optimizer
-        calls = []
+        pending: list[Pending | ParameterServerError] = []
         for link, payload in zip(conn.links, payloads):
             send = {} if refuse else payload
             hp = self._hparams(link) if uses_opt and not refuse else None
             transmit(nbytes(send))
-            args = (self._name, conn.task_index, link.version, send, hp, refuse)
-            calls.append(cluster.call_async(link.shard, _server.rpc_commit, args))
-        refused = False
-        for link, payload, call in zip(conn.links, payloads, calls):
-            r = cluster.result(call, link.shard, f"a commit of optimizer {self._name!r}")
-            link.version = r.version
-            self.global_step = max(self.global_step, r.version)
-            if r.refused:
-                refused = True
+            commit = Commit(self._name, conn.task_index, link.version, send, hp, refuse)
+            try:
+                pending.append(cluster.send(link.shard, commit, into=link.reply_buffers()))
+            except ShardLostError as exc:
+                pending.append(exc)
+        reasons: list[str] = []
+        lost: list[tuple[ShardLink, ShardLostError]] = []
+        for link, payload, p in zip(conn.links, payloads, pending):
+            try:
+                if isinstance(p, ParameterServerError):
+                    raise p
+                reply = cluster.receive(p)
+            except ShardLostError as exc:
+                lost.append((link, exc))
+                continue
+            assert isinstance(reply, CommitReply)
+            link.version = reply.version
+            self.global_step = max(self.global_step, reply.version)
+            if reply.refused:
+                reasons.append(reply.reason or "refused")
                 link.sent_hparams.clear()
-                self._reset_to(link, r.flats)
+                self._reset_to(link, reply.flats)
             else:
-                self._absorb(link, payload, r.flats)
-        if refused:
+                self._absorb(link, payload, reply.flats)
+        for link, exc in lost:  # the commit is lost; wait for the shard, take its center
+            cluster.reconnect(link.shard, exc)
+            self._resync(link)
+        if reasons:
             warnings.warn(
                 f"{self._name}: worker {conn.task_index}'s commit at local step {self.local_step} "
-                "contained NaN/Inf and was refused by the parameter server (the center is "
-                "unchanged); the local parameters were reset to the center",
+                f"was refused by the parameter server ({'; '.join(sorted(set(reasons)))}); the "
+                "center is unchanged and the local parameters were reset to it",
                 RuntimeWarning,
                 stacklevel=3,
             )
@@ -429,7 +476,7 @@ class AsyncWorkerOptimizer(WrappedOptimizer):
             )
         for k in ("local_step", "global_step"):
             if k in state:
-                _check_int(k, state[k], 0)
+                check_int(k, state[k], 0)
 
     def _load_wrapper_state_dict(self, state: dict[str, Any]) -> None:
         self.local_step = state.get("local_step", self.local_step)

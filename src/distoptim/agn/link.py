@@ -1,0 +1,87 @@
+"""The worker-side link to one shard: the extension point for new asynchronous algorithms.
+
+Owns: :class:`ShardLink`, everything one worker keeps about the part of one optimizer's
+parameters that one parameter-server shard holds -- which parameters, their flat layout, the
+center version last seen, the accumulator and last-pulled center some algorithms need, and the
+reply buffers a transport may receive into.
+
+Writing a new algorithm
+-----------------------
+An asynchronous algorithm is a subclass of
+:class:`~distoptim.agn.worker.AsyncWorkerOptimizer` that says, per link:
+
+* ``_payload(link) -> dict[str, Tensor]``: what it commits (flat buffers in ``link.layout``),
+  e.g. ``a / λ`` from ``link.acc``, or ``θ - θ_pulled`` from :meth:`ShardLink.local` and
+  ``link.pulled``. The returned buffers belong to the transport until the reply arrives.
+* ``_absorb(link, sent, reply)``: what the local parameters become after an accepted commit
+  (default: the center in ``reply``, via :meth:`ShardLink.assign`).
+* ``_server_rule() -> ServerRule``: how the shard applies a commit
+  (:mod:`distoptim.agn.rules`; add a rule there if none fits).
+
+and sets ``_keeps_accumulator`` (the worker maintains ``link.acc``, the sum of raw gradients
+since the last commit) and/or ``_keeps_pulled`` (``link.pulled`` holds the center as last
+received). :mod:`distoptim.agn.agn`, :mod:`~distoptim.agn.downpour` and
+:mod:`~distoptim.agn.easgd` are each about fifty lines on top of this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from distoptim.agn.flat import FlatLayout
+
+__all__ = ["ShardLink"]
+
+
+@dataclass
+class ShardLink:
+    """One worker's view of one shard for one optimizer.
+
+    * ``shard``: the shard's index; ``positions``: indices of these parameters in the
+      optimizer's parameter list; ``params``: the parameters themselves (the local copies);
+      ``layout``: their flat layout (one buffer per dtype, in parameter order).
+    * ``version``: the shard's center version at this worker's last pull or commit;
+      ``incarnation``: the shard's incarnation then (it changes when the shard restarts).
+    * ``acc`` / ``acc_views``: the accumulator ``a`` (flat, and per-parameter views), kept when
+      the algorithm has ``_keeps_accumulator``; ``acc_is_zero``: ``a`` is logically zero, so the
+      next accumulation overwrites instead of adding (saves a pass).
+    * ``pulled``: the center as last received (``_keeps_pulled``).
+    * ``inbox``: persistent buffers a transport may receive commit replies into
+      (:meth:`reply_buffers`; a reply's ``flats`` may or may not be these: always read the
+      reply).
+    """
+
+    shard: int
+    positions: list[int]
+    params: list[torch.Tensor]
+    layout: FlatLayout
+    version: int = 0
+    incarnation: int = 0
+    acc: dict[str, torch.Tensor] | None = None
+    acc_views: list[torch.Tensor] = field(default_factory=list)
+    acc_is_zero: bool = True
+    pulled: dict[str, torch.Tensor] | None = None
+    inbox: dict[str, torch.Tensor] | None = None
+    sent_hparams: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    def local(self) -> dict[str, torch.Tensor]:
+        """Fresh flat copies of the local parameters."""
+        return self.layout.flatten(self.params)
+
+    def assign(self, flats: dict[str, torch.Tensor]) -> None:
+        """Local parameters := ``flats`` (one pass)."""
+        with torch.no_grad():
+            torch._foreach_copy_(self.params, self.layout.views(flats))
+
+    def reply_buffers(self) -> dict[str, torch.Tensor]:
+        """The persistent buffers commit replies may be received into (allocated once).
+
+        They may be the buffers ``pulled`` refers to: a commit's payload is computed before its
+        reply arrives, and the reply then becomes the new ``pulled``.
+        """
+        if self.inbox is None:
+            self.inbox = self.layout.zeros()
+        return self.inbox

@@ -1,0 +1,102 @@
+"""How one typed message travels over a 2-rank process group: header, metadata, flat buffers.
+
+Owns: the byte layout of a message on a p2p connection, both directions. A message is sent as
+
+1. a **fixed-size header**: a ``uint8`` tensor of :data:`HEADER_BYTES` bytes. Its first eight
+   little-endian ``int64`` words are ``[MAGIC, meta_nbytes, n_buffers, 0, 0, 0, 0, 0]``; the
+   rest holds the metadata when it fits (:data:`INLINE_META` bytes, the common case);
+2. the **metadata**, only when it did not fit: a ``uint8`` tensor of ``meta_nbytes`` bytes. The
+   metadata is the pickled :class:`_Envelope`: the message with its ``flats`` left out, and one
+   :class:`BufferSpec` (key, dtype, element count) per buffer;
+3. the **flat buffers**, one ``send`` each, in the order of the specs.
+
+Every part is one ``send``/``recv`` with the same tag; gloo keeps their order on a pair. The
+receiver allocates (or reuses) each buffer from its spec, so a message is self-describing and
+the receiver checks it against what it expects (the shard against the table's layout).
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+__all__ = [
+    "HEADER_BYTES",
+    "INLINE_META",
+    "MAGIC",
+    "BufferSpec",
+    "WireError",
+    "decode_header",
+    "encode",
+    "finish_decode",
+]
+
+HEADER_BYTES = 512
+_WORDS = 8
+INLINE_META = HEADER_BYTES - 8 * _WORDS
+MAGIC = 0x314E4741  # "AGN1"
+
+
+class WireError(RuntimeError):
+    """A message that does not follow this layout (a peer speaking something else)."""
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """One flat buffer of a message: its key in ``flats``, dtype and element count."""
+
+    key: str
+    dtype: torch.dtype
+    numel: int
+
+
+@dataclass
+class _Envelope:
+    message: Any  # the message, flats left out
+    buffers: list[BufferSpec]
+
+
+def encode(message: Any) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
+    """``(header, metadata or None, buffers)`` for ``message`` (see the module docstring)."""
+    flats = getattr(message, "flats", None) or {}
+    specs = [BufferSpec(k, t.dtype, t.numel()) for k, t in flats.items()]
+    bare = replace(message, flats={}) if flats else message
+    meta = pickle.dumps(_Envelope(bare, specs), protocol=pickle.HIGHEST_PROTOCOL)
+    header = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+    words = header[: 8 * _WORDS].view(torch.int64)
+    words[0], words[1], words[2] = MAGIC, len(meta), len(specs)
+    extra = None
+    if len(meta) <= INLINE_META:
+        header[8 * _WORDS : 8 * _WORDS + len(meta)] = torch.frombuffer(
+            bytearray(meta), dtype=torch.uint8
+        )
+    else:
+        extra = torch.frombuffer(bytearray(meta), dtype=torch.uint8)
+    buffers = []
+    for t in flats.values():
+        if not t.is_contiguous() or t.dim() != 1:
+            raise WireError("flat buffers must be contiguous 1-D tensors")
+        buffers.append(t)
+    return header, extra, buffers
+
+
+def decode_header(header: torch.Tensor) -> tuple[int, bytes | None]:
+    """``(meta_nbytes, inline metadata or None)``; raises :class:`WireError` on a bad header."""
+    words = header[: 8 * _WORDS].view(torch.int64)
+    if int(words[0]) != MAGIC:
+        raise WireError(f"bad message header (magic {int(words[0]):#x}, expected {MAGIC:#x})")
+    n = int(words[1])
+    if n <= INLINE_META:
+        return n, bytes(header[8 * _WORDS : 8 * _WORDS + n].numpy())
+    return n, None
+
+
+def finish_decode(meta: bytes) -> tuple[Any, list[BufferSpec]]:
+    """The message (``flats`` still empty) and the specs of the buffers that follow."""
+    envelope = pickle.loads(meta)
+    if not isinstance(envelope, _Envelope):
+        raise WireError(f"bad message metadata ({type(envelope).__name__})")
+    return envelope.message, envelope.buffers

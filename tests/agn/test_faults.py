@@ -1,0 +1,220 @@
+"""distoptim.agn under faults and membership changes (p2p): real local clusters.
+
+Four small runs, each checking several behaviours:
+
+* elastic: a late worker joins a running cluster, pulls the current center and commits; a worker
+  leaves early without stalling anyone; the center guard refuses a commit whose result would be
+  Inf (and its hyperparameters do not stick); a clean end prints nothing (children's stderr);
+* restart: a shard killed mid-run is restarted from its checkpoint, the workers reconnect and go
+  on; the commits lost are bounded by ``checkpoint_every`` (plus those in flight);
+* a worker killed during start-up fails the run within seconds, naming that worker;
+* the same death with ``on_startup_failure="drop"`` is dropped, while another worker's exception
+  still reaches the caller (root cause first, the death listed after it).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import distoptim
+from distoptim.agn import LocalCluster, WorkerStartupError, spawn
+from distoptim.agn.transport.messages import Ping
+from distoptim.launch import RankFailedError
+
+pytestmark = [pytest.mark.timeout(150), pytest.mark.slow]
+
+
+def _model() -> torch.nn.Linear:
+    torch.manual_seed(0)
+    return torch.nn.Linear(4, 2)
+
+
+def _step(opt, model, g: torch.Generator, scale: float = 1.0) -> list[str]:
+    opt.zero_grad()
+    x = scale * torch.randn(8, 4, generator=g)
+    (model(x) - 1.0).pow(2).mean().backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    return [str(w.message) for w in caught if w.category is RuntimeWarning]
+
+
+def _agn(ctx, model, lr=0.05):
+    opt = distoptim.AGNOptimizer(
+        torch.optim.SGD(model.parameters(), lr=lr), ctx.num_worker, communication_period=1
+    )
+    hook = opt.make_session_run_hook(ctx.is_chief, ctx.task_index)
+    hook.begin()
+    hook.after_create_session()
+    return opt
+
+
+def _wait_for(path: Path, seconds: float) -> bool:
+    """Poll for a file another process writes (a bounded wait on a condition)."""
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# elastic: join, leave, center guard, quiet end
+# ---------------------------------------------------------------------------------------------
+def _elastic_worker(ctx, out_dir: str) -> dict:
+    out_path = Path(out_dir)
+    model = _model()
+    opt = _agn(ctx, model)
+    g = torch.Generator().manual_seed(ctx.task_index)
+    out = {"task": ctx.task_index, "late": ctx.is_late, "version_at_init": opt.global_step}
+    if ctx.is_late:
+        for _ in range(3):
+            _step(opt, model, g)
+        out["commits"] = 3
+        (out_path / "late_done").write_text("1")
+        return out
+    if ctx.task_index == 1:  # the center guard, then leave early
+        _step(opt, model, g)
+        opt.param_groups[0]["lr"] = 3e38  # the server follows it: lr * g overflows float32
+        out["guard_warnings"] = _step(opt, model, g, scale=100.0)
+        out["center_finite"] = all(torch.isfinite(c).all() for c in opt.center_variables())
+        opt.param_groups[0]["lr"] = 0.05
+        out["after_guard"] = _step(opt, model, g)
+        out["commits"] = 3
+        return out
+    n = 0
+    while n < 3 or not (out_path / "late_done").exists():  # until the late worker is done
+        _step(opt, model, g)
+        n += 1
+        if n == 3:
+            (out_path / "w0_ready").write_text("1")
+        if n > 5000:
+            raise RuntimeError("the late worker never finished")
+    out["commits"] = n
+    return out
+
+
+def test_late_worker_joins_one_leaves_guard_refuses_and_the_end_is_quiet(tmp_path, capfd):
+    with LocalCluster(_elastic_worker, 2, 1, (str(tmp_path),), timeout=120, rpc_timeout=30) as c:
+        c.start()
+        assert _wait_for(tmp_path / "w0_ready", 90)
+        late = c.add_worker()
+        result = c.wait()
+    assert late == 2
+    w0, w1, w2 = result.worker_results
+    assert w2["late"] and not w0["late"]
+    assert w2["version_at_init"] >= 3  # it pulled the current center, not the chief's seed
+    stats = result.stats
+    assert stats.commits_per_worker[2] == 3
+    assert stats.commits_per_worker[1] == 2  # the third commit was refused by the guard
+    assert stats.commits_per_worker[0] == w0["commits"]
+    assert stats.dead_workers == [] and stats.failed_workers == []
+    assert stats.refused_commits == 1 and stats.refused_results == 1
+    assert len(w1["guard_warnings"]) == 1 and "non-finite" in w1["guard_warnings"][0]
+    assert w1["center_finite"] and w1["after_guard"] == []  # the huge lr did not stick
+    assert all(torch.isfinite(c).all() for c in result.center)
+    assert stats.global_step == sum(stats.commits_per_worker.values())
+    err = capfd.readouterr().err
+    noise = [
+        line
+        for line in err.splitlines()
+        if any(w in line for w in ("gloo", "Connection", "tensorpipe", "[W", "[E", "Traceback"))
+    ]
+    assert noise == [], err
+
+
+# ---------------------------------------------------------------------------------------------
+# shard restart
+# ---------------------------------------------------------------------------------------------
+def _restart_worker(ctx, steps: int, kill_at: int) -> dict:
+    model = _model()
+    opt = _agn(ctx, model)
+    g = torch.Generator().manual_seed(ctx.task_index)
+    versions = []
+    killed_at = resumed_at = None
+    for k in range(steps):
+        if ctx.is_chief and k == kill_at:
+            os.kill(ctx.request(0, Ping()).pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+        _step(opt, model, g)
+        versions.append(opt.global_step)
+        if killed_at is not None and resumed_at is None:
+            resumed_at = time.monotonic()
+    return {
+        "versions": versions,
+        "incarnation": ctx.incarnation(0),
+        "resume_s": None if killed_at is None else resumed_at - killed_at,
+    }
+
+
+def test_shard_killed_mid_run_is_restarted_from_its_checkpoint(tmp_path):
+    steps, every = 12, 3
+    result = spawn(
+        _restart_worker,
+        2,
+        num_ps=1,
+        args=(steps, 5),
+        timeout=120,
+        rpc_timeout=30,
+        checkpoint_dir=tmp_path,
+        checkpoint_every=every,
+        max_restarts=1,
+    )
+    chief, other = result.worker_results
+    assert result.stats.shard_restarts == 1
+    assert chief["incarnation"] == 2 and other["incarnation"] == 2
+    assert chief["resume_s"] is not None and chief["resume_s"] < 60
+    sent = 2 * steps
+    lost = sent - result.stats.global_step - result.stats.refused_commits
+    assert 1 <= lost <= (every - 1) + 2, lost  # since the checkpoint, plus those in flight
+    assert result.stats.per_optimizer["AGNOptimizer"]["resumed"]
+    assert sorted(os.listdir(tmp_path)) == ["ps0.pt"]  # no temporary file left behind
+    assert all(torch.isfinite(c).all() for c in result.center)
+
+
+# ---------------------------------------------------------------------------------------------
+# death during start-up; exceptions reach the caller
+# ---------------------------------------------------------------------------------------------
+def _short_worker(ctx) -> int:
+    model = _model()
+    opt = _agn(ctx, model)
+    g = torch.Generator().manual_seed(ctx.task_index)
+    for _ in range(3):
+        _step(opt, model, g)
+    if ctx.task_index == 1:
+        raise ValueError("worker one's own mistake")
+    return opt.global_step
+
+
+def test_worker_killed_during_startup_fails_the_run_within_seconds_naming_it():
+    c = LocalCluster(_short_worker, 2, 1, timeout=120, rpc_timeout=30)
+    with c:
+        c.start()
+        os.kill(c.pid("worker 1"), signal.SIGKILL)  # it is still importing torch
+        t0 = time.monotonic()
+        with pytest.raises(WorkerStartupError, match="worker 1 failed: died during start-up"):
+            c.wait()
+        elapsed = time.monotonic() - t0
+    assert elapsed < 15, elapsed  # the parent saw it at once; stopping the others takes the rest
+
+
+def test_dropped_startup_death_and_a_workers_exception_reaches_the_caller():
+    c = LocalCluster(_short_worker, 3, 1, timeout=120, rpc_timeout=30, on_startup_failure="drop")
+    with c:
+        c.start()
+        os.kill(c.pid("worker 2"), signal.SIGKILL)
+        with pytest.raises(RankFailedError, match="worker one's own mistake") as info:
+            c.wait()
+    err = info.value
+    assert err.name == "worker 1" and isinstance(err.__cause__, ValueError)
+    assert "_short_worker" in err.remote_traceback
+    assert [o.name for o in err.others] == ["worker 2"]
+    assert "killed by signal 9" in err.others[0].headline()
