@@ -23,7 +23,11 @@ import torch.nn.functional as F
 from tests.multihost.doc_commands import Job, run_jobs
 from tests.multihost.harness import HostRun, Hosts, Running
 
-pytestmark = [pytest.mark.slow, pytest.mark.multihost]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.multihost,
+    pytest.mark.timeout(600),
+]  # the waves run in setup
 
 _TIMEOUT = 150.0
 _JOBS: dict[str, Job] = {}
