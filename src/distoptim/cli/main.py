@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Sequence
 
 __all__ = ["main", "torchrun_train"]
@@ -27,6 +28,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from distoptim.cli.options import UsageError, build_parser, make_plan
     from distoptim.cli.session import exit_code, run_plan, sigterm_as_interrupt
 
+    started = time.monotonic()
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     try:
@@ -42,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 plan = make_plan(args)
             except UsageError as exc:
                 return _usage_error(args.command, str(exc))
-            return run_plan(plan, argv)
+            return run_plan(plan, argv, started=started)
         except KeyboardInterrupt as exc:  # before the first run, or while writing
             print("distoptim: interrupted", file=sys.stderr)
             return exit_code(exc)

@@ -156,8 +156,8 @@ def _summary_line(rec: RunRecord, verbose: bool) -> str:
 class _Timing:
     """Where a command's time went, for ``results.json`` and the line under the table."""
 
-    def __init__(self, pool_size: int) -> None:
-        self.started = time.monotonic()
+    def __init__(self, pool_size: int, started: float | None) -> None:
+        self.started = time.monotonic() if started is None else started
         self.load_start = _load()
         self.pool_size = pool_size
         self.pool_starts: list[float] = []
@@ -200,9 +200,13 @@ def run_plan(
     argv: Sequence[str],
     stdout: TextIO | None = None,
     stderr: TextIO | None = None,
+    started: float | None = None,
 ) -> int:
     """Run every config of ``plan`` in order on one process pool; write outputs; print the
-    table. Returns the exit code. Call under :func:`sigterm_as_interrupt` for SIGTERM."""
+    table. Returns the exit code. Call under :func:`sigterm_as_interrupt` for SIGTERM.
+
+    ``started``: ``time.monotonic()`` when the command began (checks and data loading count
+    in ``timing.total_s``); default now."""
     stdout = stdout if stdout is not None else sys.stdout
     stderr = stderr if stderr is not None else sys.stderr
     for note in plan.notes:
@@ -211,7 +215,7 @@ def run_plan(
     n_train = int(plan.data.x_train.shape[0])
     labels = [algorithms.label(c) for c in plan.configs]
     totals = [c.total_samples(n_train) for c in plan.configs]
-    timing = _Timing(max(algorithms.processes_of(c) for c in plan.configs))
+    timing = _Timing(max(algorithms.processes_of(c) for c in plan.configs), started)
     records: list[RunRecord] = []
     interrupt: KeyboardInterrupt | None = None
     failed = False
