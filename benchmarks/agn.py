@@ -1,28 +1,36 @@
-"""Benchmark: the AGN parameter server (torch.distributed.rpc) against a raw rpc echo.
+"""Benchmark: the parameter server's two transports side by side, against raw echoes, and faults.
 
-Side by side in one run, on local processes (loopback, TensorPipe), with the paper's MNIST MLP
-784-1000-2000-1000-10 (4,798,010 float32 parameters, 19.2 MB):
+Model: the AGN paper's MNIST MLP 784-1000-2000-1000-10 (4,798,010 float32 parameters, 19.2 MB).
+Every process runs on this machine (loopback). Sections (all by default):
 
-* ``round trip`` -- one AGN commit + pull (``AGNOptimizer._commit``: build ``a/λ``, one RPC per
-  shard, the server applies SGD under its lock and replies with a snapshot of the center, the
-  worker copies it into its parameters) vs a raw ``rpc_sync`` echo of the same bytes (a dict
-  with one 4.8M-element tensor sent to the PS and returned as is). The two are interleaved, so
-  load changes hit both alike. Target: overhead <= 1.5x.
-* ``commits/s`` -- aggregate accepted commits per second with 1, 2 and 4 workers on one shard,
-  every worker stepping as fast as it can at λ=1 (fixed gradients: this measures the PS path,
-  not the model's compute); then 4 workers on 2 shards vs 1.
-* ``2 shards vs 1`` -- the round trip of one worker with the model split over 2 shards.
-* ``10 Gbit/s`` -- the 1-shard round trip again with an emulated 10 Gbit/s link
-  (``distoptim.comm.link``; both the AGN path and the echo pay the same wire time).
+* ``passes`` -- the cost of each pass over the payload a commit makes, timed alone in one
+  process (median of repeats): the worker's ``a/λ``, the shard's checks, backup, optimizer step,
+  and the worker's copy of the reply into its parameters.
+* ``round trip`` -- one shard process serving **both** transports over the same tables and one
+  worker process connected by both; in one shuffled order per repetition the worker times: an
+  AGN commit+pull (``AGNOptimizer._commit``) over p2p and over rpc, and a raw echo of the same
+  bytes (the ``Echo`` request: the shard sends the buffers back as they came) over each. Paired
+  ratios: p2p commit / p2p echo (the protocol's own overhead), p2p commit / rpc commit. With 1
+  and 2 shards.
+* ``throughput`` -- aggregate accepted commits/s with 1, 2 and 4 workers on one shard, every
+  worker stepping as fast as it can at λ=1 (fixed gradients: the PS path, not the model); the
+  transports alternate in phases p2p, rpc, rpc, p2p (ABBA, so drift hits both alike), each
+  phase starting from a store barrier.
+* ``faults`` -- (p2p) time from a shard's SIGKILL to the workers' next completed step after the
+  automatic restart, and the commits lost; time from ``LocalCluster.add_worker()`` to the late
+  worker's first commit (and from its join); time until ``wait()`` raises when a worker dies
+  during start-up; then the real-cause trials: ``--trials`` runs each of
+  ``distoptim.launch.spawn`` and ``distoptim.agn.spawn`` in which rank/worker 1 raises
+  ``ValueError`` between collectives/commits, counting how often the caller saw that error.
 
 Run::
 
-    python benchmarks/agn.py            # ~2-3 minutes on 2 cores
-    python benchmarks/agn.py --quick    # a smoke run
+    python benchmarks/agn.py                   # everything, ~10 minutes on 2 busy cores
+    python benchmarks/agn.py --quick           # a smoke run
+    python benchmarks/agn.py --only round_trip --reps 30
 
-Prints medians and ratios; writes ``benchmarks/results/agn.json``. On a shared 2-core machine
-processes compete for cores: more workers cannot add throughput there, and the figures move
-with the load (recorded in the JSON).
+Prints medians and paired ratios; writes ``benchmarks/results/agn.json`` (with the machine's
+load average at start and end: on a shared 2-core machine the figures move with the load).
 """
 
 from __future__ import annotations
@@ -32,21 +40,29 @@ import itertools
 import json
 import os
 import platform
+import random
+import signal
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.rpc as rpc
+import torch.distributed as dist
 from torch import nn
 
 import distoptim
-from distoptim.agn import spawn
-from distoptim.agn.flat import nbytes
-from distoptim.comm.link import ENV_VAR, Link, transmit
+from distoptim.agn import Cluster, LocalCluster, WorkerStartupError, spawn
+from distoptim.agn.flat import FlatLayout
+from distoptim.agn.rules import Backup, finite
+from distoptim.agn.transport.messages import Echo, EchoReply, Ping
+from distoptim.agn.transport.rpc import RpcTransport
+from distoptim.launch import RankFailedError, run_processes, torchrun_env
+from distoptim.launch import spawn as launch_spawn
 
 SIZES = (784, 1000, 2000, 1000, 10)
+SECTIONS = ("passes", "round_trip", "throughput", "faults")
 
 
 def _mlp() -> nn.Module:
@@ -57,17 +73,94 @@ def _mlp() -> nn.Module:
     return nn.Sequential(*layers[:-1])
 
 
-def _echo(payload: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    transmit(nbytes(payload))  # the reply's wire time, as a shard pays it (no-op without a link)
-    return payload
+def _load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
 
 
-def _echo_call(dst: str, payload: dict[str, torch.Tensor]) -> torch.futures.Future:
-    transmit(nbytes(payload))  # the request's wire time, as a worker pays it
-    return rpc.rpc_async(dst, _echo, args=(payload,))
+def _median_ms(xs: list[float]) -> float:
+    return 1e3 * statistics.median(xs)
 
 
-def _setup(ctx) -> tuple[nn.Module, distoptim.AGNOptimizer]:
+# ---------------------------------------------------------------------------------------------
+# passes
+# ---------------------------------------------------------------------------------------------
+def _time(fn, reps: int) -> float:
+    fn()
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return _median_ms(out)
+
+
+def _passes(reps: int) -> dict[str, float]:
+    torch.set_num_threads(1)  # as in a cluster process on 2 cores
+    model = _mlp()
+    params = list(model.parameters())
+    layout = FlatLayout([(p.shape, p.dtype) for p in params])
+    acc = layout.flatten([torch.randn_like(p) for p in params])
+    center = layout.flatten(params)
+    views = layout.views(center)
+    opt = torch.optim.SGD(views, lr=1e-9)
+    grads = layout.views(acc)
+    backup = Backup.like(center)
+
+    def step():
+        for p, g in zip(views, grads):
+            p.grad = g
+        opt.step()
+
+    return {
+        "worker: a/λ in place": _time(lambda: acc["float32"].div_(1.0), reps),
+        "shard: finite check (sum)": _time(lambda: finite(center), reps),
+        "shard: backup copy": _time(
+            lambda: backup.take(center, opt, -1) or setattr(backup, "version", None), reps
+        ),
+        "shard: SGD step": _time(step, reps),
+        "worker: reply -> parameters": _time(
+            lambda: torch._foreach_copy_([p.detach() for p in params], views), reps
+        ),
+        "one memcpy of the payload": _time(lambda: center["float32"].clone(), reps),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# processes that serve / use both transports
+# ---------------------------------------------------------------------------------------------
+def _dual_main(num_ps: int, mode: str, args: tuple[Any, ...]) -> Any:
+    """One process of a cluster whose shards serve p2p and rpc over the same tables."""
+    cluster = Cluster.from_env(num_ps=num_ps, transport="p2p", rpc_timeout=120)
+    p2p = cluster.transport
+    rpc_t = RpcTransport(cluster.rank, num_ps, cluster.num_worker, 120.0)
+    try:
+        if cluster.is_ps:
+            rpc_t.serve(cluster._server)  # the same shard behind the second transport
+            return cluster.serve()
+        transports = {"p2p": p2p, "rpc": rpc_t}
+        return _MODES[mode](cluster, transports, *args)
+    finally:
+        cluster.transport = p2p
+        cluster.shutdown()
+        rpc_t.close()
+
+
+def _run_dual(num_worker: int, num_ps: int, mode: str, args: tuple[Any, ...]) -> list[Any]:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    world = num_ps + num_worker
+    env = {"TORCH_CPP_LOG_LEVEL": "ERROR"}  # rpc's shut-down without a barrier logs per pipe
+    outcomes = run_processes(
+        _dual_main,
+        [(num_ps, mode, args)] * world,
+        timeout=900,
+        envs=[{**torchrun_env(r, world, store.port), **env} for r in range(world)],
+        names=[f"ps {s}" for s in range(num_ps)] + [f"worker {t}" for t in range(num_worker)],
+        num_threads=1,
+    )
+    return [o.value for o in outcomes[num_ps:]]
+
+
+def _agn(ctx) -> tuple[nn.Module, distoptim.AGNOptimizer]:
     model = _mlp()
     opt = distoptim.AGNOptimizer(
         torch.optim.SGD(model.parameters(), lr=1e-9), ctx.num_worker, communication_period=1
@@ -81,65 +174,236 @@ def _setup(ctx) -> tuple[nn.Module, distoptim.AGNOptimizer]:
     return model, opt
 
 
-def _round_trip(ctx, reps: int) -> dict[str, Any]:
-    model, opt = _setup(ctx)
+def _echo(ctx, flats: list[torch.Tensor]) -> None:
+    """A raw echo of the same bytes a commit moves: one buffer per shard, in parallel."""
+    pending = [ctx.send(s, Echo({"float32": f})) for s, f in enumerate(flats)]
+    for p in pending:
+        reply = ctx.receive(p)
+        assert isinstance(reply, EchoReply)
+
+
+def _round_trip(ctx, transports, reps: int) -> dict[str, Any]:
+    model, opt = _agn(ctx)
     n = sum(p.numel() for p in model.parameters())
-    flat = {"float32": torch.randn(n)}
-    commit, echo = [], []
+    flat = [torch.randn(link.layout.numel()) for link in opt._conn.links]
+    times: dict[str, list[float]] = {
+        f"{k}_{op}": [] for k in transports for op in ("commit", "echo")
+    }
+    rng = random.Random(0)
     for i in range(reps + 2):  # two warm-up rounds
-        t = time.perf_counter()
-        opt._commit()
-        c = time.perf_counter() - t
-        t = time.perf_counter()
-        if ctx.num_ps == 1:
-            _echo_call("ps:0", flat).wait()
-        else:  # the same bytes split over the shards, in parallel, as a commit is
-            half = n // 2
-            futs = [
-                _echo_call("ps:0", {"float32": flat["float32"][:half].clone()}),
-                _echo_call("ps:1", {"float32": flat["float32"][half:].clone()}),
-            ]
-            for f in futs:
-                f.wait()
-        e = time.perf_counter() - t
-        if i >= 2:
-            commit.append(c)
-            echo.append(e)
-    return {"params": n, "commit_s": commit, "echo_s": echo}
+        order = list(times)
+        rng.shuffle(order)
+        for key in order:
+            kind, op = key.split("_")
+            ctx.transport = transports[kind]
+            t = time.perf_counter()
+            if op == "commit":
+                opt._commit()
+            else:
+                _echo(ctx, flat)
+            if i >= 2:
+                times[key].append(time.perf_counter() - t)
+    return {"params": n, "times": times}
 
 
-def _throughput(ctx, seconds: float) -> dict[str, Any]:
-    _, opt = _setup(ctx)
-    start = time.time()
-    steps = 0
-    while time.time() - start < seconds:
-        opt.step()  # λ=1: local SGD step + accumulate + commit + pull
-        steps += 1
-    return {"start": start, "end": time.time(), "commits": steps}
+def _barrier(ctx, name: str) -> None:
+    store = ctx._store
+    store.add(name, 1)
+    deadline = time.monotonic() + 120
+    while int(store.add(name, 0)) < ctx.num_worker:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"barrier {name} not reached")
+        time.sleep(0.001)
 
 
-def _load() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
+def _throughput(ctx, transports, seconds: float) -> list[dict[str, Any]]:
+    _, opt = _agn(ctx)
+    out = []
+    for phase, kind in enumerate(("p2p", "rpc", "rpc", "p2p")):
+        _barrier(ctx, f"bench/phase{phase}")
+        ctx.transport = transports[kind]
+        start = time.time()
+        steps = 0
+        while time.time() - start < seconds:
+            opt.step()  # λ=1: local SGD step + accumulate + commit + pull
+            steps += 1
+        out.append({"kind": kind, "phase": phase, "start": start, "end": time.time(), "n": steps})
+    return out
 
 
+_MODES = {"round_trip": _round_trip, "throughput": _throughput}
+
+
+# ---------------------------------------------------------------------------------------------
+# faults
+# ---------------------------------------------------------------------------------------------
+def _small(ctx):
+    model = nn.Linear(32, 4)
+    opt = distoptim.AGNOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01), ctx.num_worker, communication_period=1
+    )
+    hook = opt.make_session_run_hook(ctx.is_chief, ctx.task_index)
+    hook.begin()
+    hook.after_create_session()
+    return model, opt
+
+
+def _small_step(model, opt) -> None:
+    opt.zero_grad()
+    model(torch.randn(8, 32)).pow(2).mean().backward()
+    opt.step()
+
+
+def _restart_fn(ctx, steps: int, kill_at: int) -> dict[str, Any]:
+    model, opt = _small(ctx)
+    killed = resumed = None
+    for k in range(steps):
+        if ctx.is_chief and k == kill_at:
+            os.kill(ctx.request(0, Ping()).pid, signal.SIGKILL)
+            killed = time.monotonic()
+        _small_step(model, opt)
+        if killed is not None and resumed is None:
+            resumed = time.monotonic()
+    return {"resume_s": None if killed is None else resumed - killed}
+
+
+def _late_fn(ctx, out_dir: str) -> dict[str, Any]:
+    joined = time.time()
+    model, opt = _small(ctx)
+    first = None
+    path = Path(out_dir)
+    n = 0
+    while True:
+        _small_step(model, opt)
+        n += 1
+        if first is None:
+            first = time.time()
+        if not ctx.is_late and n == 3:
+            (path / "ready").write_text("1")
+        if ctx.is_late or (path / "late_done").exists() or n > 100000:
+            break
+    if ctx.is_late:
+        (path / "late_done").write_text("1")
+    return {"joined": joined, "first_commit": first, "late": ctx.is_late}
+
+
+def _raise_after_commits(ctx) -> int:
+    model, opt = _small(ctx)
+    for _ in range(5):
+        _small_step(model, opt)
+    if ctx.task_index == 1:
+        raise ValueError("worker one's real cause")
+    return opt.global_step
+
+
+def _raise_between_collectives(rank: int, world_size: int) -> int:
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    if rank == 1:
+        raise ValueError("rank one's real cause")
+    dist.all_reduce(t)
+    return rank
+
+
+def _faults(trials: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as d:
+        every, steps = 10, 60
+        r = spawn(
+            _restart_fn,
+            2,
+            args=(steps, 25),
+            timeout=600,
+            rpc_timeout=60,
+            checkpoint_dir=d,
+            checkpoint_every=every,
+            max_restarts=1,
+        )
+        lost = 2 * steps - r.stats.global_step - r.stats.refused_commits
+        out["shard_restart"] = {
+            "kill_to_resume_s": r.worker_results[0]["resume_s"],
+            "commits_lost": lost,
+            "checkpoint_every": every,
+            "workers": 2,
+            "restarts": r.stats.shard_restarts,
+        }
+        print(
+            f"  shard restart: killed -> resumed {out['shard_restart']['kill_to_resume_s']:.2f} s,"
+            f" {lost} commits lost (checkpoint_every={every}, 2 workers)",
+            flush=True,
+        )
+    with tempfile.TemporaryDirectory() as d:
+        with LocalCluster(_late_fn, 2, 1, (d,), timeout=600, rpc_timeout=60) as c:
+            c.start()
+            deadline = time.monotonic() + 300
+            while not (Path(d) / "ready").exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            added = time.time()
+            c.add_worker()
+            res = c.wait()
+        late = res.worker_results[2]
+        out["late_worker"] = {
+            "add_to_first_commit_s": late["first_commit"] - added,
+            "join_to_first_commit_s": late["first_commit"] - late["joined"],
+        }
+        print(
+            f"  late worker: add_worker() -> first commit {late['first_commit'] - added:.2f} s "
+            f"(process start included; {late['first_commit'] - late['joined']:.2f} s from its "
+            "join)",
+            flush=True,
+        )
+    c = LocalCluster(_raise_after_commits, 2, 1, timeout=600, rpc_timeout=60)
+    with c:
+        c.start()
+        os.kill(c.pid("worker 1"), signal.SIGKILL)
+        t = time.monotonic()
+        try:
+            c.wait()
+            seen = "no error"
+        except WorkerStartupError as exc:
+            seen = str(exc).splitlines()[0]
+        out["startup_death"] = {"time_to_fail_s": time.monotonic() - t, "error": seen}
+    print(
+        f"  worker killed during start-up: the run failed after "
+        f"{out['startup_death']['time_to_fail_s']:.2f} s: {seen}",
+        flush=True,
+    )
+
+    hits = {"launch.spawn": 0, "agn.spawn": 0}
+    for _ in range(trials):
+        try:
+            launch_spawn(_raise_between_collectives, 2, timeout=300, num_threads=1)
+        except RankFailedError as exc:
+            hits["launch.spawn"] += isinstance(exc.__cause__, ValueError) and exc.rank == 1
+        try:
+            spawn(_raise_after_commits, 3, timeout=300, rpc_timeout=60, num_threads=1)
+        except RankFailedError as exc:
+            hits["agn.spawn"] += isinstance(exc.__cause__, ValueError) and exc.name == "worker 1"
+    out["real_cause"] = {"trials": trials, **hits}
+    print(
+        f"  real cause seen by the caller: launch.spawn {hits['launch.spawn']}/{trials}, "
+        f"agn.spawn {hits['agn.spawn']}/{trials}",
+        flush=True,
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------------
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a smoke run (few repetitions)")
+    ap.add_argument("--only", choices=SECTIONS, action="append", help="run only these sections")
     ap.add_argument("--reps", type=int, default=None, help="round trips per configuration")
-    ap.add_argument("--seconds", type=float, default=None, help="throughput window per run")
-    ap.add_argument(
-        "--link",
-        default=None,
-        metavar="LATENCY_MS,MBPS",
-        help="emulate a slower network for both the AGN path and the echo (e.g. 0.05,10000)",
-    )
-    ap.add_argument("--rt-only", action="store_true", help="only the round-trip comparison")
+    ap.add_argument("--seconds", type=float, default=None, help="throughput phase length")
+    ap.add_argument("--trials", type=int, default=None, help="real-cause trials per launcher")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "agn.json"))
     args = ap.parse_args()
-    if args.link:
-        Link.from_env(args.link)  # validates
-    reps = args.reps or (5 if args.quick else 25)
-    seconds = args.seconds or (2.0 if args.quick else 6.0)
+    sections = args.only or list(SECTIONS)
+    reps = args.reps or (5 if args.quick else 20)
+    seconds = args.seconds or (2.0 if args.quick else 5.0)
+    trials = args.trials or (1 if args.quick else 6)
     results: dict[str, Any] = {
         "machine": {
             "cpus": os.cpu_count(),
@@ -147,95 +411,78 @@ def main() -> None:
             "torch": torch.__version__,
             "loadavg_start": _load(),
         },
-        "model": "MLP 784-1000-2000-1000-10 (float32)",
-        "link": args.link or "loopback (no emulation)",
+        "model": "MLP 784-1000-2000-1000-10 (float32, 4,798,010 parameters)",
     }
+    if "passes" in sections:
+        print("passes over the 19.2 MB payload, one thread, medians:", flush=True)
+        results["passes_ms"] = _passes(max(5, reps))
+        for k, v in results["passes_ms"].items():
+            print(f"  {k:32s} {v:7.2f} ms", flush=True)
 
-    print(f"round trip, {reps} reps each (interleaved) ...", flush=True)
-    rt: dict[str, dict[str, float]] = {}
-    cases = [("1ps", 1, args.link), ("2ps", 2, args.link)]
-    if not args.link:  # plus an emulated 10 Gbit/s network (50 us latency), for both paths
-        cases.append(("1ps_10gbit", 1, "0.05,10000"))
-    for key, num_ps, link in cases:
-        if link:
-            os.environ[ENV_VAR] = link  # the spawned processes inherit it
-        else:
-            os.environ.pop(ENV_VAR, None)
-        out = spawn(_round_trip, 1, num_ps=num_ps, args=(reps,), timeout=300).worker_results[0]
-        rt[key] = {
-            "link": link or "loopback",
-            "commit_ms": 1e3 * statistics.median(out["commit_s"]),
-            "echo_ms": 1e3 * statistics.median(out["echo_s"]),
-            "commit_min_ms": 1e3 * min(out["commit_s"]),
-            "echo_min_ms": 1e3 * min(out["echo_s"]),
-        }
-        r = rt[key]
-        r["ratio"] = r["commit_ms"] / r["echo_ms"]
-        r["ratio_min"] = r["commit_min_ms"] / r["echo_min_ms"]  # best case: least disturbed
-        results["params"] = out["params"]
-        print(
-            f"  {key} ({r['link']}): AGN commit+pull median {r['commit_ms']:.1f} ms (min "
-            f"{r['commit_min_ms']:.1f}), raw echo median {r['echo_ms']:.1f} ms (min "
-            f"{r['echo_min_ms']:.1f}); ratio {r['ratio']:.2f}x of medians, {r['ratio_min']:.2f}x "
-            "of minima (target <= 1.5x)",
-            flush=True,
-        )
-    if args.link:
-        os.environ[ENV_VAR] = args.link
-    else:
-        os.environ.pop(ENV_VAR, None)
-    results["round_trip"] = rt
-    results["round_trip_2_vs_1_shard"] = rt["2ps"]["commit_ms"] / rt["1ps"]["commit_ms"]
+    if "round_trip" in sections:
+        print(f"round trip, {reps} reps, shuffled per rep:", flush=True)
+        rt: dict[str, Any] = {}
+        for num_ps in (1, 2):
+            out = _run_dual(1, num_ps, "round_trip", (reps,))[0]
+            t = out["times"]
+            med = {k: _median_ms(v) for k, v in t.items()}
 
-    if args.rt_only:
-        results["machine"]["loadavg_end"] = _load()
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
-        print(f"wrote {args.out}")
-        return
-    print(f"commits/s, {seconds:g} s per run ...", flush=True)
-    tp: dict[str, dict[str, float]] = {}
-    for num_worker, num_ps in ((1, 1), (2, 1), (4, 1), (4, 2)):
-        res = spawn(_throughput, num_worker, num_ps=num_ps, args=(seconds,), timeout=300)
-        outs = res.worker_results
-        span = max(o["end"] for o in outs) - min(o["start"] for o in outs)
-        commits = sum(o["commits"] for o in outs)
-        assert commits == res.stats.global_step, (commits, res.stats.global_step)
-        key = f"{num_worker}w_{num_ps}ps"
-        tp[key] = {
-            "commits_per_s": commits / span,
-            "commits": commits,
-            "span_s": span,
-            "staleness_mean": sum(s * n for s, n in res.stats.staleness_histogram.items())
-            / max(1, commits),
-            "mb_per_s_in": res.stats.bytes_in / span / 1e6,
-        }
-        print(
-            f"  {num_worker} worker(s), {num_ps} shard(s): {tp[key]['commits_per_s']:.1f} "
-            f"commits/s ({commits} commits, mean staleness {tp[key]['staleness_mean']:.2f})",
-            flush=True,
-        )
-    base = tp["1w_1ps"]["commits_per_s"]
-    results["commits_per_s"] = tp
-    results["scaling_vs_1_worker"] = {
-        k: v["commits_per_s"] / base for k, v in tp.items() if k.endswith("_1ps")
-    }
-    results["4w_2ps_vs_4w_1ps"] = tp["4w_2ps"]["commits_per_s"] / tp["4w_1ps"]["commits_per_s"]
+            def pair(a: str, b: str, t: dict[str, list[float]] = t) -> float:
+                return statistics.median(x / y for x, y in zip(t[a], t[b]))
+
+            rt[f"{num_ps}ps"] = {
+                "median_ms": med,
+                "min_ms": {k: 1e3 * min(v) for k, v in t.items()},
+                "p2p_commit_over_p2p_echo": pair("p2p_commit", "p2p_echo"),
+                "rpc_commit_over_rpc_echo": pair("rpc_commit", "rpc_echo"),
+                "p2p_commit_over_rpc_commit": pair("p2p_commit", "rpc_commit"),
+                "p2p_echo_over_rpc_echo": pair("p2p_echo", "rpc_echo"),
+            }
+            r = rt[f"{num_ps}ps"]
+            print(
+                f"  {num_ps} shard(s): p2p commit {med['p2p_commit']:.1f} ms, p2p echo "
+                f"{med['p2p_echo']:.1f}, rpc commit {med['rpc_commit']:.1f}, rpc echo "
+                f"{med['rpc_echo']:.1f}; paired: p2p commit/echo "
+                f"{r['p2p_commit_over_p2p_echo']:.2f}x (target <= 1.2), p2p/rpc commit "
+                f"{r['p2p_commit_over_rpc_commit']:.2f}x (target <= 1.0), rpc commit/echo "
+                f"{r['rpc_commit_over_rpc_echo']:.2f}x",
+                flush=True,
+            )
+            results["params"] = out["params"]
+        results["round_trip"] = rt
+
+    if "throughput" in sections:
+        print(f"commits/s, phases of {seconds:g} s (p2p, rpc, rpc, p2p):", flush=True)
+        tp: dict[str, Any] = {}
+        for w in (1, 2, 4):
+            outs = _run_dual(w, 1, "throughput", (seconds,))
+            per = {"p2p": [], "rpc": []}
+            for phase in range(4):
+                rows = [o[phase] for o in outs]
+                span = max(r["end"] for r in rows) - min(r["start"] for r in rows)
+                per[rows[0]["kind"]].append(sum(r["n"] for r in rows) / span)
+            tp[f"{w}w"] = {
+                "p2p_commits_per_s": statistics.mean(per["p2p"]),
+                "rpc_commits_per_s": statistics.mean(per["rpc"]),
+                "p2p_over_rpc": statistics.mean(per["p2p"]) / statistics.mean(per["rpc"]),
+                "phases": per,
+            }
+            x = tp[f"{w}w"]
+            print(
+                f"  {w} worker(s): p2p {x['p2p_commits_per_s']:.1f}/s, rpc "
+                f"{x['rpc_commits_per_s']:.1f}/s, p2p/rpc {x['p2p_over_rpc']:.2f}x (target >= 1)",
+                flush=True,
+            )
+        results["commits_per_s"] = tp
+
+    if "faults" in sections:
+        print("faults (p2p):", flush=True)
+        results["faults"] = _faults(trials)
+
     results["machine"]["loadavg_end"] = _load()
-
-    print("\nsummary")
-    for k, r in rt.items():
-        print(
-            f"  round trip vs raw echo ({k}, {r['link']}): {r['ratio']:.2f}x medians, "
-            f"{r['ratio_min']:.2f}x minima  (target <= 1.5x)"
-        )
-    print(f"  round trip 2 shards / 1 shard: {results['round_trip_2_vs_1_shard']:.2f}x")
-    for k, v in results["scaling_vs_1_worker"].items():
-        print(f"  commits/s {k} / 1w_1ps: {v:.2f}x")
-    print(f"  commits/s 4w_2ps / 4w_1ps: {results['4w_2ps_vs_4w_1ps']:.2f}x")
-    print(f"  load average start {results['machine']['loadavg_start']} end {_load()}")
+    print(f"load average: start {results['machine']['loadavg_start']}, end {_load()}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    Path(args.out).write_text(json.dumps(results, indent=2, default=str) + "\n")
     print(f"wrote {args.out}")
 
 

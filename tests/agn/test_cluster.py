@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 import warnings
 
 import pytest
@@ -163,6 +164,15 @@ def _resume_worker(ctx, out_dir: str) -> dict:
     return out
 
 
+def _wait_for_file(path: str, seconds: float) -> None:
+    """A bounded wait for a file another process writes."""
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {seconds}s")
+        time.sleep(0.01)
+
+
 def _two_workers(ctx, out_dir: str) -> dict:
     """λ=1 with two workers, chief-seeded init, then worker 1 is SIGKILLed mid-run."""
     m = _model(10 + ctx.task_index)  # each worker starts from different values
@@ -175,6 +185,12 @@ def _two_workers(ctx, out_dir: str) -> dict:
     )
     _init(opt, ctx)
     out["after_init"] = [p.detach().clone() for p in m.parameters()]
+    # the chief starts committing once worker 1 took the seed (p2p has no start-up barrier)
+    marker = os.path.join(out_dir, "worker1_initialized")
+    if ctx.task_index == 1:
+        open(marker, "w").close()
+    else:
+        _wait_for_file(marker, 60)
     out["lam1"] = _train(opt, m, ctx, 6, record=False)
     torch.save(out, os.path.join(out_dir, f"worker{ctx.task_index}.pt"))
 

@@ -79,6 +79,10 @@ class FlatLayout:
     def numel(self) -> int:
         return sum(self.sizes.values())
 
+    def buffers(self) -> list[tuple[str, torch.dtype, int]]:
+        """``(key, dtype, numel)`` of each flat buffer, in order."""
+        return [(k, self._dtypes[k], n) for k, n in self.sizes.items()]
+
     def zeros(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         return {
             k: torch.zeros(n, dtype=self._dtypes[k], device=device) for k, n in self.sizes.items()

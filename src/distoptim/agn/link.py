@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from distoptim.agn.flat import FlatLayout
+from distoptim.agn.transport.shm import layout_offsets
 
 __all__ = ["ShardLink"]
 
@@ -66,6 +67,7 @@ class ShardLink:
     pulled: dict[str, torch.Tensor] | None = None
     inbox: dict[str, torch.Tensor] | None = None
     sent_hparams: dict[int, dict[str, Any]] = field(default_factory=dict)
+    _kept: dict[str, torch.Tensor] | None = None
 
     def local(self) -> dict[str, torch.Tensor]:
         """Fresh flat copies of the local parameters."""
@@ -75,6 +77,27 @@ class ShardLink:
         """Local parameters := ``flats`` (one pass)."""
         with torch.no_grad():
             torch._foreach_copy_(self.params, self.layout.views(flats))
+
+    def keep(self, flats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``flats`` owned by this link: the reply buffers themselves, else a copy.
+
+        A reply's buffers are only valid until the next request to the shard (they may live in
+        a shared segment); what an algorithm keeps beyond that (``pulled``) goes through here.
+        """
+        if self.inbox is not None and all(
+            flats[k].data_ptr() == v.data_ptr() for k, v in self.inbox.items() if k in flats
+        ):
+            return flats
+        if self._kept is None:
+            self._kept = self.layout.zeros()
+        for k, v in flats.items():
+            self._kept[k].copy_(v)
+        return self._kept
+
+    def segment_bytes(self) -> int:
+        """Bytes a message with this link's buffers needs in a shared segment."""
+        sizes = [n * torch.empty((), dtype=d).element_size() for _, d, n in self.layout.buffers()]
+        return layout_offsets(sizes)[1]
 
     def reply_buffers(self) -> dict[str, torch.Tensor]:
         """The persistent buffers commit replies may be received into (allocated once).

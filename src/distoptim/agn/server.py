@@ -72,6 +72,8 @@ from distoptim.agn.transport.messages import (
     Ack,
     Commit,
     CommitReply,
+    Echo,
+    EchoReply,
     ErrorReply,
     Finish,
     Hello,
@@ -329,6 +331,8 @@ class ParameterServer:
                     return Handled(self.finish(request.task, request.failed))
                 case Ping():
                     return Handled(Pong(os.getpid()))
+                case Echo():
+                    return Handled(EchoReply(request.flats))
                 case _:
                     raise TypeError(f"unknown request {type(request).__name__}")
         except (ValueError, TypeError, RuntimeError, TimeoutError) as exc:

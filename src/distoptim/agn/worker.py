@@ -197,7 +197,7 @@ class AsyncWorkerOptimizer(WrappedOptimizer):
         link.assign(center)
         link.acc_is_zero = True  # saves a pass over a: the next step writes g instead of adding it
         if self._keeps_pulled:
-            link.pulled = center
+            link.pulled = link.keep(center)
 
     def _connect(self, task_index: int) -> None:
         """Placement and buffers (``hook.begin()``); no message is sent."""
@@ -237,6 +237,8 @@ class AsyncWorkerOptimizer(WrappedOptimizer):
                 link.acc = link.layout.zeros(held[0].device)
                 link.acc_views = link.layout.views(link.acc)
             links.append(link)
+        for link in links:  # same machine: a shared segment for this link's messages
+            cluster.transport.reserve(link.shard, link.segment_bytes())
         self._conn = _Connection(cluster, task_index, links, len(params))
         self._ready = False
 

@@ -104,8 +104,15 @@ class Transport(ABC):
         into: dict[str, torch.Tensor] | None = None,
     ) -> Pending:
         """Start ``request`` to ``shard``. ``into``: buffers the reply's ``flats`` may be
-        received into (a hint; the reply says where they are). Requests to different shards
-        proceed in parallel; to one shard, one at a time."""
+        received into (a hint; the reply says where they are). A reply's ``flats`` are valid
+        until the next request to that shard (they may live in a shared segment): copy what you
+        keep. Requests to different shards proceed in parallel; to one shard, one at a time."""
+
+    def reserve(self, shard: int, nbytes: int) -> bool:
+        """Prepare the way to ``shard`` for messages carrying up to ``nbytes`` of flat buffers
+        (p2p: a shared-memory segment when the shard is on this machine); returns whether a
+        faster path is in place. Requests work without it."""
+        return False
 
     def incarnation(self, shard: int) -> int:
         """The incarnation of ``shard`` this worker is connected to (1 + its restarts)."""

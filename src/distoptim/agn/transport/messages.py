@@ -11,12 +11,16 @@ pickled by the transport.
 request                what it asks                                   reply
 =====================  =============================================  ========================
 :class:`Hello`         p2p only: who is on this connection            :class:`Welcome`
+:class:`Attach`        p2p only: map this shared-memory segment       :class:`Attached`
+                       (same machine) for the flat buffers
 :class:`Seed`          the chief creates a table (center, rule,       :class:`PullReply`
                        server optimizer) unless it exists (resumed)
 :class:`Pull`          the current center of a table                  :class:`PullReply`
 :class:`Commit`        apply a worker's update, reply with the        :class:`CommitReply`
                        center
 :class:`Ping`          is this shard alive                            :class:`Pong`
+:class:`Echo`          send these bytes back as they came (a probe    :class:`EchoReply`
+                       of the transport itself)
 :class:`Finish`        this worker is done (``failed``: it raised)    :class:`Ack`
 =====================  =============================================  ========================
 
@@ -36,8 +40,12 @@ from distoptim.agn.rules import ServerRule
 
 __all__ = [
     "Ack",
+    "Attach",
+    "Attached",
     "Commit",
     "CommitReply",
+    "Echo",
+    "EchoReply",
     "ErrorReply",
     "Finish",
     "Hello",
@@ -98,6 +106,16 @@ class Hello(Request):
 
 
 @dataclass
+class Attach(Request):
+    """Map the shared-memory segment at ``path`` (``nbytes``; it starts with ``token``) and
+    carry this connection's flat buffers in it (:mod:`~distoptim.agn.transport.shm`)."""
+
+    path: str
+    nbytes: int
+    token: bytes
+
+
+@dataclass
 class Seed(Request):
     """Create table ``table`` from the chief's values; a resumed table is kept as it is."""
 
@@ -144,6 +162,13 @@ class Ping(Request):
 
 
 @dataclass
+class Echo(Request):
+    """Send ``flats`` back unchanged: the transport's own round trip, for diagnostics."""
+
+    flats: Flats
+
+
+@dataclass
 class Finish(Request):
     """Worker ``task`` is done; ``failed``: it stopped because it raised."""
 
@@ -161,6 +186,13 @@ class Welcome(Reply):
     incarnation: int
     pid: int
     host: str = ""
+
+
+@dataclass
+class Attached(Reply):
+    """Whether the shard mapped the segment (False: not the same machine or memory)."""
+
+    ok: bool
 
 
 @dataclass
@@ -191,6 +223,11 @@ class CommitReply(Reply):
 @dataclass
 class Pong(Reply):
     pid: int
+
+
+@dataclass
+class EchoReply(Reply):
+    flats: Flats
 
 
 @dataclass

@@ -33,6 +33,13 @@ breaks its workers' pending requests at once (:class:`~distoptim.agn.transport.b
 ShardLostError`); a worker allowed to wait (``reconnect_timeout``) reconnects to the shard's next
 incarnation with bounded backoff.
 
+Same machine: a worker that knows how large its messages to a shard will be
+(:meth:`P2PTransport.reserve`, called when an optimizer connects) offers the shard a
+shared-memory segment (:mod:`~distoptim.agn.transport.shm`); once the shard has mapped it, the
+flat buffers of both directions travel there and only the header uses the pair. A shard on
+another machine cannot map it and the buffers stay on the pair. ``shared_memory=False`` (or
+``DISTOPTIM_AGN_SHM=0``) keeps everything on the pair.
+
 Tensors must be on the CPU (gloo); process groups are made directly
 (``torch.distributed.ProcessGroupGloo``), so they need no default group and are invisible to
 ``torch.distributed``'s global state.
@@ -63,6 +70,8 @@ from distoptim.agn.transport.base import (
     Transport,
 )
 from distoptim.agn.transport.messages import (
+    Attach,
+    Attached,
     ErrorReply,
     Finish,
     Hello,
@@ -70,6 +79,7 @@ from distoptim.agn.transport.messages import (
     Request,
     Welcome,
 )
+from distoptim.agn.transport.shm import Segment, layout_offsets
 from distoptim.launch import import_dynamo_before_groups
 
 __all__ = ["DEFAULT_IDLE_TIMEOUT", "P2PTransport"]
@@ -93,15 +103,28 @@ def _seconds(deadline: float) -> timedelta:
 
 
 class _Pipe:
-    """One end of a connection: a 2-rank gloo group, typed messages in both directions."""
+    """One end of a connection: a 2-rank gloo group, typed messages in both directions, and
+    (same machine) the shared segment the flat buffers travel in."""
 
     def __init__(self, pg: dist.ProcessGroup, peer: int) -> None:
         self.pg = pg
         self.peer = peer
+        self.segment: Segment | None = None
 
     def send(self, message: Any) -> list[Any]:
         """Start sending ``message``; the returned works must be waited."""
-        header, extra, buffers = wire.encode(message)
+        flats = getattr(message, "flats", None) or {}
+        offsets = None
+        seg = self.segment
+        if seg is not None and flats:
+            sizes = [t.numel() * t.element_size() for t in flats.values()]
+            placed, need = layout_offsets(sizes)
+            if need <= seg.nbytes:
+                for t, off in zip(flats.values(), placed):
+                    if not seg.holds(t, off):
+                        seg.view(off, t.dtype, t.numel()).copy_(t)
+                offsets = placed
+        header, extra, buffers = wire.encode(message, offsets)
         works = [self.pg.send([header], self.peer, 0)]
         if extra is not None:
             works.append(self.pg.send([extra], self.peer, 0))
@@ -115,8 +138,9 @@ class _Pipe:
         into: dict[str, torch.Tensor] | None = None,
         pool: dict[wire.BufferSpec, torch.Tensor] | None = None,
     ) -> Any:
-        """Receive one message by ``deadline`` (``time.monotonic()``); buffers go into ``into``
-        where key, dtype and size match, else into ``pool``'s (reused), else new ones."""
+        """Receive one message by ``deadline`` (``time.monotonic()``). Buffers in the shared
+        segment are views of it (valid until the next message); the others are received into
+        ``into`` where key, dtype and size match, else into ``pool``'s (reused), else new ones."""
         header = torch.empty(wire.HEADER_BYTES, dtype=torch.uint8)
         self.pg.recv([header], self.peer, 0).wait(_seconds(deadline))
         n, meta = wire.decode_header(header)
@@ -130,6 +154,11 @@ class _Pipe:
         flats: dict[str, torch.Tensor] = {}
         works = []
         for i, spec in enumerate(specs):
+            if spec.offset >= 0:
+                if self.segment is None:
+                    raise wire.WireError("a buffer in shared memory, but no segment is attached")
+                flats[spec.key] = self.segment.view(spec.offset, spec.dtype, spec.numel)
+                continue
             buf = self._buffer(spec, into, pool)
             works.append(self.pg.recv([buf], self.peer, 1 + i))
             flats[spec.key] = buf
@@ -155,6 +184,7 @@ class _Pipe:
         return torch.empty(spec.numel, dtype=spec.dtype)
 
     def close(self) -> None:
+        self.segment = None
         with contextlib.suppress(Exception):
             self.pg.shutdown()
 
@@ -192,6 +222,7 @@ class _Channel:
     pid: int = 0  # the shard's process (from Welcome)
     host: str = ""
     broken: bool = False
+    shm_refused: bool = False  # the shard could not map a segment (another machine)
 
 
 class _P2PPending(Pending):
@@ -250,14 +281,17 @@ class P2PTransport(Transport):
         num_ps: int,
         timeout: float,
         idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
+        shared_memory: bool = True,
     ) -> None:
         import_dynamo_before_groups()  # see distoptim.launch: groups must be freed at exit
         self.addr, self.port, self.namespace = addr, port, namespace
         self.num_ps = num_ps
         self.timeout = timeout
         self.idle_timeout = idle_timeout
+        self.shared_memory = shared_memory and os.environ.get("DISTOPTIM_AGN_SHM", "1") != "0"
         self._store = _store(addr, port, namespace, timeout)
         self._channels: dict[int, _Channel] = {}
+        self._reserved: dict[int, int] = {}  # shard -> bytes the worker asked to reserve
         self._task: int | None = None
         self._closed = False
         # shard side
@@ -358,6 +392,30 @@ class P2PTransport(Transport):
             raise self._lost(ch, what, exc, 0.0) from exc
         return _P2PPending(self, ch, works, into, timeout, what)
 
+    def reserve(self, shard: int, nbytes: int) -> bool:
+        """Make the connection to ``shard`` carry messages of up to ``nbytes`` of flat buffers
+        in shared memory (when the shard is on this machine); returns whether it does."""
+        self._reserved[shard] = max(nbytes, self._reserved.get(shard, 0))
+        ch = self._channels.get(shard)
+        if ch is None or not self.shared_memory or ch.shm_refused:
+            return False
+        current = ch.pipe.segment
+        if current is not None and current.nbytes >= nbytes:
+            return True
+        seg = Segment.create(nbytes)
+        if seg is None:
+            return False
+        try:
+            reply = self.send(shard, Attach(seg.path, seg.nbytes, seg.token), self.timeout).wait()
+        finally:
+            seg.unlink()  # both ends have it mapped (or it was refused): no name to leave behind
+        if isinstance(reply, Attached) and reply.ok:
+            with ch.lock:
+                ch.pipe.segment = seg
+            return True
+        ch.shm_refused = True
+        return False
+
     def _lost(
         self, ch: _Channel, what: str, exc: BaseException, elapsed: float
     ) -> ParameterServerError:
@@ -379,6 +437,8 @@ class P2PTransport(Transport):
                 old.pipe.close()
         ch = self._open(shard, time.monotonic() + timeout, lost=old)
         self._channels[shard] = ch
+        if shard in self._reserved:
+            self.reserve(shard, self._reserved[shard])
         return ch.incarnation
 
     # ---- shard side -------------------------------------------------------------------------
@@ -444,6 +504,13 @@ class P2PTransport(Transport):
                 except Exception:
                     handler.connection_lost(task)
                     return
+                if isinstance(request, Attach):  # the transport's own business
+                    pipe.segment = Segment.attach(request.path, request.nbytes, request.token)
+                    _wait_all(
+                        pipe.send(Attached(pipe.segment is not None)),
+                        time.monotonic() + self.timeout,
+                    )
+                    continue
                 handled = handler.handle(request, live_reply=True)
                 try:
                     _wait_all(pipe.send(handled.reply), time.monotonic() + self.timeout)

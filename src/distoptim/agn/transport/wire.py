@@ -7,12 +7,15 @@ Owns: the byte layout of a message on a p2p connection, both directions. A messa
    rest holds the metadata when it fits (:data:`INLINE_META` bytes, the common case);
 2. the **metadata**, only when it did not fit: a ``uint8`` tensor of ``meta_nbytes`` bytes. The
    metadata is the pickled :class:`_Envelope`: the message with its ``flats`` left out, and one
-   :class:`BufferSpec` (key, dtype, element count) per buffer;
-3. the **flat buffers**, one ``send`` each, in the order of the specs.
+   :class:`BufferSpec` (key, dtype, element count, offset) per buffer;
+3. the **flat buffers**, one ``send`` each (tag ``1 + i`` for the ``i``-th), in the order of the
+   specs -- unless they travel in the connection's shared-memory segment
+   (:mod:`~distoptim.agn.transport.shm`): then every spec has the buffer's ``offset`` there and
+   nothing follows on the pair.
 
-Every part is one ``send``/``recv`` with the same tag; gloo keeps their order on a pair. The
-receiver allocates (or reuses) each buffer from its spec, so a message is self-describing and
-the receiver checks it against what it expects (the shard against the table's layout).
+The header and metadata use tag 0; gloo keeps their order on a pair. The receiver allocates
+(or reuses, or views in the segment) each buffer from its spec, so a message is self-describing
+and the receiver checks it against what it expects (the shard against the table's layout).
 """
 
 from __future__ import annotations
@@ -46,11 +49,13 @@ class WireError(RuntimeError):
 
 @dataclass(frozen=True)
 class BufferSpec:
-    """One flat buffer of a message: its key in ``flats``, dtype and element count."""
+    """One flat buffer of a message: its key in ``flats``, dtype, element count, and its offset
+    in the shared segment (``-1``: it follows on the pair)."""
 
     key: str
     dtype: torch.dtype
     numel: int
+    offset: int = -1
 
 
 @dataclass
@@ -59,10 +64,17 @@ class _Envelope:
     buffers: list[BufferSpec]
 
 
-def encode(message: Any) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
-    """``(header, metadata or None, buffers)`` for ``message`` (see the module docstring)."""
+def encode(
+    message: Any, offsets: list[int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
+    """``(header, metadata or None, buffers to send on the pair)`` for ``message``.
+
+    ``offsets``: where the caller placed each of ``message.flats`` in the shared segment (then
+    no buffer goes on the pair), or None.
+    """
     flats = getattr(message, "flats", None) or {}
-    specs = [BufferSpec(k, t.dtype, t.numel()) for k, t in flats.items()]
+    where = offsets if offsets is not None else [-1] * len(flats)
+    specs = [BufferSpec(k, t.dtype, t.numel(), o) for (k, t), o in zip(flats.items(), where)]
     bare = replace(message, flats={}) if flats else message
     meta = pickle.dumps(_Envelope(bare, specs), protocol=pickle.HIGHEST_PROTOCOL)
     header = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
@@ -79,7 +91,8 @@ def encode(message: Any) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.
     for t in flats.values():
         if not t.is_contiguous() or t.dim() != 1:
             raise WireError("flat buffers must be contiguous 1-D tensors")
-        buffers.append(t)
+        if offsets is None:
+            buffers.append(t)
     return header, extra, buffers
 
 
