@@ -510,6 +510,14 @@ class Cluster:
             f"transport={self.transport_name!r})"
         )
 
+    @property
+    def store(self) -> dist.Store:
+        """This run's namespace of the job's store (both transports), shared by every process
+        of the cluster. The keys listed in the module docstring are the cluster's; an algorithm
+        or a caller keeps its own under its own prefix (e.g. AsyncDiLoCo's ``asyncdiloco/...``).
+        Every blocking read on it is bounded by ``rpc_timeout``."""
+        return self._store
+
     # ---- worker -> shard requests ---------------------------------------------------------------
     def send(
         self,
