@@ -154,7 +154,8 @@ def _build_optimizer(spec: TableSpec, views: list[torch.Tensor]) -> torch.optim.
     except Exception as exc:
         raise TypeError(
             f"the parameter server could not build the server optimizer "
-            f"{spec.optimizer_cls.__name__}(param_groups, **{sorted(kwargs)}): {exc}. AGN's "
+            f"{getattr(spec.optimizer_cls, '__name__', repr(spec.optimizer_cls))}"
+            f"(param_groups, **{sorted(kwargs)}): {exc}. AGN's "
             "gradient rule needs an optimizer class constructible from (params, **defaults); "
             "use update_rule='delta' otherwise"
         ) from exc

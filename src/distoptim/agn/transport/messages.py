@@ -30,6 +30,7 @@ Any request may instead get an :class:`ErrorReply` (a ``ValueError``/``TypeError
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,7 +71,9 @@ class TableSpec:
     ``param_indices``/``shapes``/``dtypes``: the shard's variables, in parameter order.
     ``groups``: for the server optimizer, ``(worker_param_group_index, hyperparameters,
     positions of the shard's variables in that group)``. ``optimizer_cls``/``defaults``: the
-    wrapped optimizer's class and defaults (``None`` when the rule uses no optimizer).
+    wrapped optimizer's class and defaults (``None`` when the rule uses no optimizer), or a
+    picklable factory ``f(param_groups) -> Optimizer`` with empty defaults (AsyncDiLoCo's outer
+    optimizer, built on the shard).
     """
 
     algorithm: str
@@ -79,7 +82,7 @@ class TableSpec:
     shapes: list[tuple[int, ...]]
     dtypes: list[torch.dtype]
     use_locking: bool = True
-    optimizer_cls: type | None = None
+    optimizer_cls: Callable[..., torch.optim.Optimizer] | None = None
     defaults: dict[str, Any] = field(default_factory=dict)
     groups: list[tuple[int, dict[str, Any], list[int]]] = field(default_factory=list)
 
