@@ -9,13 +9,15 @@ Under torchrun, one node: 1 PS + 2 workers::
 
     torchrun --standalone --nproc-per-node 3 examples/agn_torchrun.py
 
-Several nodes (rank 0, the PS, lands on the node with ``--node-rank 0``; run on every node)::
+Several nodes: on node n (address HOSTn; ``is_host=true`` on node 0 only; rank 0, the PS,
+lands on the node whose address sorts first; ``docs/multinode.md`` says why each flag)::
 
-    torchrun --nnodes 2 --nproc-per-node 4 --node-rank N --rdzv-backend c10d \\
-             --rdzv-endpoint HOST0:29500 examples/agn_torchrun.py --num-ps 2
+    GLOO_SOCKET_IFNAME=eth0 torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d \\
+        --rdzv-endpoint HOST0:29500 --rdzv-conf is_host=true --local-addr HOSTn \\
+        examples/agn_torchrun.py --num-ps 2
 
-(``TP_SOCKET_IFNAME=eth0`` picks the network interface TensorPipe uses if the default one is
-not reachable from the other nodes.)
+(``--transport rpc``: torch.distributed.rpc instead of the default p2p transport; across nodes
+it needs ``TP_SOCKET_IFNAME=eth0`` too.)
 
 Locally without torchrun (``distoptim.agn.spawn``: same code path, local processes)::
 
@@ -89,6 +91,7 @@ def main() -> None:
     ap.add_argument("--period", type=int, default=10, help="communication_period")
     ap.add_argument("--checkpoint-dir", default=None, help="PS checkpoints (resume on restart)")
     ap.add_argument("--local", type=int, default=0, metavar="N", help="spawn N local workers")
+    ap.add_argument("--transport", choices=("p2p", "rpc"), default="p2p", help="worker <-> PS")
     args = ap.parse_args()
     fn_args = (args.algo, args.steps, args.period)
 
@@ -99,12 +102,15 @@ def main() -> None:
             num_ps=args.num_ps,
             args=fn_args,
             checkpoint_dir=args.checkpoint_dir,
+            transport=args.transport,
         )
         print(f"center loss per worker: {[round(v, 4) for v in result.worker_results]}")
         print(f"stats: {result.stats.as_dict()}")
         return
 
-    cluster = Cluster.from_env(num_ps=args.num_ps, checkpoint_dir=args.checkpoint_dir)
+    cluster = Cluster.from_env(
+        num_ps=args.num_ps, checkpoint_dir=args.checkpoint_dir, transport=args.transport
+    )
     if cluster.is_ps:
         report = cluster.serve()
         cluster.shutdown()

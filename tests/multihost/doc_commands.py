@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tests.multihost.harness import HostRun, Hosts, Running
 
-__all__ = ["DOC", "Job", "NodeCommand", "doc_commands", "run_jobs", "start_block"]
+__all__ = ["DOC", "EXIT_BARRIER", "Job", "NodeCommand", "doc_commands", "run_jobs", "start_block"]
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "multinode.md"
 _BLOCK = re.compile(r"<!-- multihost: (\w+) -->\s*```bash\n(.*?)```", re.S)
@@ -130,12 +130,30 @@ class Job:
     cwds: list[Path] | None = None  # node i's working folder (set by run_jobs)
 
 
+EXIT_BARRIER = re.compile(r"Local worker group finished \(WorkerState\.SUCCEEDED\)")
+"""What torchrun's agent logs (``LOGLEVEL=INFO``) when its workers succeeded and it starts
+waiting in the exit barrier for the other nodes' agents."""
+
+
+def _only_exit_barriers_left(running: Running) -> bool:
+    """A node's torchrun failed or was killed, and every node still running only waits in
+    torch's exit barrier for it (which would last 300 s): nothing more will happen."""
+    hosts = [p.host.index for p in running.procs]
+    still = [h for h in hosts if running.running(h)]
+    failed = [h for h in hosts if h not in still and running.returncode(h) != 0]
+    return bool(failed) and all(EXIT_BARRIER.search(running.log(h)) for h in still)
+
+
 def run_jobs(
     hosts: Hosts, waves: Sequence[Sequence[Job]], workdir: Path, timeout: float
 ) -> dict[str, list[HostRun]]:
     """Run each wave's jobs at once on disjoint hosts (in host order), the waves one after the
     other; each node in its own folder under ``workdir`` (with ``examples`` linked to the
-    repository's, so the doc's relative paths work). The outcomes by job name."""
+    repository's, so the doc's relative paths work). The outcomes by job name.
+
+    Every command gets ``LOGLEVEL=INFO`` (torchrun's own log level), so that a node whose
+    workers succeeded while another node failed is seen waiting in torch's exit barrier and
+    stopped (``HostRun.stopped``) instead of waited for until the timeout."""
     out: dict[str, list[HostRun]] = {}
     for wave in waves:
         started: list[tuple[Job, Running]] = []
@@ -155,7 +173,7 @@ def run_jobs(
                 edit, extra = job.edit, job.env or {}
 
                 def _edit(node: int, env: dict[str, str], argv: list[str], edit=edit, extra=extra):
-                    env.update(extra)
+                    env.update({"LOGLEVEL": "INFO", **extra})
                     if edit is not None:
                         edit(node, env, argv)
 
@@ -167,7 +185,7 @@ def run_jobs(
                 if job.during is not None:
                     job.during(job, running)
             for job, running in started:
-                out[job.name] = running.wait()
+                out[job.name] = running.wait(until=_only_exit_barriers_left)
         finally:
             for _, running in started:
                 running.stop()

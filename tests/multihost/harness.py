@@ -43,7 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -173,7 +173,9 @@ class Host:
 
 @dataclass
 class HostRun:
-    """What a host's command did: exit code (``None``: killed at the timeout), logs, seconds."""
+    """What a host's command did: exit code (``None``: still running when the run's timeout
+    came, ``timed_out``, or when the caller said to stop, ``stopped``), logs, seconds;
+    ``killed``: its host was killed on purpose (:meth:`Running.kill_host`)."""
 
     host: Host
     argv: list[str]
@@ -183,10 +185,12 @@ class HostRun:
     seconds: float
     timed_out: bool = False
     killed: bool = False
+    stopped: bool = False
 
     def describe(self) -> str:
         """The run and its logs, for an assertion message."""
-        how = "timed out" if self.timed_out else f"exit {self.returncode}"
+        how = f"exit {self.returncode}"
+        how = "timed out" if self.timed_out else "stopped" if self.stopped else how
         return (
             f"--- {self.host.hostname}: {how} after {self.seconds:.1f} s: {' '.join(self.argv)}\n"
             f"--- stdout\n{self.stdout[-6000:]}\n--- stderr\n{self.stderr[-6000:]}"
@@ -243,30 +247,43 @@ class Running:
         self._proc(host).killed = True
         _kill_namespace_processes(self._proc(host).host.netns)
 
-    def wait(self) -> list[HostRun]:
-        """Wait for every command (until the run's timeout), kill the rest; the outcomes in
-        host order."""
+    def returncode(self, host: int) -> int | None:
+        """The exit code of the command on host ``host`` (None while it runs)."""
+        return self._proc(host).popen.poll()
+
+    def running(self, host: int) -> bool:
+        """Whether the command on host ``host`` is still running."""
+        return self._proc(host).popen.poll() is None
+
+    def wait(self, until: Callable[[Running], bool] | None = None) -> list[HostRun]:
+        """Wait for every command until the run's timeout, or until ``until(self)`` (polled)
+        says the rest need not be waited for; kill what still runs; the outcomes in host
+        order (``returncode`` None for those: ``timed_out`` or ``stopped``)."""
         deadline = self.started + self.timeout
-        timed_out = set()
-        for i, p in enumerate(self.procs):
-            try:
-                p.popen.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                timed_out.add(i)
-            p.ended = time.monotonic() if i not in timed_out else None
+        while time.monotonic() < deadline:
+            for p in self.procs:
+                if p.ended is None and p.popen.poll() is not None:
+                    p.ended = time.monotonic()
+            if all(p.ended is not None for p in self.procs):
+                break
+            if until is not None and until(self):
+                break
+            time.sleep(0.1)
+        cut = time.monotonic()
         self.stop()
         return [
             HostRun(
                 host=p.host,
                 argv=p.argv,
-                returncode=None if i in timed_out else p.popen.returncode,
+                returncode=None if p.ended is None else p.popen.returncode,
                 stdout=p.out.read_text(errors="replace"),
                 stderr=p.err.read_text(errors="replace"),
-                seconds=(p.ended or time.monotonic()) - p.started,
-                timed_out=i in timed_out,
+                seconds=(p.ended or cut) - p.started,
+                timed_out=p.ended is None and cut >= deadline,
                 killed=p.killed,
+                stopped=p.ended is None and cut < deadline,
             )
-            for i, p in enumerate(self.procs)
+            for p in self.procs
         ]
 
     def stop(self) -> None:

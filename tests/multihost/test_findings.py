@@ -10,8 +10,9 @@ reaches nobody (``mgmt``):
 * ``is_host=true`` but no ``--local-addr``: ``MASTER_ADDR`` is node 0's hostname, which resolves
   to loopback, or to an address node 1 cannot reach -- before: a hang until the timeout; now
   the pre-flight check's error on every node;
-* no ``GLOO_SOCKET_IFNAME`` (loopback fallback) or a wrong one, no ``TP_SOCKET_IFNAME`` for
-  rpc, and hostnames that name the wrong NIC: the pre-flight check's error, within seconds.
+* no ``GLOO_SOCKET_IFNAME`` (loopback fallback) or a wrong one, no ``TP_SOCKET_IFNAME`` with
+  the AGN example's ``--transport rpc``, and hostnames that name the wrong NIC: the pre-flight
+  check's error, within seconds.
 
 The jobs run in two waves of three (:func:`outcomes`); each test checks one.
 """
@@ -19,6 +20,7 @@ The jobs run in two waves of three (:func:`outcomes`); each test checks one.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import pytest
 
@@ -47,8 +49,8 @@ def _readme_command(node: int, env: dict[str, str], argv: list[str]) -> None:
     env.clear()
     _drop(argv, "--rdzv-conf", "is_host=true")
     _drop(argv, "--local-addr")
-    argv[argv.index("--rdzv-endpoint")] = "--rdzv-conf=read_timeout=5 --rdzv-endpoint"
-    argv[:] = " ".join(argv).split(" ")
+    at = argv.index("--rdzv-endpoint")
+    argv[at:at] = ["--rdzv-conf", "read_timeout=5"]
 
 
 def _no_local_addr(node: int, env: dict[str, str], argv: list[str]) -> None:
@@ -62,7 +64,8 @@ def _gloo_unset_then_wrong(node: int, env: dict[str, str], argv: list[str]) -> N
         env["GLOO_SOCKET_IFNAME"] = "eth9"
 
 
-def _no_tp(node: int, env: dict[str, str], argv: list[str]) -> None:
+def _rpc_without_tp(node: int, env: dict[str, str], argv: list[str]) -> None:
+    argv += ["--transport", "rpc"]
     del env["TP_SOCKET_IFNAME"]
 
 
@@ -70,14 +73,25 @@ def _no_gloo(node: int, env: dict[str, str], argv: list[str]) -> None:
     del env["GLOO_SOCKET_IFNAME"]
 
 
+def _one_process(edit: Callable[[int, dict[str, str], list[str]], None]):
+    """``edit``, and one process per node (the check each test provokes fails in every process
+    alike; fewer processes keep the module short)."""
+
+    def both(node: int, env: dict[str, str], argv: list[str]) -> None:
+        edit(node, env, argv)
+        argv[argv.index("--nproc-per-node") + 1] = "1"
+
+    return both
+
+
 def _waves() -> list[list[Job]]:
     return [
         [Job("readme", "cross_shard", edit=_readme_command),
-         Job("no_local_addr", "cross_shard", edit=_no_local_addr),
+         Job("no_local_addr", "cross_shard", edit=_one_process(_no_local_addr)),
          Job("no_local_addr_mgmt", "cross_shard", resolve="mgmt", edit=_no_local_addr,
              env={"DISTOPTIM_NETCHECK_TIMEOUT": "5"})],
-        [Job("gloo_ifname", "cross_shard", edit=_gloo_unset_then_wrong),
-         Job("no_tp_ifname", "agn", edit=_no_tp),
+        [Job("gloo_ifname", "cross_shard", edit=_one_process(_gloo_unset_then_wrong)),
+         Job("no_tp_ifname", "agn", edit=_one_process(_rpc_without_tp)),
          Job("wrong_nic", "cross_shard", resolve="mgmt", edit=_no_gloo)],
     ]  # fmt: skip
 
