@@ -9,8 +9,10 @@ same steps (see ``docs/cross_shard.md``).
 Under torchrun (one process per rank; add nodes with ``--nnodes`` and a rendezvous endpoint)::
 
     torchrun --nproc-per-node 2 examples/cross_shard_torchrun.py
-    torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d \\
-             --rdzv-endpoint HOST0:29500 examples/cross_shard_torchrun.py     # on every node
+    # on node n, address HOSTn (is_host=true on node 0 only; docs/multinode.md says why)
+    GLOO_SOCKET_IFNAME=eth0 torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d \\
+        --rdzv-endpoint HOST0:29500 --rdzv-conf is_host=true --local-addr HOSTn \\
+        examples/cross_shard_torchrun.py
 
 Locally without torchrun (spawns 2 gloo ranks on this machine)::
 

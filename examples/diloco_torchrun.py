@@ -13,8 +13,10 @@ Under torchrun (one process per rank; add nodes with ``--nnodes`` and a rendezvo
     torchrun --standalone --nproc-per-node 2 examples/diloco_torchrun.py
     torchrun --standalone --nproc-per-node 2 examples/diloco_torchrun.py \\
              --fragments 4 --wire int8 --delay 1 --alpha 0.5
-    torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d \\
-             --rdzv-endpoint HOST0:29500 examples/diloco_torchrun.py              # on every node
+    # on node n, address HOSTn (is_host=true on node 0 only; docs/multinode.md says why)
+    GLOO_SOCKET_IFNAME=eth0 torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d \\
+        --rdzv-endpoint HOST0:29500 --rdzv-conf is_host=true --local-addr HOSTn \\
+        examples/diloco_torchrun.py
 
 Locally without torchrun (spawns 2 gloo ranks on this machine)::
 

@@ -9,8 +9,10 @@ layout, and clips by the *global* norm computed over the logical (unsharded) gra
 Under torchrun (one process per rank; NCCL/CUDA when available, else gloo/CPU)::
 
     torchrun --standalone --nproc-per-node 2 examples/mesh_sgd_torchrun.py   # one node
-    torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d \\
-             --rdzv-endpoint HOST0:29500 examples/mesh_sgd_torchrun.py     # on every node
+    # on node n, address HOSTn (is_host=true on node 0 only; docs/multinode.md says why)
+    GLOO_SOCKET_IFNAME=eth0 torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d \\
+        --rdzv-endpoint HOST0:29500 --rdzv-conf is_host=true --local-addr HOSTn \\
+        examples/mesh_sgd_torchrun.py
 
 Locally without torchrun (spawns gloo ranks on this machine)::
 
