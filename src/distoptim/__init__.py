@@ -20,6 +20,7 @@ _EXPORTS: dict[str, str] = {
     "DesyncError": "distoptim.comm.guard",
     "AGNOptimizer": "distoptim.agn.agn",
     "AGNCustomGetter": "distoptim.agn.getter",
+    "AsyncDiLoCoOptimizer": "distoptim.agn.async_diloco",
     "DownpourOptimizer": "distoptim.agn.downpour",
     "ElasticAverageOptimizer": "distoptim.agn.easgd",
     "SGD": "distoptim.dtensor.sgd",
@@ -45,6 +46,7 @@ _SUBMODULES = (
 __all__ = [
     "AGNCustomGetter",
     "AGNOptimizer",
+    "AsyncDiLoCoOptimizer",
     "CrossShardOptimizer",
     "DesyncError",
     "DiLoCo",
@@ -61,6 +63,7 @@ __all__ = [
 if _typing.TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from distoptim import agn, cli, comm, dtensor, launch, outer  # noqa: F401
     from distoptim.agn.agn import AGNOptimizer
+    from distoptim.agn.async_diloco import AsyncDiLoCoOptimizer
     from distoptim.agn.downpour import DownpourOptimizer
     from distoptim.agn.easgd import ElasticAverageOptimizer
     from distoptim.agn.getter import AGNCustomGetter

@@ -9,7 +9,8 @@ Owns nothing itself; the public names of the package:
   of :mod:`distoptim.agn.transport` (``"p2p"``, the default, or ``"rpc"``);
 * :class:`AGNOptimizer` (:mod:`~distoptim.agn.agn`), :class:`DownpourOptimizer`
   (:mod:`~distoptim.agn.downpour`), :class:`ElasticAverageOptimizer`
-  (:mod:`~distoptim.agn.easgd`) -- the algorithms, all on :mod:`distoptim.agn.worker`;
+  (:mod:`~distoptim.agn.easgd`), :class:`AsyncDiLoCoOptimizer`
+  (:mod:`~distoptim.agn.async_diloco`) -- the algorithms, all on :mod:`distoptim.agn.worker`;
 * :class:`ShardLink` (:mod:`~distoptim.agn.link`) and the server rules
   (:mod:`~distoptim.agn.rules`) -- the extension point for new algorithms;
 * :class:`AGNCustomGetter` (:mod:`~distoptim.agn.getter`) -- placement of center variables;
@@ -19,6 +20,7 @@ The algorithms' math, the transports and the fault semantics are in ``docs/agn.m
 """
 
 from distoptim.agn.agn import AGNOptimizer
+from distoptim.agn.async_diloco import AsyncDiLoCoOptimizer
 from distoptim.agn.cluster import (
     TRANSPORTS,
     Cluster,
@@ -34,7 +36,13 @@ from distoptim.agn.downpour import DownpourOptimizer
 from distoptim.agn.easgd import ElasticAverageOptimizer
 from distoptim.agn.getter import AGNCustomGetter
 from distoptim.agn.link import ShardLink
-from distoptim.agn.rules import AddUpdate, ApplyOptimizer, ElasticUpdate, ServerRule
+from distoptim.agn.rules import (
+    AddUpdate,
+    ApplyOptimizer,
+    DelayedNesterov,
+    ElasticUpdate,
+    ServerRule,
+)
 from distoptim.agn.server import ParameterServer
 from distoptim.agn.transport import ParameterServerError, ShardLostError
 
@@ -44,9 +52,11 @@ __all__ = [
     "AGNOptimizer",
     "AddUpdate",
     "ApplyOptimizer",
+    "AsyncDiLoCoOptimizer",
     "Cluster",
     "ClusterResult",
     "ClusterStats",
+    "DelayedNesterov",
     "DownpourOptimizer",
     "ElasticAverageOptimizer",
     "ElasticUpdate",

@@ -14,6 +14,9 @@ table's write lock (see :mod:`distoptim.agn.server`). The rules:
 * :class:`AddUpdate` -- ``c <- c + u`` (AGN ``update_rule="delta"``, DOWNPOUR).
 * :class:`ElasticUpdate` -- ``d = alpha (theta - c)``, ``c <- c + d``; the reply carries the
   center from before the update (EASGD).
+* :class:`DelayedNesterov` -- not a rule but the server optimizer :class:`ApplyOptimizer` runs
+  for asynchronous DiLoCo with Delayed Nesterov (Liu et al. 2024, arXiv 2401.09135,
+  Algorithm 3): momentum updated once every ``N`` pseudo-gradients, plain descent in between.
 
 A new algorithm adds its rule here: subclass :class:`ServerRule`, implement :meth:`apply`, and
 declare ``uses_optimizer`` (the shard builds and keeps a server optimizer),
@@ -55,6 +58,7 @@ __all__ = [
     "AddUpdate",
     "ApplyOptimizer",
     "Backup",
+    "DelayedNesterov",
     "ElasticUpdate",
     "Refusal",
     "ServerRule",
@@ -152,6 +156,103 @@ class ElasticUpdate(ServerRule):
 
     def apply(self, center, update, optimizer):
         torch._foreach_add_(center, elastic_difference(update, center, self.alpha))
+
+
+class DelayedNesterov(torch.optim.Optimizer):
+    """Delayed Nesterov (DN), Liu et al. 2024, arXiv 2401.09135, Algorithm 3.
+
+    The outer optimizer of asynchronous DiLoCo's server (:mod:`distoptim.agn.async_diloco`).
+    Each ``step()`` consumes one pseudo-gradient ``g_t`` (the parameters' ``.grad``; ``t = 0, 1,
+    …`` counts this optimizer's steps) and updates every parameter ``θ`` with its momentum ``m``
+    (``m_0 = 0``) and its buffer ``Δ`` of the pseudo-gradients since the last momentum update
+    (``Δ = 0`` initially)::
+
+        Δ ← Δ + g_t
+        if (t + 1) mod N == 0:                                    # a momentum step
+            m_{t+1} = β m_t + Δ / N
+            θ_{t+1} = θ_t - ε ((1 - cN + c) β m_{t+1} + g_t / N)
+            Δ ← 0
+        else:                                                     # momentum delayed
+            m_{t+1} = m_t
+            θ_{t+1} = θ_t - ε (c β m_{t+1} + g_t / N)
+
+    with ``ε = lr``, ``β = momentum`` in ``[0, 1)``, ``N = buffer_size >= 1`` and the momentum
+    activation ``c = activation`` in ``[0, 1/N]`` (the paper's default ``c = 0``: plain gradient
+    descent at rate ``ε/N`` between momentum steps; ``c = 1/N`` spreads the momentum term evenly
+    over the ``N`` steps). Over ``N`` steps the momentum sees the *mean* of the ``N``
+    pseudo-gradients, as one synchronous Nesterov step on their average would. With ``N = 1`` and
+    ``c = 0`` it is ``torch.optim.SGD(lr=ε, momentum=β, nesterov=True)``, bit for bit.
+
+    State per parameter: ``momentum_buffer`` (``m``), ``pseudo_gradient_sum`` (``Δ``) and
+    ``step`` (``t``); all checkpoint with ``state_dict()``.
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 0.7,
+        momentum: float = 0.9,
+        buffer_size: int = 1,
+        activation: float = 0.0,
+    ) -> None:
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 <= lr < math.inf:
+            raise ValueError(f"lr must be a finite number >= 0, got {lr!r}")
+        if (
+            isinstance(momentum, bool)
+            or not isinstance(momentum, (int, float))
+            or not 0 <= momentum < 1
+        ):
+            raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}")
+        if isinstance(buffer_size, bool) or not isinstance(buffer_size, int) or buffer_size < 1:
+            raise ValueError(f"buffer_size must be an int >= 1, got {buffer_size!r}")
+        if (
+            isinstance(activation, bool)
+            or not isinstance(activation, (int, float))
+            or not 0 <= activation <= 1 / buffer_size
+        ):
+            raise ValueError(
+                f"activation (the paper's c) must be a number in [0, 1/buffer_size] = "
+                f"[0, {1 / buffer_size:g}], got {activation!r}"
+            )
+        defaults = {
+            "lr": float(lr),
+            "momentum": float(momentum),
+            "buffer_size": buffer_size,
+            "activation": float(activation),
+        }
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, beta = group["lr"], group["momentum"]
+            n, c = group["buffer_size"], group["activation"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["momentum_buffer"] = torch.zeros_like(p)
+                    state["pseudo_gradient_sum"] = torch.zeros_like(p)
+                m, acc = state["momentum_buffer"], state["pseudo_gradient_sum"]
+                acc.add_(g)
+                if (state["step"] + 1) % n == 0:
+                    m.mul_(beta).add_(acc / n)
+                    acc.zero_()
+                    d = (g / n).add(m, alpha=(1 - c * n + c) * beta)
+                elif c:
+                    d = (g / n).add(m, alpha=c * beta)
+                else:
+                    d = g / n
+                p.add_(d, alpha=-lr)
+                state["step"] += 1
+        return loss
 
 
 # ---------------------------------------------------------------------------------------------
