@@ -207,7 +207,7 @@ def _round_trip(ctx, transports, reps: int) -> dict[str, Any]:
 
 
 def _barrier(ctx, name: str) -> None:
-    store = ctx._store
+    store = ctx.store
     store.add(name, 1)
     deadline = time.monotonic() + 120
     while int(store.add(name, 0)) < ctx.num_worker:

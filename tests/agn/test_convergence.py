@@ -57,8 +57,9 @@ def _train(ctx) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
-def test_four_workers_reach_loss_threshold():
-    result = spawn(_train, 4, num_ps=1, timeout=140, num_threads=1)
+@pytest.mark.parametrize("transport", ["p2p", "rpc"])
+def test_four_workers_reach_loss_threshold(transport):
+    result = spawn(_train, 4, num_ps=1, timeout=140, num_threads=1, transport=transport)
     x, y = _data()
     model = _model()
     with torch.no_grad():

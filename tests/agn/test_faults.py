@@ -5,6 +5,7 @@ Four small runs, each checking several behaviours:
 * elastic: a late worker joins a running cluster, pulls the current center and commits; a worker
   leaves early without stalling anyone; the center guard refuses a commit whose result would be
   Inf (and its hyperparameters do not stick); a clean end prints nothing (children's stderr);
+  the flat buffers travel on the gloo pairs here (shared memory off), as between machines;
 * restart: a shard killed mid-run is restarted from its checkpoint, the workers reconnect and go
   on; the commits lost are bounded by ``checkpoint_every`` (plus those in flight);
 * a worker killed during start-up fails the run within seconds, naming that worker;
@@ -102,7 +103,11 @@ def _elastic_worker(ctx, out_dir: str) -> dict:
     return out
 
 
-def test_late_worker_joins_one_leaves_guard_refuses_and_the_end_is_quiet(tmp_path, capfd):
+def test_late_worker_joins_one_leaves_guard_refuses_and_the_end_is_quiet(
+    tmp_path, capfd, monkeypatch
+):
+    # buffers on the gloo pair, as between machines (the other p2p runs use shared memory)
+    monkeypatch.setenv("DISTOPTIM_AGN_SHM", "0")
     with LocalCluster(_elastic_worker, 2, 1, (str(tmp_path),), timeout=120, rpc_timeout=30) as c:
         c.start()
         assert _wait_for(tmp_path / "w0_ready", 90)
@@ -218,3 +223,59 @@ def test_dropped_startup_death_and_a_workers_exception_reaches_the_caller():
     assert "_short_worker" in err.remote_traceback
     assert [o.name for o in err.others] == ["worker 2"]
     assert "killed by signal 9" in err.others[0].headline()
+
+
+# ---------------------------------------------------------------------------------------------
+# torchrun's own restarts
+# ---------------------------------------------------------------------------------------------
+_TORCHRUN_SCRIPT = """
+import json, os, signal, sys
+import torch
+import distoptim
+from distoptim.agn import Cluster
+from distoptim.agn.transport.messages import Ping
+
+ckpt, out = sys.argv[1], sys.argv[2]
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+cluster = Cluster.from_env(num_ps=1, checkpoint_dir=ckpt, checkpoint_every=2)
+if cluster.is_ps:
+    cluster.serve()
+    cluster.shutdown()
+    sys.exit(0)
+with cluster:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = distoptim.AGNOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05), cluster.num_worker, communication_period=1
+    )
+    hook = opt.make_session_run_hook(cluster.is_chief, cluster.task_index)
+    hook.begin()
+    hook.after_create_session()
+    at_init = opt.global_step
+    for k in range(6):
+        if attempt == 0 and cluster.is_chief and k == 5:
+            os.kill(cluster.request(0, Ping()).pid, signal.SIGKILL)  # torchrun restarts the job
+        opt.zero_grad()
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        opt.step()
+    with open(f"{out}.{attempt}.{cluster.task_index}", "w") as f:
+        json.dump({"at_init": at_init, "end": opt.global_step}, f)
+"""
+
+
+def test_torchrun_restarts_the_job_and_the_shard_resumes_from_its_checkpoint(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "job.py"
+    script.write_text(_TORCHRUN_SCRIPT)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3"]
+    cmd += ["--max-restarts", "1", str(script), str(tmp_path / "ckpt"), str(out)]
+    proc = subprocess.run(cmd, timeout=140, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    second = [json.loads((tmp_path / f"out.1.{t}").read_text()) for t in (0, 1)]
+    assert not (tmp_path / "out.0.0").exists()  # the first attempt ended at the kill
+    assert all(w["at_init"] >= 4 for w in second)  # the resumed center, not a fresh seed
+    assert all(w["end"] >= w["at_init"] + 6 for w in second)

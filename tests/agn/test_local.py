@@ -331,6 +331,8 @@ def test_center_guard_refuses_a_finite_commit_with_a_non_finite_result_exactly()
     table = ps._tables["t"]
     center = table.flats["float32"].clone()
     momentum = table.optimizer.state[table.views[0]]["momentum_buffer"].clone()
+    ps.idle()  # between requests the backup is taken ahead: the commit does not copy
+    assert table.backup.version == table.version == 1
     r = _commit(ps, "t", 0, 1, layout.flatten([torch.full((4,), 10.0)])).reply
     assert r.refused and "non-finite" in r.reason and r.version == 1
     assert torch.equal(table.flats["float32"], center)  # exactly as before, state too

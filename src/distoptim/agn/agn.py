@@ -77,10 +77,13 @@ class AGNOptimizer(AsyncWorkerOptimizer):
 
     def _payload(self, link: ShardLink) -> dict[str, torch.Tensor]:
         lam = self.communication_period
-        if self.update_rule == "gradient":
-            assert link.acc is not None
-            for a in link.acc.values():  # in place: the accumulator is zeroed after the reply
-                a.div_(lam)
-            return link.acc
-        assert link.pulled is not None
-        return {k: (v - link.pulled[k]) / lam for k, v in link.local().items()}
+        if self.update_rule == "delta":
+            return link.delta(lam)
+        assert link.acc is not None
+        if link.out is not None:  # written where the transport sends it from
+            for k, a in link.acc.items():
+                torch.div(a, lam, out=link.out[k])
+            return link.out
+        for a in link.acc.values():  # in place: the accumulator is zeroed after the reply
+            a.div_(lam)
+        return link.acc

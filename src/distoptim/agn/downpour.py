@@ -48,5 +48,4 @@ class DownpourOptimizer(AsyncWorkerOptimizer):
         return AddUpdate()
 
     def _payload(self, link: ShardLink) -> dict[str, torch.Tensor]:
-        assert link.pulled is not None
-        return {k: v - link.pulled[k] for k, v in link.local().items()}
+        return link.delta()

@@ -11,8 +11,10 @@ An asynchronous algorithm is a subclass of
 :class:`~distoptim.agn.worker.AsyncWorkerOptimizer` that says, per link:
 
 * ``_payload(link) -> dict[str, Tensor]``: what it commits (flat buffers in ``link.layout``),
-  e.g. ``a / λ`` from ``link.acc``, or ``θ - θ_pulled`` from :meth:`ShardLink.local` and
-  ``link.pulled``. The returned buffers belong to the transport until the reply arrives.
+  e.g. ``a / λ`` from ``link.acc``, or ``θ - θ_pulled`` (:meth:`ShardLink.delta`). When
+  ``link.out`` is not None it holds buffers the transport sends for free (a shared segment):
+  write the payload there if you can. The returned buffers belong to the transport until the
+  reply arrives.
 * ``_absorb(link, sent, reply)``: what the local parameters become after an accepted commit
   (default: the center in ``reply``, via :meth:`ShardLink.assign`).
 * ``_server_rule() -> ServerRule``: how the shard applies a commit
@@ -50,6 +52,9 @@ class ShardLink:
       the algorithm has ``_keeps_accumulator``; ``acc_is_zero``: ``a`` is logically zero, so the
       next accumulation overwrites instead of adding (saves a pass).
     * ``pulled``: the center as last received (``_keeps_pulled``).
+    * ``out``: where the next payload can be written for free (the shared segment's buffers on
+      a same-machine p2p connection; set by the worker before ``_payload``), or None. It
+      overlaps the last reply: read that first.
     * ``inbox``: persistent buffers a transport may receive commit replies into
       (:meth:`reply_buffers`; a reply's ``flats`` may or may not be these: always read the
       reply).
@@ -65,6 +70,7 @@ class ShardLink:
     acc_views: list[torch.Tensor] = field(default_factory=list)
     acc_is_zero: bool = True
     pulled: dict[str, torch.Tensor] | None = None
+    out: dict[str, torch.Tensor] | None = None
     inbox: dict[str, torch.Tensor] | None = None
     sent_hparams: dict[int, dict[str, Any]] = field(default_factory=dict)
     _kept: dict[str, torch.Tensor] | None = None
@@ -77,6 +83,19 @@ class ShardLink:
         """Local parameters := ``flats`` (one pass)."""
         with torch.no_grad():
             torch._foreach_copy_(self.params, self.layout.views(flats))
+
+    def delta(self, divisor: int = 1) -> dict[str, torch.Tensor]:
+        """``(θ - θ_pulled) / divisor`` as flat buffers (in ``out`` when set): two passes."""
+        if self.pulled is None:
+            raise RuntimeError("delta() needs the last pulled center (_keeps_pulled)")
+        dst = self.out if self.out is not None else self.layout.zeros()
+        with torch.no_grad():
+            for p, c, d in zip(self.params, self.layout.views(self.pulled), self.layout.views(dst)):
+                torch.sub(p, c, out=d)
+        if divisor != 1:
+            for t in dst.values():
+                t.div_(divisor)
+        return dst
 
     def keep(self, flats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``flats`` owned by this link: the reply buffers themselves, else a copy.

@@ -170,6 +170,7 @@ class _Table:
         self.views = self.layout.views(self.flats)
         self.optimizer = _build_optimizer(spec, self.views) if spec.rule.uses_optimizer else None
         self.backup = Backup.like(self.flats)
+        self.refreshing = threading.Lock()
         self.rw = _ReadWriteLock()
         self.stats_lock = threading.Lock()
         self.version = 0
@@ -184,6 +185,26 @@ class _Table:
     def locking(self) -> bool:
         """Whether commits take the write lock (see the module docstring)."""
         return self.spec.use_locking or self.spec.rule.uses_optimizer
+
+    @property
+    def needs_backup(self) -> bool:
+        """Whether a commit copies the center first (the general guard, or the old-center
+        reply); such a copy can be taken ahead, between requests."""
+        rule = self.spec.rule
+        return self.locking and (not rule.bounded_by_inputs or rule.reply_before_update)
+
+    def refresh_backup(self) -> None:
+        """Take the backup of the current version now, unless it is fresh or being taken."""
+        if self.backup.version == self.version or not self.refreshing.acquire(blocking=False):
+            return
+        try:
+            self.rw.acquire_read()
+            try:
+                self.backup.take(self.flats, self.optimizer, self.version)
+            finally:
+                self.rw.release_read()
+        finally:
+            self.refreshing.release()
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in self.flats.items()}
@@ -338,6 +359,16 @@ class ParameterServer:
                     raise TypeError(f"unknown request {type(request).__name__}")
         except (ValueError, TypeError, RuntimeError, TimeoutError) as exc:
             return Handled(ErrorReply(type(exc).__name__, str(exc)))
+
+    def idle(self) -> None:
+        """Between requests: copy ahead what the next commit would copy on its critical path
+        (the backups of :func:`~distoptim.agn.rules.apply_guarded`). A transport calls this
+        after a reply is out, while the worker is busy with its next steps."""
+        with self._cond:
+            tables = list(self._tables.values())
+        for t in tables:
+            if t.needs_backup:
+                t.refresh_backup()
 
     def hello(self, request: Hello) -> Welcome:
         """A worker connected (again: a worker counted dead is alive again)."""

@@ -402,6 +402,15 @@ class AsyncWorkerOptimizer(WrappedOptimizer):
         if self.local_step % self.communication_period == 0:
             self._commit()
 
+    def _outbox(self, link: ShardLink) -> dict[str, torch.Tensor] | None:
+        """The transport's free buffers for this link's payload, typed like its layout."""
+        specs = link.layout.buffers()
+        sizes = [n * torch.empty((), dtype=d).element_size() for _, d, n in specs]
+        raw = self._require_connected().cluster.transport.outbox(link.shard, sizes)
+        if raw is None:
+            return None
+        return {k: b.view(d) for (k, d, _), b in zip(specs, raw)}
+
     def _hparams(self, link: ShardLink) -> dict[int, dict[str, Any]] | None:
         """Numeric hyperparameters that changed since the last commit (LR schedules)."""
         changed: dict[int, dict[str, Any]] = {}
@@ -422,6 +431,8 @@ class AsyncWorkerOptimizer(WrappedOptimizer):
         for link in conn.links:  # a shard restarted under another optimizer's request
             if cluster.incarnation(link.shard) != link.incarnation:
                 self._resync(link)
+        for link in conn.links:
+            link.out = self._outbox(link)
         payloads = [self._payload(link) for link in conn.links]
         refuse = len(conn.links) > 1 and not all(finite(p) for p in payloads)
         uses_opt = self._server_rule().uses_optimizer

@@ -77,6 +77,8 @@ class Handler(Protocol):
 
     def connection_lost(self, task: int) -> None: ...
 
+    def idle(self) -> None: ...
+
 
 class Pending(ABC):
     """A request in flight to one shard."""
@@ -113,6 +115,12 @@ class Transport(ABC):
         (p2p: a shared-memory segment when the shard is on this machine); returns whether a
         faster path is in place. Requests work without it."""
         return False
+
+    def outbox(self, shard: int, nbytes: list[int]) -> list[torch.Tensor] | None:
+        """Byte buffers (``uint8``) where the flat buffers of the next request to ``shard``
+        (of ``nbytes`` bytes each, in order) can be written so that sending them copies nothing;
+        None when there are none. They overlap the last reply from that shard."""
+        return None
 
     def incarnation(self, shard: int) -> int:
         """The incarnation of ``shard`` this worker is connected to (1 + its restarts)."""

@@ -416,6 +416,16 @@ class P2PTransport(Transport):
         ch.shm_refused = True
         return False
 
+    def outbox(self, shard: int, nbytes: list[int]) -> list[torch.Tensor] | None:
+        ch = self._channels.get(shard)
+        seg = None if ch is None else ch.pipe.segment
+        if seg is None:
+            return None
+        offsets, need = layout_offsets(nbytes)
+        if need > seg.nbytes:
+            return None
+        return [seg.data[o : o + n] for o, n in zip(offsets, nbytes)]
+
     def _lost(
         self, ch: _Channel, what: str, exc: BaseException, elapsed: float
     ) -> ParameterServerError:
@@ -521,6 +531,7 @@ class P2PTransport(Transport):
                     handled.sent()
                 if isinstance(request, Finish) and not isinstance(handled.reply, ErrorReply):
                     return
+                handler.idle()
         except Exception:
             handler.connection_lost(task)
         finally:

@@ -1,0 +1,117 @@
+"""The p2p transport's pieces in one process: a gloo pair between two threads, shared segments.
+
+No cluster: both ends of one connection live in this process (each thread holds one rank of
+a 2-rank ``ProcessGroupGloo`` made from a ``PrefixStore``), so the message path that crosses
+machines (buffers on the pair) and the same-machine one (buffers in a shared segment) are both
+checked in milliseconds.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distoptim.agn.transport.messages import Commit, Echo, Pull
+from distoptim.agn.transport.p2p import _Pipe
+from distoptim.agn.transport.shm import Segment, layout_offsets
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def pair():
+    """Two ends of one connection: (shard end rank 0, worker end rank 1)."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ends: dict[int, _Pipe] = {}
+
+    def make(rank: int) -> None:  # a store client each: a blocking wait holds its client
+        client = dist.TCPStore("127.0.0.1", store.port, is_master=False)
+        pg = dist.ProcessGroupGloo(dist.PrefixStore("t", client), rank, 2, timedelta(seconds=20))
+        ends[rank] = _Pipe(pg, 1 - rank)
+
+    threads = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    yield ends[0], ends[1]
+    for end in ends.values():
+        end.close()
+
+
+def _exchange(sender: _Pipe, receiver: _Pipe, message, **recv_kwargs):
+    got = {}
+
+    def recv() -> None:
+        got["msg"] = receiver.recv(_deadline(), **recv_kwargs)
+
+    t = threading.Thread(target=recv)
+    t.start()
+    for w in sender.send(message):
+        w.wait(timedelta(seconds=20))
+    t.join(20)
+    return got["msg"]
+
+
+def _deadline() -> float:
+    import time
+
+    return time.monotonic() + 20
+
+
+def test_messages_on_the_pair_with_buffers_reused_and_large_metadata(pair):
+    shard, worker = pair
+    flats = {"float32": torch.arange(6.0), "float64": torch.ones(3, dtype=torch.float64)}
+    pool: dict = {}
+    got = _exchange(worker, shard, Commit("opt", 1, 4, flats), pool=pool)
+    assert isinstance(got, Commit) and got.task == 1 and got.pulled_version == 4
+    assert all(torch.equal(got.flats[k], v) for k, v in flats.items())
+    first = got.flats["float32"].data_ptr()
+    got = _exchange(worker, shard, Commit("opt", 1, 5, flats, {0: {"x": 1.0}}), pool=pool)
+    assert got.flats["float32"].data_ptr() == first  # the connection reuses its buffers
+    big = {0: {f"k{i}": float(i) for i in range(200)}}  # metadata longer than the header
+    got = _exchange(worker, shard, Commit("opt", 2, 0, flats, big))
+    assert got.hparams == big
+    inbox = {"float32": torch.zeros(6)}
+    back = _exchange(shard, worker, Echo({"float32": torch.arange(6.0)}), into=inbox)
+    assert back.flats["float32"] is inbox["float32"]  # received where it was asked to go
+    assert torch.equal(inbox["float32"], torch.arange(6.0))
+    assert isinstance(_exchange(worker, shard, Pull("opt", 1, "AGN", (), 0.0)), Pull)
+
+
+def test_messages_in_a_shared_segment_copy_nothing_in_place(pair):
+    shard, worker = pair
+    flats = {"float32": torch.arange(10.0), "float16": torch.ones(5, dtype=torch.float16)}
+    offsets, need = layout_offsets([t.numel() * t.element_size() for t in flats.values()])
+    assert offsets == [0, 64] and need == 128
+    seg = Segment.create(need)
+    assert seg is not None
+    try:
+        other = Segment.attach(seg.path, seg.nbytes, seg.token)
+        assert other is not None
+        assert Segment.attach(seg.path, seg.nbytes, b"0" * 16) is None  # not the same memory
+    finally:
+        seg.unlink()
+    assert not os.path.exists(seg.path)  # the name is gone, the mappings stay valid
+    worker.segment, shard.segment = seg, other
+    got = _exchange(worker, shard, Commit("opt", 0, 0, flats))
+    assert all(torch.equal(got.flats[k], v) for k, v in flats.items())
+    assert got.flats["float32"].data_ptr() == other.data.data_ptr()  # a view, no receive copy
+    # the shard echoes the views it got: they are in place, nothing is copied back
+    back = _exchange(shard, worker, Echo(got.flats))
+    assert back.flats["float16"].data_ptr() == seg.data.data_ptr() + 64
+    assert torch.equal(back.flats["float16"], flats["float16"])
+    # a message larger than the segment goes on the pair
+    large = {"float32": torch.arange(100.0)}
+    got = _exchange(worker, shard, Commit("opt", 0, 0, large))
+    assert torch.equal(got.flats["float32"], large["float32"])
+    assert got.flats["float32"].data_ptr() != other.data.data_ptr()
+
+
+def test_a_segment_cannot_be_made_where_there_is_no_room(tmp_path):
+    assert Segment.create(64, directory=str(tmp_path / "missing")) is None
