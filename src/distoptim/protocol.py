@@ -29,7 +29,13 @@ from distoptim.checks import type_name as _type_name
 Loss = torch.Tensor | Callable[[], torch.Tensor]
 GradsAndVars = list[tuple[torch.Tensor | None, torch.Tensor]]
 
-__all__ = ["GradsAndVars", "TFOptimizerProtocol", "WrappedOptimizer", "run_closure"]
+__all__ = [
+    "GradsAndVars",
+    "TFOptimizerProtocol",
+    "WrappedOptimizer",
+    "check_inner_state_dict",
+    "run_closure",
+]
 
 
 def run_closure(closure: Callable[[], Any] | None) -> Any:
@@ -469,7 +475,7 @@ class WrappedOptimizer(TFOptimizerProtocol, torch.optim.Optimizer):
         if iterations is not None and (not isinstance(iterations, int) or iterations < 0):
             raise ValueError(f"state_dict['iterations'] must be an int >= 0, got {iterations!r}")
         self._check_wrapper_state_dict(wrapper)  # validate everything before changing anything
-        _check_inner_state_dict(self._wrapped, sd)
+        check_inner_state_dict(self._wrapped, sd)
         self._wrapped.load_state_dict(sd)
         self._load_wrapper_state_dict(wrapper)
         if iterations is not None:
@@ -479,7 +485,7 @@ class WrappedOptimizer(TFOptimizerProtocol, torch.optim.Optimizer):
         return f"{type(self).__name__}({self._wrapped!r})"
 
 
-def _check_inner_state_dict(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
+def check_inner_state_dict(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
     """The checks ``torch.optim.Optimizer.load_state_dict`` makes, without loading anything.
 
     torch raises only after it may have run load-state-dict pre-hooks; doing its structural
@@ -502,3 +508,7 @@ def _check_inner_state_dict(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> N
                 f"loaded state dict's parameter group {i} does not match the size of the "
                 f"wrapped {type(opt).__name__}'s group {i} ({len(mine['params'])} parameters)"
             )
+
+
+# The name before it was public; ``distoptim.outer.diloco`` still imports it.
+_check_inner_state_dict = check_inner_state_dict

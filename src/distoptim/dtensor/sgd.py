@@ -57,7 +57,7 @@ from distoptim.dtensor.options import EMAOption, GradientsClipOption
 from distoptim.protocol import (
     GradsAndVars,
     TFOptimizerProtocol,
-    _check_inner_state_dict,
+    check_inner_state_dict,
     run_closure,
     swapped_grads,
 )
@@ -617,7 +617,7 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
         if not isinstance(state_dict, dict):
             raise TypeError(f"state_dict must be a dict, got {type_name(state_dict)}")
         sd = {k: v for k, v in state_dict.items() if k != "iterations"}
-        _check_inner_state_dict(self, sd)
+        check_inner_state_dict(self, sd)
         params = self._all_params()
         for i, group in enumerate(sd["param_groups"]):
             try:
