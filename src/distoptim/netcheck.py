@@ -30,7 +30,7 @@ The checks, in order (each failure raises at once)
 2. On a job across nodes, it does not resolve to loopback only.
 3. When the store already listens (``TORCHELASTIC_USE_AGENT_STORE=True``, as under torchrun
    and :func:`distoptim.launch.spawn`), a TCP connection to ``MASTER_ADDR:MASTER_PORT`` opens
-   within 3 s and a store client joins; otherwise a route to it exists (no packet sent).
+   within 3 s; otherwise a route to it exists (no packet sent).
 4. ``GLOO_SOCKET_IFNAME``/``TP_SOCKET_IFNAME`` name interfaces with an address here; on a job
    across nodes, the addresses gloo/TensorPipe will bind to are not loopback.
 5. On a job across nodes (``GROUP_WORLD_SIZE > 1``, agent store): the exchange. The first local
@@ -43,8 +43,9 @@ The checks, in order (each failure raises at once)
    cannot reach the store (checks 1-3) cannot publish: the others name it after the wait, which
    is bounded by the caller's timeout (``DISTOPTIM_NETCHECK_TIMEOUT`` seconds overrides it).
 
-Costs: one process: a name lookup, one loopback connection, one store client -- milliseconds.
-Across nodes add the exchange: per process ``2 * nodes`` store reads; per node one listener and
+Costs: on one node, a name lookup of ``MASTER_ADDR`` and of the hostname, one TCP connection
+(opened and closed) and an interface listing -- about a millisecond. Across nodes add the
+exchange: per process a store client and ``2 * nodes`` store reads; per node one listener and
 ``nodes - 1`` connections per address. A later call in the same process checks only the
 transports no earlier call checked (the CLI checks gloo, then ``Cluster.from_env`` adds
 TensorPipe: a second, smaller exchange round), and returns at once when there are none; so every
@@ -483,8 +484,8 @@ def _check_master(job: _Job) -> list[tuple]:
     return resolved
 
 
-def _check_store(job: _Job, resolved: list[tuple], timeout: float) -> Any:
-    """Check 3; a store client when the store already listens, else ``None``."""
+def _check_store(job: _Job, resolved: list[tuple]) -> bool:
+    """Check 3; whether the store already listens (and answered a connection)."""
     ips = ", ".join(s[0] for s in resolved)
     if not job.agent_store:  # rank 0 will host it: only a route can be checked now
         if not any(_route_source(s[0], job.master_port) for s in resolved):
@@ -493,7 +494,7 @@ def _check_store(job: _Job, resolved: list[tuple], timeout: float) -> Any:
                 _FIX_MASTER,
                 _WHY_MASTER,
             )
-        return None
+        return False
     outcomes = _connect_all([(None, s) for s in resolved], _CONNECT_TIMEOUT)
     if all(reason is not None for reason, _ in outcomes):
         tried = "; ".join(
@@ -505,6 +506,11 @@ def _check_store(job: _Job, resolved: list[tuple], timeout: float) -> Any:
             _FIX_MASTER,
             _WHY_MASTER,
         )
+    return True
+
+
+def _store_client(job: _Job, timeout: float) -> Any:
+    """A client of the store at ``MASTER_ADDR:MASTER_PORT`` (for the exchange)."""
     import torch.distributed as dist
 
     try:
@@ -516,8 +522,8 @@ def _check_store(job: _Job, resolved: list[tuple], timeout: float) -> Any:
         )
     except (RuntimeError, ValueError) as exc:  # connected, but no store answers there
         raise job.error(
-            f"{job.master_addr!r} ({ips}) accepts connections on port {job.master_port}, but "
-            f"no rendezvous store answers there ({exc}).",
+            f"{job.master_addr!r} accepts connections on port {job.master_port}, but no "
+            f"rendezvous store answers there ({exc}).",
             _FIX_MASTER,
         ) from exc
     store.set_timeout(timedelta(seconds=max(timeout, _STORE_JOIN_TIMEOUT)))
@@ -797,9 +803,8 @@ def check_torchrun_network(
     todo = [t for t in dict.fromkeys(transports) if state is None or t not in state.transports]
     if state is not None and not todo:
         return
-    resolved = _check_master(job)
-    store = _check_store(job, resolved, timeout)
-    exchange = store is not None and job.multi_node and bool(todo)
+    listening = _check_store(job, _check_master(job))
+    exchange = listening and job.multi_node and bool(todo)
     exchange = exchange and None not in (job.node, job.nodes, job.local_rank)
     failure: NetworkConfigError | None = None
     binds: list[BindAddress] = []
@@ -811,6 +816,7 @@ def check_torchrun_network(
         failure = exc
     rounds = 0 if state is None else state.rounds
     if exchange:
+        store = _store_client(job, timeout)
         _exchange(job, store, binds, failure, timeout, f"{job.key}{rounds}/")
     if failure is not None:
         raise failure

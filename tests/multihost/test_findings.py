@@ -89,7 +89,7 @@ def _waves() -> list[list[Job]]:
         [Job("readme", "cross_shard", edit=_readme_command),
          Job("no_local_addr", "cross_shard", edit=_one_process(_no_local_addr)),
          Job("no_local_addr_mgmt", "cross_shard", resolve="mgmt", edit=_no_local_addr,
-             env={"DISTOPTIM_NETCHECK_TIMEOUT": "5"})],
+             env={"DISTOPTIM_NETCHECK_TIMEOUT": "3"})],
         [Job("gloo_ifname", "cross_shard", edit=_one_process(_gloo_unset_then_wrong)),
          Job("no_tp_ifname", "agn", edit=_one_process(_rpc_without_tp)),
          Job("wrong_nic", "cross_shard", resolve="mgmt", edit=_no_gloo)],
@@ -145,7 +145,7 @@ def test_master_addr_unreachable_from_the_other_node(outcomes: dict[str, list[Ho
         f"'{h0.hostname}' resolves here to {h0.mgmt_addr}",
         "--local-addr",
     )
-    _diagnosed(node0, "node(s) 1 did not report to the network check within 5 s")
+    _diagnosed(node0, "node(s) 1 did not report to the network check within 3 s")
 
 
 def test_gloo_interface_unset_or_wrong(outcomes: dict[str, list[HostRun]]) -> None:
