@@ -190,13 +190,16 @@ class AsyncDiLoCoOptimizer(AsyncWorkerOptimizer):
     ``outer_optimizer`` to every commit as it is (the paper's "Async. DiLoCo" baseline).
 
     **Dynamic Local Updates** (``dynamic_local_updates=True``; Section 5, Eq. (6)). Each worker
-    measures its speed ``v(w)`` = local steps per second over its last round (from the end of
-    its previous commit, or initialization, to the end of the round's last inner step: the
-    time its training loop took, the commit's round trip excluded) and publishes it in the
-    cluster's store. After each commit it takes ``H_w = ⌊ v(w) / max_w' v(w') · H ⌋`` local
-    steps for the next round (:func:`local_updates`; the fastest worker keeps ``H``, every
-    worker at least 1), over the workers that have published and not left. The first round is
-    ``H`` everywhere. ``clock`` (keyword, default ``time.perf_counter``) is the time source.
+    measures its speed ``v(w)`` in local steps per second of its training loop: a round is timed
+    from the end of the step that committed the previous one to the end of its last inner step
+    (the commit's round trip excluded; whatever the loop does between steps -- data, forward,
+    backward -- included), the first round after initialization from the end of its first step;
+    ``v(w)`` = timed steps / timed seconds, accumulated since initialization (the device's
+    speed, robust to one noisy round). After each commit it publishes ``v(w)`` in the
+    cluster's store and takes ``H_w = ⌊ v(w) / max_w' v(w') · H ⌋`` local steps for the next
+    round (:func:`local_updates`; the fastest worker keeps ``H``, every worker at least 1),
+    over the workers that have published and not left. The first round is ``H`` everywhere.
+    ``clock`` (keyword, default ``time.perf_counter``) is the time source.
 
     Read-outs: ``period`` (``H_w`` of the current round), ``speed`` (last measured, or None),
     ``commits`` and ``bytes_sent`` (this worker's commits and their payload bytes),
@@ -270,7 +273,10 @@ class AsyncDiLoCoOptimizer(AsyncWorkerOptimizer):
         self._server_factory = server_factory
         self._clock = clock
         self._round_steps = 0
-        self._round_start = 0.0
+        self._round_start: float | None = None  # None: the clock starts at the next step's end
+        self._untimed = 0  # steps of this round before its clock started
+        self._timed_steps = 0  # DyLU: steps and seconds measured since initialization
+        self._timed_s = 0.0
         self._speeds: _SpeedTable | None = None
 
     # ---- what the shard runs ------------------------------------------------------------------
@@ -308,7 +314,7 @@ class AsyncDiLoCoOptimizer(AsyncWorkerOptimizer):
     def _initialize(self, task_index: int) -> None:
         super()._initialize(task_index)
         self._round_steps = 0
-        self._round_start = self._clock()
+        self._round_start = None
         if self.dynamic_local_updates:
             conn = self._require_connected()
             self._speeds = _SpeedTable(conn.cluster.store, self._name, conn.task_index)
@@ -316,20 +322,25 @@ class AsyncDiLoCoOptimizer(AsyncWorkerOptimizer):
     def _after_inner_step(self) -> None:
         self.local_step += 1
         self._round_steps += 1
+        if self._round_start is None:  # the first step after initialization is not timed
+            self._round_start = self._clock()
+            self._untimed = self._round_steps
         if self._round_steps < self.period:
             return
         elapsed = self._clock() - self._round_start
         self._commit()
         if self.dynamic_local_updates:
-            self._next_period(elapsed)
-        self._round_steps = 0
+            self._next_period(self._round_steps - self._untimed, elapsed)
+        self._round_steps = self._untimed = 0
         self._round_start = self._clock()
 
-    def _next_period(self, elapsed: float) -> None:
-        """DyLU after a commit: publish this round's speed, size the next round (Eq. (6))."""
+    def _next_period(self, steps: int, elapsed: float) -> None:
+        """DyLU after a commit: publish the speed, size the next round (Eq. (6))."""
         assert self._speeds is not None
-        if elapsed > 0 and math.isfinite(elapsed):
-            self.speed = self._round_steps / elapsed
+        if steps > 0 and elapsed > 0 and math.isfinite(elapsed):
+            self._timed_steps += steps
+            self._timed_s += elapsed
+            self.speed = self._timed_steps / self._timed_s
             self._speeds.publish(self.speed)
         if self.speed is None:
             return
