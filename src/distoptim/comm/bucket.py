@@ -9,13 +9,18 @@ layout always pair their collectives correctly.
 
 Flat layout of one bucket of ``k`` parameters with ``n`` gradient elements in total::
 
-    [ grad_0 | grad_1 | ... | grad_{k-1} | flag_0 ... flag_{k-1} | trailer ]   (n + k + t)
+    [ grad_0 | grad_1 | ... | grad_{k-1} | pad | flag_0 ... flag_{k-1} | trailer ]
 
 ``flag_i`` is 1 where this rank had a gradient for member ``i`` and 0 where it did not (its
 slot is zero-filled, Horovod's rule). After a SUM all-reduce a flag is > 0 exactly when *some*
 rank had that gradient, so every rank agrees, without an extra collective, on which parameters
 received a gradient at all (the others keep ``grad = None`` and the inner optimizer skips them
-as it would locally).
+as it would locally). A plan built with ``flags=False`` has no flag region: its rounds carry
+the flags elsewhere (weight-update sharding sends them in a small control all-reduce, because
+a reduce-scatter delivers each element to one rank only).
+
+``pad`` (zeros, only with ``pad_to > 1``) makes ``n + pad`` a multiple of ``pad_to``, so the
+gradient region splits into ``pad_to`` equal shards (one per rank of a reduce-scatter).
 
 The *trailer* (``t`` elements, only in the plan's last bucket, and only when the plan is built
 with ``trailer=t``) carries the round's sequence words (:mod:`distoptim.comm.guard`) in the
@@ -23,6 +28,12 @@ same all-reduce: it is not divided when averaging and not touched by :meth:`Buck
 last bucket is the one launched last, so its words can say what became known last (an edit of
 ``.grad`` after backward). A plan with no parameters but a trailer has one bucket that holds
 only the trailer.
+
+Gradients as bucket views: :meth:`Bucket.grad_aliases` gives one tensor per member that
+*aliases* its slot in the bucket's persistent buffer, with a version counter of its own (not a
+view: views share their base's counter, so an edit of one gradient could not be told from an
+edit of another). Put in ``.grad``, backward accumulates straight into the bucket, and
+:meth:`Bucket.pack` skips the copy of any gradient that already sits in its slot.
 """
 
 from __future__ import annotations
@@ -41,8 +52,9 @@ class Bucket:
 
     ``members`` are indices into :attr:`BucketPlan.params`, in ready order; ``offsets[i]`` and
     ``shapes[i]`` place member ``i`` in the flat buffer; ``numel`` is the number of gradient
-    elements; ``trailer`` the number of sequence-word elements after the flags (the buffer
-    holds ``numel + len(members) + trailer`` elements, see the module docstring).
+    elements; ``pad`` the zeros after them; ``flagged`` whether the buffer has a flag region;
+    ``trailer`` the number of sequence-word elements after the flags (the buffer holds
+    ``numel + pad + len(members) * flagged + trailer`` elements, see the module docstring).
     """
 
     index: int
@@ -53,18 +65,31 @@ class Bucket:
     shapes: list[torch.Size] = field(default_factory=list)
     numel: int = 0
     trailer: int = 0
+    pad: int = 0
+    flagged: bool = True
     _buffer: torch.Tensor | None = field(default=None, repr=False)
     _views: list[torch.Tensor] | None = field(default=None, repr=False)
+    _aliases: list[torch.Tensor] | None = field(default=None, repr=False)
+
+    @property
+    def padded(self) -> int:
+        """Elements of the gradient region including the padding (what a reduce-scatter splits)."""
+        return self.numel + self.pad
+
+    @property
+    def num_flags(self) -> int:
+        """Presence flags in the buffer: one per member, or none (``flagged=False``)."""
+        return len(self.members) if self.flagged else 0
 
     @property
     def size(self) -> int:
-        """Elements in the flat buffer: gradients, one presence flag per member, the trailer."""
-        return self.numel + len(self.members) + self.trailer
+        """Elements in the flat buffer: gradients, padding, presence flags, the trailer."""
+        return self.padded + self.num_flags + self.trailer
 
     @property
     def head(self) -> int:
-        """Elements before the trailer: the gradients and the flags (what averaging divides)."""
-        return self.numel + len(self.members)
+        """Elements before the trailer: gradients, padding, flags (what averaging divides)."""
+        return self.padded + self.num_flags
 
     @property
     def payload_bytes(self) -> int:
@@ -83,11 +108,28 @@ class Bucket:
         return torch.empty(self.size, dtype=self.dtype, device=self.device)
 
     def persistent_buffer(self) -> torch.Tensor:
-        """The bucket's own buffer, allocated once and reused every step."""
+        """The bucket's own buffer, allocated once (zero-filled) and reused every step."""
         if self._buffer is None:
-            self._buffer = self.new_buffer()
+            self._buffer = torch.zeros(self.size, dtype=self.dtype, device=self.device)
             self._views = self._make_views(self._buffer)
         return self._buffer
+
+    def grad_aliases(self) -> list[torch.Tensor]:
+        """Per member, a tensor aliasing its slot in :meth:`persistent_buffer` (made once).
+
+        Each alias has the member's shape and a version counter of its own: in-place writes
+        through it (backward's accumulation, clipping) bump only its own ``_version``; writes
+        through the buffer (the reduction) bump none of them.
+        """
+        if self._aliases is None:
+            storage = self.persistent_buffer().untyped_storage()
+            self._aliases = [
+                torch.empty(0, dtype=self.dtype, device=self.device).set_(
+                    storage, off, shape, _contiguous_strides(shape)
+                )
+                for off, shape in zip(self.offsets, self.shapes)
+            ]
+        return self._aliases
 
     def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """Each member's gradient slot in ``buffer``, shaped like the parameter (no copy)."""
@@ -102,35 +144,50 @@ class Bucket:
         ]
 
     # ---- pack / unpack -----------------------------------------------------------------------
-    def pack(self, buffer: torch.Tensor, grads: Sequence[torch.Tensor | None]) -> None:
-        """Write ``grads`` (one per member, None allowed) and their presence flags into ``buffer``.
+    def pack(
+        self,
+        buffer: torch.Tensor,
+        grads: Sequence[torch.Tensor | None],
+        flags: torch.Tensor | None = None,
+    ) -> None:
+        """Write ``grads`` (one per member, None allowed) and their presence flags.
 
-        Gradients are copied (cast to the bucket dtype if needed); ``None`` becomes zeros.
-        The input tensors are only read.
+        Gradients are copied (cast to the bucket dtype if needed), except one that already
+        sits in its slot of ``buffer`` (a :meth:`grad_aliases` alias: nothing to copy);
+        ``None`` becomes zeros. The flags go into the buffer's flag region, or into ``flags``
+        (``len(members)`` elements, any dtype and device) -- required when the bucket has no
+        flag region. The padding is zeroed; the input tensors are only read.
         """
         views = self.views(buffer)
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
         absent: list[torch.Tensor] = []
-        flags: list[float] = []
+        present: list[float] = []
         for view, grad in zip(views, grads):
             if grad is None:
                 absent.append(view)
-                flags.append(0.0)
+                present.append(0.0)
             else:
-                dst.append(view)
-                src.append(grad.to_dense() if grad.is_sparse else grad)
-                flags.append(1.0)
+                present.append(1.0)
+                if not _in_slot(grad, view):
+                    dst.append(view)
+                    src.append(grad.to_dense() if grad.is_sparse else grad)
         if dst:
             torch._foreach_copy_(dst, src)
         if absent:
             torch._foreach_zero_(absent)
-        if flags:
-            buffer[self.numel : self.head].copy_(torch.tensor(flags, dtype=self.dtype))
+        if self.pad:
+            buffer[self.numel : self.padded].zero_()
+        if flags is None:
+            if not self.flagged:
+                raise ValueError("this bucket has no flag region: pass flags=")
+            flags = buffer[self.padded : self.head]
+        if present:
+            flags.copy_(torch.tensor(present, dtype=flags.dtype))
 
     def present(self, buffer: torch.Tensor) -> list[bool]:
         """Per member: did any rank contribute a gradient (flag != 0 after the reduction)?"""
-        return (buffer[self.numel : self.head] != 0).tolist()
+        return (buffer[self.padded : self.head] != 0).tolist()
 
     def trailer_of(self, buffer: torch.Tensor) -> torch.Tensor:
         """The trailer part of ``buffer`` (a view; empty when this bucket has none)."""
@@ -139,6 +196,25 @@ class Bucket:
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _in_slot(grad: torch.Tensor, view: torch.Tensor) -> bool:
+    """Does ``grad`` already hold exactly ``view``'s memory (nothing to copy)?"""
+    return (
+        grad.data_ptr() == view.data_ptr()
+        and grad.dtype == view.dtype
+        and grad.device == view.device
+        and grad.is_contiguous()
+        and not grad.is_sparse
+    )
 
 
 class BucketPlan:
@@ -155,7 +231,9 @@ class BucketPlan:
 
     ``trailer=t`` gives the last bucket ``t`` extra elements for the round's sequence words
     (see the module docstring); a plan without parameters then has one trailer-only bucket of
-    ``trailer_dtype`` on ``trailer_device``.
+    ``trailer_dtype`` on ``trailer_device``. ``pad_to=n`` pads every bucket's gradient region
+    to a multiple of ``n`` elements (``n`` equal shards); ``flags=False`` leaves out the flag
+    regions (the caller carries presence flags in another buffer).
     """
 
     def __init__(
@@ -168,7 +246,11 @@ class BucketPlan:
         trailer: int = 0,
         trailer_dtype: torch.dtype = torch.float32,
         trailer_device: torch.device | str = "cpu",
+        pad_to: int = 1,
+        flags: bool = True,
     ) -> None:
+        if pad_to < 1:
+            raise ValueError(f"pad_to must be >= 1, got {pad_to}")
         if cap_bytes <= 0:
             raise ValueError(f"cap_bytes must be > 0, got {cap_bytes}")
         if trailer < 0:
@@ -195,13 +277,17 @@ class BucketPlan:
                 if bucket.members and bucket.payload_bytes + nbytes > cap:
                     bucket = None
             if bucket is None:
-                bucket = Bucket(index=len(self.buckets), dtype=p.dtype, device=p.device)
+                bucket = Bucket(
+                    index=len(self.buckets), dtype=p.dtype, device=p.device, flagged=flags
+                )
                 self.buckets.append(bucket)
                 open_[key] = bucket
                 first_of.setdefault(key, bucket.index)
             self.bucket_of[i] = bucket.index
             self.slot_of[i] = len(bucket.members)
             bucket._add(i, p.shape, p.numel())
+        for bucket in self.buckets:
+            bucket.pad = -bucket.numel % pad_to
         if trailer:
             if not self.buckets:
                 device = torch.device(trailer_device)

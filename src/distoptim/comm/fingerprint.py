@@ -7,9 +7,10 @@ receiving process aborted). Before the first gradient collective every rank ther
 all-gathers a fixed-size digest -- BLAKE2b over the ordered shapes, dtypes and
 ``requires_grad`` flags plus the communication options -- and the parameter count. The
 message has the same size on every rank, so the check itself cannot hang on a mismatch; every
-rank sees the same gathered table and all of them raise together. Later changes of the parameter list
-are agreed round by round through the sequence words (:mod:`distoptim.comm.guard`), which carry
-a 48-bit prefix of the same digest; :class:`ParameterMismatchError` is defined there.
+rank sees the same gathered table and all of them raise together. Later changes of the
+parameter list are agreed round by round through the sequence words
+(:mod:`distoptim.comm.guard`), which carry a 48-bit prefix of the same digest;
+:class:`ParameterMismatchError` is defined there.
 """
 
 from __future__ import annotations

@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 __all__ = [
     "CHUNKS",
     "DesyncError",
+    "EditedInPlaceError",
     "GuardCodec",
     "GuardWords",
     "ParameterMismatchError",
@@ -63,6 +64,15 @@ class DesyncError(RuntimeError):
 
 class ParameterMismatchError(DesyncError):
     """Ranks of one (sub)group disagree on the parameters or the communication options."""
+
+
+class EditedInPlaceError(DesyncError):
+    """Some rank edited ``.grad`` after backward had launched an *in-place* reduction of it.
+
+    Raised on every rank of the group, with nothing applied, when gradients live in the bucket
+    buffers (``gradient_as_bucket_view=True``) and ``overlap=True``: the launched buckets were
+    reduced in place, so the local gradients a repeat round would need are gone.
+    """
 
 
 class RoundKind(enum.IntEnum):
@@ -230,6 +240,7 @@ class Verdict:
 
     edited: bool  # some rank changed .grad after backward launched its buckets
     replanned: bool  # some rank's parameter list changed since the plan the round used
+    table: tuple[GuardWords, ...] = field(default=(), compare=False)  # every rank's words
 
     @property
     def repeat(self) -> bool:
@@ -267,7 +278,11 @@ def check_round(
             "of backward() calls (backward_passes_per_step of them).",
             table,
         )
-    return Verdict(edited=any(w.edited for w in table), replanned=any(w.replanned for w in table))
+    return Verdict(
+        edited=any(w.edited for w in table),
+        replanned=any(w.replanned for w in table),
+        table=tuple(table),
+    )
 
 
 def _lines(table: Sequence[GuardWords], ranks: Sequence[int]) -> str:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -110,7 +111,7 @@ class ReduceRound:
         self.buffer_of = buffer_of
         self.divisor = divisor
         self.what = what
-        self.pending: list[PendingReduce] = []
+        self.pending: list[Any] = []  # one launched collective per bucket, in bucket order
         self._inputs: list[list[tuple[torch.Tensor | None, int]]] = []
 
     @property
@@ -129,7 +130,7 @@ class ReduceRound:
         bucket = self.plan.buckets[self.next_bucket]
         buffer = self.buffer_of(bucket)
         grads = self.grads_of(bucket)
-        bucket.pack(buffer, grads)
+        self._pack(bucket, buffer, grads)
         if bucket.trailer:
             trailer = bucket.trailer_of(buffer)
             if write_trailer is None:
@@ -137,8 +138,15 @@ class ReduceRound:
             else:
                 write_trailer(trailer)
         self._inputs.append([(g, -1 if g is None else g._version) for g in grads])
-        pending = self.reducer.launch(bucket, buffer, self.divisor)
-        self.pending.append(pending)
+        self.pending.append(self._launch(bucket, buffer))
+
+    def _pack(
+        self, bucket: Bucket, buffer: torch.Tensor, grads: Sequence[torch.Tensor | None]
+    ) -> None:
+        bucket.pack(buffer, grads)
+
+    def _launch(self, bucket: Bucket, buffer: torch.Tensor) -> Any:
+        return self.reducer.launch(bucket, buffer, self.divisor)
 
     def launch_launchable(self) -> None:
         """Launch every bucket not yet in flight except a held last one."""
@@ -160,14 +168,32 @@ class ReduceRound:
             try:
                 out.append(self.reducer.finish(p))
             except RuntimeError as exc:
-                rank = dist.get_rank() if dist.is_initialized() else 0
-                raise DesyncError(
-                    f"CrossShardOptimizer: rank {rank}: {self.what} failed while waiting for "
-                    f"bucket {k + 1} of {len(self.pending)}: {exc}\nA peer stopped taking part "
-                    "in this group's collectives: it raised (its own error is the real cause), "
-                    "returned, crashed, or entered a different collective."
-                ) from exc
+                raise self.peer_lost(f"bucket {k + 1} of {len(self.pending)}", exc) from exc
         return out
+
+    def peer_lost(self, where: str, exc: BaseException) -> DesyncError:
+        """The error of a collective of this round that failed while waited for."""
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return DesyncError(
+            f"CrossShardOptimizer: rank {rank}: {self.what} failed while waiting for {where}: "
+            f"{exc}\nA peer stopped taking part in this group's collectives: it raised (its "
+            "own error is the real cause), returned, crashed, or entered a different collective."
+        )
+
+    reduces_in_place = True
+    """The collective writes its result into the packed buffers (an all-reduce does)."""
+
+    def trailer(self, buffers: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The reduced sequence words of this round (the last bucket's trailer)."""
+        return self.plan.buckets[-1].trailer_of(buffers[-1])
+
+    def present(self, buffers: Sequence[torch.Tensor]) -> list[bool]:
+        """Per parameter of the plan: did any rank have a gradient for it (after the SUM)?"""
+        present = [False] * len(self.plan.params)
+        for bucket, buffer in zip(self.plan.buckets, buffers):
+            for i, here in zip(bucket.members, bucket.present(buffer)):
+                present[i] = here
+        return present
 
     def inputs_unchanged(self) -> bool:
         """Are the gradients the launched buckets read still the same tensors, unmodified?

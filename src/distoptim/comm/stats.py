@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 from distoptim.comm import link
 
-__all__ = ["CommStats", "ring_allreduce_bytes"]
+__all__ = ["CommStats", "ring_allreduce_bytes", "ring_half_bytes"]
 
 
 def ring_allreduce_bytes(nbytes: int, group_size: int) -> int:
@@ -24,6 +24,18 @@ def ring_allreduce_bytes(nbytes: int, group_size: int) -> int:
     if group_size <= 1:
         return 0
     return (2 * (group_size - 1) * nbytes) // group_size
+
+
+def ring_half_bytes(nbytes: int, group_size: int) -> int:
+    """Bytes one rank sends in a ring reduce-scatter (or all-gather) of ``nbytes``.
+
+    ``(n - 1) / n * nbytes``: half of :func:`ring_allreduce_bytes` -- weight-update sharding's
+    reduce-scatter of the gradients plus all-gather of the parameters move what one all-reduce
+    of the gradients moves.
+    """
+    if group_size <= 1:
+        return 0
+    return ((group_size - 1) * nbytes) // group_size
 
 
 @dataclass
