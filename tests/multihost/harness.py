@@ -124,13 +124,18 @@ def _delete_namespace(netns: str) -> None:
 
 
 def sweep() -> list[str]:
-    """Delete the namespaces of harness runs whose process is gone; returns their names."""
+    """Delete the namespaces (and temporary folders) of harness runs whose process is gone;
+    returns the namespaces' names."""
     swept = []
     for name in _namespaces():
         m = _NAME.match(name)
         if m and not _pid_alive(int(m.group(1), 36)):
             _delete_namespace(name)
             swept.append(name)
+    for folder in Path(tempfile.gettempdir()).glob(f"{_BASE}*"):
+        m = _NAME.match(folder.name)
+        if m and folder.is_dir() and not _pid_alive(int(m.group(1), 36)):
+            shutil.rmtree(folder, ignore_errors=True)
     return swept
 
 

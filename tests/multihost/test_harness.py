@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -79,10 +82,13 @@ def test_sweep_removes_leftovers_of_dead_runs_only() -> None:
     ours = f"dmh{harness._base36(os.getpid())}.99-h0"
     for name in (stale, ours):
         subprocess.run(["ip", "netns", "add", name], check=True)
+    folder = Path(tempfile.mkdtemp(prefix=f"dmh{harness._base36(dead.pid)}.1-"))
     try:
         swept = sweep()
         assert stale in swept and ours not in swept
         assert leftovers(stale) == [] and leftovers(ours) == [ours]
+        assert not folder.exists()
     finally:
+        shutil.rmtree(folder, ignore_errors=True)
         for name in (stale, ours):
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
