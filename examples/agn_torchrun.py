@@ -19,14 +19,27 @@ lands on the node whose address sorts first; ``docs/multinode.md`` says why each
 (``--transport rpc``: torch.distributed.rpc instead of the default p2p transport; across nodes
 it needs ``TP_SOCKET_IFNAME=eth0`` too.)
 
-Locally without torchrun (``distoptim.agn.spawn``: same code path, local processes)::
+Faults (p2p): with ``--checkpoint-dir``, torchrun's own restarts (``--max-restarts 3``) restart
+the job and the shards resume from their checkpoints. Workers may also join a running cluster
+late: the chief prints the store's address at start; from any machine that reaches it::
+
+    DISTOPTIM_AGN_JOIN=HOST:PORT torchrun --standalone --nproc-per-node 2 \
+        examples/agn_torchrun.py
+
+(every process of that job is a worker; it pulls the current center and commits like the
+others). A worker that leaves or dies is dropped without stalling anyone.
+
+Locally without torchrun (``distoptim.agn.spawn``: same code path, local processes); with
+``--restarts R`` a shard that dies is restarted from its checkpoint while the workers wait::
 
     python examples/agn_torchrun.py --local 2
+    python examples/agn_torchrun.py --local 2 --checkpoint-dir /tmp/ps --restarts 1
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 import torch.nn.functional as F
@@ -92,6 +105,7 @@ def main() -> None:
     ap.add_argument("--checkpoint-dir", default=None, help="PS checkpoints (resume on restart)")
     ap.add_argument("--local", type=int, default=0, metavar="N", help="spawn N local workers")
     ap.add_argument("--transport", choices=("p2p", "rpc"), default="p2p", help="worker <-> PS")
+    ap.add_argument("--restarts", type=int, default=0, help="--local: restarts of a dead shard")
     args = ap.parse_args()
     fn_args = (args.algo, args.steps, args.period)
 
@@ -103,6 +117,7 @@ def main() -> None:
             args=fn_args,
             checkpoint_dir=args.checkpoint_dir,
             transport=args.transport,
+            max_restarts=args.restarts,
         )
         print(f"center loss per worker: {[round(v, 4) for v in result.worker_results]}")
         print(f"stats: {result.stats.as_dict()}")
@@ -122,6 +137,9 @@ def main() -> None:
             flush=True,
         )
         return
+    if cluster.is_chief and not cluster.is_late and args.transport == "p2p":
+        where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        print(f"[worker 0] late workers may join with DISTOPTIM_AGN_JOIN={where}", flush=True)
     with cluster:  # tells the shards this worker finished (or failed), then leaves
         loss = train(cluster, *fn_args)
     print(f"[worker {cluster.task_index}] center loss {loss:.4f}", flush=True)
