@@ -1,6 +1,6 @@
 """The hosts of the multi-host tests: made once per session, checked to be gone at the end.
 
-Seven hosts: the jobs of a test module run in waves of up to three at once, each on its own
+Eight hosts: the jobs of a test module run in waves of up to four at once, each on its own
 hosts (two per multi-node job, one for a single-machine run). Leftovers of earlier runs that
 were killed before their clean-up are swept first; at the end the fixture deletes everything
 and fails if a namespace of this run is left.
@@ -14,7 +14,7 @@ import pytest
 
 from tests.multihost.harness import Hosts, leftovers, namespaces_unavailable, sweep
 
-HOSTS = 7
+HOSTS = 8
 
 
 @pytest.fixture(scope="session")

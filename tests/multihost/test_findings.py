@@ -14,7 +14,8 @@ reaches nobody (``mgmt``):
   the AGN example's ``--transport rpc``, and hostnames that name the wrong NIC: the pre-flight
   check's error, within seconds.
 
-The jobs run in two waves of three (:func:`outcomes`); each test checks one.
+The same README command on hosts whose names resolve to their shared-network address works
+(no false alarm). The jobs run in two waves (:func:`outcomes`); each test checks one.
 """
 
 from __future__ import annotations
@@ -90,7 +91,8 @@ def _waves() -> list[list[Job]]:
          Job("no_local_addr", "cross_shard", edit=_one_process(_no_local_addr)),
          Job("no_local_addr_mgmt", "cross_shard", resolve="mgmt", edit=_no_local_addr,
              env={"DISTOPTIM_NETCHECK_TIMEOUT": "3"})],
-        [Job("gloo_ifname", "cross_shard", edit=_one_process(_gloo_unset_then_wrong)),
+        [Job("readme_healthy", "cross_shard", resolve="data", edit=_readme_command),
+         Job("gloo_ifname", "cross_shard", edit=_one_process(_gloo_unset_then_wrong)),
          Job("no_tp_ifname", "agn", edit=_one_process(_rpc_without_tp)),
          Job("wrong_nic", "cross_shard", resolve="mgmt", edit=_no_gloo)],
     ]  # fmt: skip
@@ -121,6 +123,18 @@ def test_readme_command_fails_at_the_rendezvous(outcomes: dict[str, list[HostRun
         assert "RendezvousConnectionError" in run.stderr, run.describe()
         assert "The connection to the C10d store has failed" in run.stderr
         assert "NetworkConfigError" not in run.stderr, "no worker starts"
+
+
+def test_readme_command_works_where_hostnames_resolve_right(
+    outcomes: dict[str, list[HostRun]],
+) -> None:
+    """The same command on hosts whose names resolve to their shared-network address: torchrun
+    finds the store's host by name, MASTER_ADDR and gloo's addresses are right, and the
+    pre-flight check (with its exchange) passes."""
+    runs = outcomes["readme_healthy"]
+    assert all(r.returncode == 0 for r in runs), "\n".join(r.describe() for r in runs)
+    assert "mean loss over 4 ranks" in "".join(r.stdout for r in runs)
+    assert not any("NetworkConfigError" in r.stderr for r in runs)
 
 
 def test_master_addr_resolving_to_loopback(outcomes: dict[str, list[HostRun]]) -> None:

@@ -1,7 +1,7 @@
 """Every system across two hosts, run with the commands of ``docs/multinode.md`` verbatim.
 
 The hosts resolve their hostnames to loopback (the hostile case: the documented commands work
-anyway). The jobs run in three waves of three (see :func:`outcomes`); each test checks one
+anyway). The jobs run in three waves (see :func:`outcomes`); each test checks one
 job against what its system promises: CrossShard's parameters equal the same run on one host,
 the asynchronous algorithms end with every worker's commits on the parameter server (and
 survive a worker host that dies), mesh SGD trains across the hosts, and the CLI writes its
