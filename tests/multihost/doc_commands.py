@@ -17,9 +17,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 from tests.multihost.harness import HostRun, Hosts, Running
 
-__all__ = ["DOC", "EXIT_BARRIER", "Job", "NodeCommand", "doc_commands", "run_jobs", "start_block"]
+__all__ = [
+    "DOC",
+    "EXIT_BARRIER",
+    "JOB_MODULE_MARKS",
+    "Job",
+    "NodeCommand",
+    "doc_commands",
+    "run_jobs",
+    "start_block",
+]
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "multinode.md"
 _BLOCK = re.compile(r"<!-- multihost: (\w+) -->\s*```bash\n(.*?)```", re.S)
@@ -27,6 +38,10 @@ _NODE = re.compile(r"#\s*node\s+(\d+)")
 _ASSIGN = re.compile(r"^[A-Z_][A-Z0-9_]*=")
 _HOST = re.compile(r"\bHOST(\d+)\b")
 _REPO = DOC.parents[1]
+
+JOB_MODULE_MARKS = [pytest.mark.slow, pytest.mark.multihost, pytest.mark.timeout(600)]
+"""The marks of a module whose jobs run in a module fixture (in its first test's setup, hence
+the longer pytest timeout)."""
 
 
 @dataclass(frozen=True)

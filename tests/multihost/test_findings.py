@@ -25,14 +25,10 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.multihost.doc_commands import Job, run_jobs
+from tests.multihost.doc_commands import JOB_MODULE_MARKS, Job, run_jobs
 from tests.multihost.harness import HostRun, Hosts
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.multihost,
-    pytest.mark.timeout(600),
-]  # the waves run in setup
+pytestmark = JOB_MODULE_MARKS
 
 _TIMEOUT = 90.0
 _FAST = 10.0  # seconds: the most a pre-flight diagnosis may take here (probes wait 3 s)

@@ -20,14 +20,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.multihost.doc_commands import EXIT_BARRIER, Job, run_jobs
+from tests.multihost.doc_commands import EXIT_BARRIER, JOB_MODULE_MARKS, Job, run_jobs
 from tests.multihost.harness import HostRun, Hosts, Running
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.multihost,
-    pytest.mark.timeout(600),
-]  # the waves run in setup
+pytestmark = JOB_MODULE_MARKS
 
 _TIMEOUT = 150.0
 _JOBS: dict[str, Job] = {}
