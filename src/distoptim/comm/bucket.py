@@ -70,6 +70,7 @@ class Bucket:
     _buffer: torch.Tensor | None = field(default=None, repr=False)
     _views: list[torch.Tensor] | None = field(default=None, repr=False)
     _aliases: list[torch.Tensor] | None = field(default=None, repr=False)
+    _spare: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def padded(self) -> int:
@@ -114,6 +115,13 @@ class Bucket:
             self._views = self._make_views(self._buffer)
         return self._buffer
 
+    def spare_buffer(self) -> torch.Tensor:
+        """A second persistent buffer (allocated once): for rounds that must not write the
+        first one because ``.grad`` lives there (:meth:`grad_aliases`)."""
+        if self._spare is None:
+            self._spare = torch.zeros(self.size, dtype=self.dtype, device=self.device)
+        return self._spare
+
     def grad_aliases(self) -> list[torch.Tensor]:
         """Per member, a tensor aliasing its slot in :meth:`persistent_buffer` (made once).
 
@@ -149,27 +157,35 @@ class Bucket:
         buffer: torch.Tensor,
         grads: Sequence[torch.Tensor | None],
         flags: torch.Tensor | None = None,
+        source: torch.Tensor | None = None,
     ) -> None:
         """Write ``grads`` (one per member, None allowed) and their presence flags.
 
         Gradients are copied (cast to the bucket dtype if needed), except one that already
         sits in its slot of ``buffer`` (a :meth:`grad_aliases` alias: nothing to copy);
-        ``None`` becomes zeros. The flags go into the buffer's flag region, or into ``flags``
-        (``len(members)`` elements, any dtype and device) -- required when the bucket has no
-        flag region. The padding is zeroed; the input tensors are only read.
+        ``None`` becomes zeros. ``source``: another buffer of this bucket's layout whose slots
+        the gradients may sit in (the aliases' buffer, when ``buffer`` is a spare one): its
+        gradient region is copied whole, in one pass, and only the other gradients one by
+        one. The flags go into the buffer's flag region, or into ``flags`` (``len(members)``
+        elements, any dtype and device) -- required when the bucket has no flag region. The
+        padding is zeroed; the input tensors are only read.
         """
         views = self.views(buffer)
+        slots = views
+        if source is not None and source is not buffer:
+            buffer[: self.numel].copy_(source[: self.numel])
+            slots = self.views(source)
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
         absent: list[torch.Tensor] = []
         present: list[float] = []
-        for view, grad in zip(views, grads):
+        for view, slot, grad in zip(views, slots, grads):
             if grad is None:
                 absent.append(view)
                 present.append(0.0)
             else:
                 present.append(1.0)
-                if not _in_slot(grad, view):
+                if not _in_slot(grad, slot):
                     dst.append(view)
                     src.append(grad.to_dense() if grad.is_sparse else grad)
         if dst:

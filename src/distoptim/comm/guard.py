@@ -38,7 +38,6 @@ import torch
 __all__ = [
     "CHUNKS",
     "DesyncError",
-    "EditedInPlaceError",
     "GuardCodec",
     "GuardWords",
     "ParameterMismatchError",
@@ -46,6 +45,7 @@ __all__ = [
     "Verdict",
     "check_round",
     "plan_word",
+    "table_lines",
 ]
 
 
@@ -64,15 +64,6 @@ class DesyncError(RuntimeError):
 
 class ParameterMismatchError(DesyncError):
     """Ranks of one (sub)group disagree on the parameters or the communication options."""
-
-
-class EditedInPlaceError(DesyncError):
-    """Some rank edited ``.grad`` after backward had launched an *in-place* reduction of it.
-
-    Raised on every rank of the group, with nothing applied, when gradients live in the bucket
-    buffers (``gradient_as_bucket_view=True``) and ``overlap=True``: the launched buckets were
-    reduced in place, so the local gradients a repeat round would need are gone.
-    """
 
 
 class RoundKind(enum.IntEnum):
@@ -262,7 +253,7 @@ def check_round(
         raise ParameterMismatchError(
             f"{owner}: ranks disagree on the parameter list or the communication "
             "options, so their gradient buckets would not match:\n"
-            + _lines(table, ranks)
+            + table_lines(table, ranks)
             + "\nEvery rank must have the same trainable parameters (shapes, dtypes, "
             "requires_grad, in the same order): a requires_grad_() change or add_param_group() "
             "on some ranks only is a mismatch.",
@@ -273,7 +264,7 @@ def check_round(
         raise DesyncError(
             f"{owner}: ranks are out of step -- their reduction rounds do not "
             f"belong together ({_diagnosis(table)}); no update was applied:\n"
-            + _lines(table, ranks)
+            + table_lines(table, ranks)
             + "\nEvery rank must call step() the same number of times, after the same number "
             "of backward() calls (backward_passes_per_step of them).",
             table,
@@ -285,7 +276,8 @@ def check_round(
     )
 
 
-def _lines(table: Sequence[GuardWords], ranks: Sequence[int]) -> str:
+def table_lines(table: Sequence[GuardWords], ranks: Sequence[int]) -> str:
+    """One line per rank of a round's words, for error messages (``ranks``: global ranks)."""
     return "\n".join(f"  rank {r}: {w.describe()}" for r, w in zip(ranks, table))
 
 

@@ -92,8 +92,9 @@ class ReduceRound:
 
     ``grads_of(bucket)`` gives the member gradients (None allowed) to pack when a bucket is
     launched; ``buffer_of(bucket)`` the buffer to pack them into (the bucket's persistent buffer
-    for ``.grad``, a fresh one where results must not alias anything). ``what`` names the round
-    in errors (e.g. ``"step 3's reduction"``).
+    for ``.grad``, a fresh one where results must not alias anything); ``source_of(bucket)``,
+    if given, the buffer the gradients may already sit in (see :meth:`Bucket.pack`). ``what``
+    names the round in errors (e.g. ``"step 3's reduction"``).
     """
 
     def __init__(
@@ -104,11 +105,13 @@ class ReduceRound:
         buffer_of: Callable[[Bucket], torch.Tensor],
         divisor: float,
         what: str = "a gradient reduction",
+        source_of: Callable[[Bucket], torch.Tensor] | None = None,
     ) -> None:
         self.plan = plan
         self.reducer = reducer
         self.grads_of = grads_of
         self.buffer_of = buffer_of
+        self.source_of = source_of
         self.divisor = divisor
         self.what = what
         self.pending: list[Any] = []  # one launched collective per bucket, in bucket order
@@ -143,7 +146,9 @@ class ReduceRound:
     def _pack(
         self, bucket: Bucket, buffer: torch.Tensor, grads: Sequence[torch.Tensor | None]
     ) -> None:
-        bucket.pack(buffer, grads)
+        bucket.pack(
+            buffer, grads, source=None if self.source_of is None else self.source_of(bucket)
+        )
 
     def _launch(self, bucket: Bucket, buffer: torch.Tensor) -> Any:
         return self.reducer.launch(bucket, buffer, self.divisor)
