@@ -10,14 +10,17 @@ Cases (issue 3):
 * ``small500`` -- 500 small tensors (250 Linear layers, width 32; 264k parameters).
 
 Methods: ``local`` (no communication: the compute floor), ``cross_shard`` (overlap off),
-``cross_shard_overlap``, the same two with ``sequence_guard=False`` (``..._noguard``), ``ddp``
+``cross_shard_overlap``, the same two with ``sequence_guard=False`` (``..._noguard``) and with
+``gradient_as_bucket_view=True`` (``cross_shard_views``, ``cross_shard_views_overlap``), ``ddp``
 (``DistributedDataParallel`` + SGD), ``naive`` (one blocking ``dist.all_reduce`` per gradient
 tensor). The guard's cost is the paired ratio guard on / guard off. Every round carries the
 ranks' sequence words in its last bucket whatever the option (the parameter-list and
 edit agreement need them), so the bandwidth part also times the bucketed reducer with and
 without that trailer (words written and read back): the cost of the words themselves.
 Bucket bandwidth: reducing ~5M float32 gradients in 100 tensors with the bucketed reducer
-(pack + all-reduce) vs one ``dist.all_reduce`` of a flat tensor of the same bytes.
+vs one ``dist.all_reduce`` of a flat tensor of the same bytes -- packing separate ``.grad``
+tensors into the buckets (``bucketed_*``), or with the gradients already in the buckets
+(``bucketed_*_views``: ``.grad`` as bucket aliases, nothing packed, reduced in place).
 
 Run::
 
@@ -61,6 +64,8 @@ METHODS = [
     "cross_shard_noguard",
     "cross_shard_overlap",
     "cross_shard_overlap_noguard",
+    "cross_shard_views",
+    "cross_shard_views_overlap",
     "ddp",
     "naive",
 ]
@@ -91,6 +96,7 @@ def _iteration(method: str, case: str, rank: int, world: int) -> tuple[Callable[
             torch.optim.SGD(model.parameters(), lr=1e-3),
             overlap="overlap" in method,
             sequence_guard=not method.endswith("noguard"),
+            gradient_as_bucket_view="views" in method,
         )
     else:
         net = model
@@ -155,6 +161,35 @@ def _bandwidth(rank: int, world: int, repeats: int) -> dict[str, Any]:
             reducer.finish(p)
 
     fns["bucketed_cap25mb_comm_only"] = comm_only
+    # gradients as bucket views: .grad aliases the bucket slots, the round packs nothing
+    view_params = [p.detach().clone().requires_grad_() for p in params]
+    view_plans = {
+        "bucketed_cap25mb_views": BucketPlan(view_params, cap_bytes=25 << 20),
+        "bucketed_cap25mb_views_words": BucketPlan(
+            view_params, cap_bytes=25 << 20, trailer=codec.size
+        ),
+    }
+    for name, plan in view_plans.items():
+        for bucket in plan.buckets:
+            for i, alias in zip(bucket.members, bucket.grad_aliases()):
+                alias.copy_(params[i].grad)
+                view_params[i].grad = alias
+
+        def in_place(plan: BucketPlan = plan) -> None:
+            rnd = ReduceRound(
+                plan,
+                reducer,
+                grads_of=lambda b: [view_params[i].grad for i in b.members],
+                buffer_of=Bucket.persistent_buffer,
+                divisor=1,
+            )
+            if not plan.buckets[-1].trailer:
+                rnd.wait_all()
+                return
+            buffers = rnd.wait_all(lambda trailer: codec.write(trailer, words))
+            codec.read(plan.buckets[-1].trailer_of(buffers[-1]))
+
+        fns[name] = in_place
     times = _round_robin(fns, warmup=2, repeats=repeats)
     out: dict[str, Any] = {"bytes": numel * 4, "tensors": len(params)}
     out["paired_ratio_vs_single"] = {
@@ -222,6 +257,9 @@ def _bench(rank: int, world: int, repeats: int) -> dict[str, Any]:
             "cross_shard_vs_ddp": _paired(times, "cross_shard", "ddp"),
             "cross_shard_noguard_vs_ddp": _paired(times, "cross_shard_noguard", "ddp"),
             "cross_shard_overlap_vs_ddp": _paired(times, "cross_shard_overlap", "ddp"),
+            "cross_shard_views_vs_ddp": _paired(times, "cross_shard_views", "ddp"),
+            "cross_shard_views_overlap_vs_ddp": _paired(times, "cross_shard_views_overlap", "ddp"),
+            "views_vs_cross_shard": _paired(times, "cross_shard_views", "cross_shard"),
             "naive_vs_cross_shard": _paired(times, "naive", "cross_shard"),
             "naive_vs_cross_shard_overlap": _paired(times, "naive", "cross_shard_overlap"),
         }
@@ -255,6 +293,8 @@ def _ratios(result: dict[str, Any]) -> dict[str, Any]:
                 / med["cross_shard_overlap_noguard"],
                 "cross_shard_vs_ddp": med["cross_shard"] / med["ddp"],
                 "cross_shard_overlap_vs_ddp": med["cross_shard_overlap"] / med["ddp"],
+                "cross_shard_views_vs_ddp": med["cross_shard_views"] / med["ddp"],
+                "cross_shard_views_overlap_vs_ddp": med["cross_shard_views_overlap"] / med["ddp"],
                 "naive_vs_cross_shard": med["naive"] / med["cross_shard"],
                 "naive_vs_cross_shard_overlap": med["naive"] / med["cross_shard_overlap"],
             },

@@ -416,6 +416,88 @@ def _frozen_with_stale_grad(rank: int, world: int, out: dict[str, Any]) -> None:
             opt.remove_hooks()
 
 
+def _bucket_views(rank: int, world: int, out: dict[str, Any]) -> None:
+    """gradient_as_bucket_view=True: the same updates; .grad in the buckets; what changes."""
+    x, y = _data(world)
+    rows = _rows([rank])
+    half = PER_RANK // 2
+    for reduction in ("mean", "sum"):
+        for overlap in (False, True):
+            for name, script in (("plain", PLAIN), ("mixed", MIXED)):
+                model = _mlp()
+                opt = CrossShardOptimizer(
+                    _sgd(model), reduction, overlap=overlap, gradient_as_bucket_view=True
+                )
+                _play(opt, model, script, x[:, rows], y[:, rows])
+                out[f"views/{name}/{reduction}/overlap={overlap}"] = _flat(model)
+                opt.remove_hooks()
+            model = _mlp()
+            opt = CrossShardOptimizer(
+                _sgd(model),
+                reduction,
+                overlap=overlap,
+                backward_passes_per_step=2,
+                gradient_as_bucket_view=True,
+            )
+            for k in range(STEPS):
+                opt.zero_grad()
+                for part in (rows[:half], rows[half:]):
+                    F.mse_loss(model(x[k, part]), y[k, part]).backward()
+                opt.step()
+            out[f"views/accum/{reduction}/overlap={overlap}"] = _flat(model)
+            opt.remove_hooks()
+    # .grad lives in the buckets; after step() it holds the replica mean of the local gradients
+    model = _mlp()
+    opt = CrossShardOptimizer(_sgd(model), gradient_as_bucket_view=True)
+    opt.zero_grad()
+    loss = F.mse_loss(model(x[0, rows]), y[0, rows])
+    grads = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+    local = torch.cat([g.reshape(-1) for g in grads])
+    loss.backward()
+    opt.step()
+    after = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    out["views/grad_is_replica_mean"] = torch.allclose(
+        after, torch.stack(_gather(local)).mean(0), rtol=0, atol=1e-15
+    )
+    buffers = [b.persistent_buffer() for b in opt.bucket_plan.buckets]
+    opt.zero_grad()
+    out["views/zero_grad_keeps_views"] = all(
+        p.grad is not None
+        and any(b.data_ptr() <= p.grad.data_ptr() < b.data_ptr() + b.numel() * 8 for b in buffers)
+        and not p.grad.any()
+        for p in model.parameters()
+    )
+    # model.zero_grad() (None) and a user's own tensor: copied in, then .grad is a view again
+    model.zero_grad()
+    F.mse_loss(model(x[1, rows]), y[1, rows]).backward()
+    model[0].bias.grad = model[0].bias.grad.clone()
+    opt.step()
+    out["views/adopted"] = all(
+        any(b.data_ptr() <= p.grad.data_ptr() < b.data_ptr() + b.numel() * 8 for b in buffers)
+        for p in model.parameters()
+    )
+    # with overlap the buckets reduce a copy: .grad may be read and edited until step() (here
+    # clipped on one rank after backward launched its buckets), every rank reduces again
+    flats = {}
+    for overlap in (False, True):
+        model = _mlp()
+        opt = CrossShardOptimizer(
+            _sgd(model), overlap=overlap, gradient_as_bucket_view=True, bucket_cap_mb=1e-9
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for k in range(STEPS):
+                opt.zero_grad()
+                F.mse_loss(model(x[k, rows]), y[k, rows]).backward()
+                if rank == 1:
+                    nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+                opt.step()
+        flats[overlap] = _flat(model)
+        out[f"views/edited/repeated/{overlap}"] = opt.comm_stats.repeated_rounds
+        opt.remove_hooks()
+    out["views/edited/equal"] = torch.equal(flats[False], flats[True])
+
+
 def _two_rank_bundle(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for part in (
@@ -427,6 +509,7 @@ def _two_rank_bundle(rank: int, world: int) -> dict[str, Any]:
         _compression,
         _state_and_subgroups,
         _frozen_with_stale_grad,
+        _bucket_views,
     ):
         part(rank, world, out)
     return out
@@ -456,6 +539,43 @@ def test_both_paths_match_the_single_process_reference(
         assert torch.equal(out[f"tf/{reduction}"], out[f"plain/{reduction}/overlap=False"])
         assert out[f"tf/{reduction}/iterations"] == STEPS
     assert not _close(plain, _reference(PLAIN, [0], 2, reduction), 1e-6)  # the test can fail
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_gradients_as_bucket_views_give_the_same_updates(
+    two_ranks: list[dict[str, Any]], reduction: str
+) -> None:
+    plain = _reference(PLAIN, [0, 1], 2, reduction)
+    mixed = _reference(MIXED, [0, 1], 2, reduction)
+    x, y = _data(2)
+    model = _mlp()
+    opt = _sgd(model)
+    for k in range(STEPS):
+        opt.zero_grad()
+        ((4.0 if reduction == "sum" else 1.0) * F.mse_loss(model(x[k]), y[k])).backward()
+        opt.step()
+    for out in two_ranks:
+        for overlap in (False, True):
+            assert _close(out[f"views/plain/{reduction}/overlap={overlap}"], plain)
+            # accumulation without zero_grad adds onto the replica mean: exact up to rounding
+            assert _close(out[f"views/mixed/{reduction}/overlap={overlap}"], mixed)
+            assert _close(out[f"views/accum/{reduction}/overlap={overlap}"], _flat(model))
+            assert torch.equal(
+                out[f"views/plain/{reduction}/overlap={overlap}"],
+                out[f"plain/{reduction}/overlap={overlap}"],
+            )
+
+
+@pytest.mark.timeout(180)
+def test_bucket_view_gradients_live_in_the_buckets(two_ranks: list[dict[str, Any]]) -> None:
+    for out in two_ranks:
+        assert out["views/grad_is_replica_mean"]
+        assert out["views/zero_grad_keeps_views"]
+        assert out["views/adopted"]
+        assert out["views/edited/repeated/False"] == 0
+        assert out["views/edited/repeated/True"] == STEPS - 1  # the first step launches nothing
+        assert out["views/edited/equal"]
 
 
 @pytest.mark.timeout(180)
@@ -731,6 +851,28 @@ def test_frozen_parameter_rule_on_one_shard(passes: int) -> None:
     plain = _sgd(model)
     plain.step()
     assert not torch.equal(frozen.detach(), before)
+
+
+def test_a_state_dict_with_non_finite_hyperparameters_is_rejected_before_loading() -> None:
+    x, y = _data(1)
+    model = _mlp()
+    opt = _one_shard(torch.optim.Adam(model.parameters(), lr=0.05))
+    opt.minimize(lambda: F.mse_loss(model(x[0]), y[0]))
+    before = _state_snapshot(opt)
+    for key, value in (
+        ("lr", float("nan")),
+        ("betas", (0.9, float("inf"))),
+        ("eps", -float("inf")),
+    ):
+        sd = copy.deepcopy(opt.state_dict())
+        sd["param_groups"][0][key] = value
+        sd["iterations"] = 7
+        with pytest.raises(
+            ValueError,
+            match=f"load_state_dict: param group 0 of the wrapped Adam has {key}",
+        ):
+            opt.load_state_dict(sd)
+        assert _same_state(_state_snapshot(opt), before)
 
 
 def test_non_finite_hyperparameters_are_rejected() -> None:

@@ -11,6 +11,10 @@ collectives, so the process group stays usable and one 2-rank spawn runs every c
 ``dist.all_reduce`` of the case number after each case proves the ranks are still paired).
 The one case that ends the group -- a rank that returns early -- runs last; a rank that raises
 between collectives has a spawn of its own.
+
+The matrix also runs, with overlap on, with gradients as bucket views and with weight-update
+sharding plus bucket views (reduce-scatter rounds whose sequence words travel in a control
+message): every case must end as it does without them.
 """
 
 from __future__ import annotations
@@ -48,6 +52,13 @@ def _batch(rank: int, it: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+MODES: dict[str, dict[str, Any]] = {
+    "views": {"gradient_as_bucket_view": True},
+    "sharded": {"gradient_as_bucket_view": True, "shard_optimizer_state": True},
+}
+"""Extra modes the matrix runs with overlap on (keys ``name/mode``)."""
 
 
 class Run:
@@ -163,10 +174,11 @@ def _add_group_on_rank0(run: Run, rank: int, it: int) -> None:
 
 
 def _checkpoint_on_rank1(run: Run, rank: int, it: int) -> None:
-    if rank == 1 and it == 2:  # a checkpoint loaded on some ranks only
+    if it == 2:  # saved on every rank (gathering a sharded state is a collective) ...
         sd = run.opt.state_dict()
-        sd["iterations"] = 0
-        run.opt.load_state_dict(sd)
+        if rank == 1:  # ... but loaded on some ranks only
+            sd["iterations"] = 0
+            run.opt.load_state_dict(sd)
     run.iteration(it)
 
 
@@ -233,10 +245,10 @@ CASES: dict[str, tuple[Case, Callable[[int], dict[str, Any]], str]] = {
 }
 
 
-def _play(rank: int, name: str, overlap: bool) -> dict[str, Any]:
+def _play(rank: int, name: str, overlap: bool, mode: str = "plain") -> dict[str, Any]:
     """Run case ``name`` on this rank; what happened, and how fast an error came."""
     case, kwargs, _ = CASES[name]
-    run = Run(rank, overlap, **kwargs(rank))
+    run = Run(rank, overlap, **kwargs(rank), **MODES.get(mode, {}))
     result: dict[str, Any] = {"error": None}
     t0 = time.perf_counter()
     with warnings.catch_warnings():
@@ -272,6 +284,11 @@ def _matrix(rank: int, world: int) -> dict[str, Any]:
             index += 1
             out[f"{name}/overlap={overlap}"] = _play(rank, name, overlap)
             out[f"{name}/overlap={overlap}/paired"] = _still_paired(index)
+    for mode in MODES:
+        for name in CASES:
+            index += 1
+            out[f"{name}/{mode}"] = _play(rank, name, True, mode)
+            out[f"{name}/{mode}/paired"] = _still_paired(index)
     # last: rank 1 leaves without its last step(); rank 0 learns it at once, not at the timeout
     run = Run(rank, overlap=True)
     t0 = time.perf_counter()
@@ -287,17 +304,17 @@ def _matrix(rank: int, world: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def matrix() -> list[dict[str, Any]]:
-    return spawn(_matrix, 2, timeout=120)
+    return spawn(_matrix, 2, timeout=240)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(200)
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mode", ["overlap=False", "overlap=True", *MODES])
 @pytest.mark.parametrize("name", list(CASES))
-def test_divergent_rank_matrix(matrix: list[dict[str, Any]], name: str, overlap: bool) -> None:
+def test_divergent_rank_matrix(matrix: list[dict[str, Any]], name: str, mode: str) -> None:
     expected = CASES[name][2]
-    outs = [m[f"{name}/overlap={overlap}"] for m in matrix]
-    assert all(m[f"{name}/overlap={overlap}/paired"] for m in matrix)  # the group is usable
+    outs = [m[f"{name}/{mode}"] for m in matrix]
+    assert all(m[f"{name}/{mode}/paired"] for m in matrix)  # the group is usable
     if expected == "equal":
         assert [o["error"] for o in outs] == [None, None], outs[0].get("message")
         assert torch.equal(outs[0]["flat"], outs[1]["flat"])  # replicas identical

@@ -44,9 +44,11 @@ never mispairs collectives of different sizes and leaves the group usable after 
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import warnings
-from collections.abc import Callable, Sequence
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -57,6 +59,7 @@ from distoptim import checks
 from distoptim.comm.bucket import Bucket, BucketPlan
 from distoptim.comm.compression import WireFormat
 from distoptim.comm.fingerprint import MESSAGE_BYTES, check_agreement, digest
+from distoptim.comm.grad_views import GradViews
 from distoptim.comm.guard import (
     DesyncError,
     GuardCodec,
@@ -69,7 +72,10 @@ from distoptim.comm.guard import (
 )
 from distoptim.comm.overlap import BackwardOverlap, PassCounter, sentinels
 from distoptim.comm.reducer import BucketAllReduce, ReduceRound
+from distoptim.comm.shard import ShardLayout
+from distoptim.comm.shard_reducer import BucketReduceScatter, ControlReduce, ShardRound
 from distoptim.comm.stats import CommStats
+from distoptim.cross_shard_sharding import ShardedUpdate, State, check_elementwise
 from distoptim.protocol import GradsAndVars, WrappedOptimizer, run_closure, swapped_grads
 
 __all__ = ["CrossShardOptimizer", "DesyncError", "Reduction"]
@@ -150,19 +156,34 @@ def _check_group_assignment(value: object, world_size: int | None) -> list[list[
 def _check_options(
     name: object,
     bucket_cap_mb: object,
-    overlap: object,
     backward_passes_per_step: object,
-    sequence_guard: object,
+    **flags: object,
 ) -> int:
-    """Validate the keyword options; ``backward_passes_per_step`` as an ``int``."""
+    """Validate the keyword options; ``backward_passes_per_step`` as an ``int``.
+
+    ``flags``: the options that must be ``True`` or ``False`` (``overlap=...``, ...).
+    """
     if not isinstance(name, str):
         raise TypeError(f"name must be a str, got {type(name).__name__}")
     checks.check_positive("bucket_cap_mb", bucket_cap_mb, "MiB")
-    if not isinstance(overlap, bool):
-        raise TypeError(f"overlap must be True or False, got {overlap!r}")
-    if not isinstance(sequence_guard, bool):
-        raise TypeError(f"sequence_guard must be True or False, got {sequence_guard!r}")
+    for key, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{key} must be True or False, got {value!r}")
     return checks.check_int("backward_passes_per_step", backward_passes_per_step, 1)
+
+
+def _check_saved_hyperparameters(opt: torch.optim.Optimizer, groups: object) -> None:
+    """Raise ``ValueError`` if a saved param group holds a NaN/Inf hyperparameter.
+
+    The same rule as at construction (:func:`distoptim.checks.check_finite_hyperparameters`),
+    applied to the param groups of a state dict before anything is loaded; groups that are not
+    dicts are left to the structural checks.
+    """
+    if not isinstance(groups, list):
+        return
+    saved = type(type(opt).__name__, (), {})()  # reads like the wrapped optimizer in messages
+    saved.param_groups = [g if isinstance(g, dict) else {} for g in groups]
+    checks.check_finite_hyperparameters(saved, "CrossShardOptimizer.load_state_dict")  # type: ignore[arg-type]
 
 
 class CrossShardOptimizer(WrappedOptimizer):
@@ -191,6 +212,25 @@ class CrossShardOptimizer(WrappedOptimizer):
             the same number of backward passes since their last ``step()`` (default). Off, a
             skipped or added ``step()``/``backward()`` on some rank goes unnoticed (gradients
             of different iterations are summed) until the ranks' operations differ.
+        gradient_as_bucket_view: ``.grad`` of every trainable parameter lives in its bucket
+            (:mod:`distoptim.comm.grad_views`): backward accumulates into the bucket, the
+            reduction packs nothing and runs in place, ``zero_grad()`` zeroes the buckets and
+            keeps the views (``.grad`` is never None after it). After ``step()``, ``.grad``
+            holds the replica mean of the accumulated local gradients (the same on every
+            rank; accumulating onto it is exact) instead of this replica's own. With
+            ``overlap=True`` the buckets launched during backward reduce a copy (one pass,
+            a second buffer per bucket), so ``.grad`` may be read and edited until ``step()``
+            exactly as without views.
+        shard_optimizer_state: weight-update sharding (Xu et al. 2020; ZeRO stage 1, see
+            :mod:`distoptim.cross_shard_sharding`): the flat buckets are reduce-scattered,
+            ``opt`` updates only this rank's ``1/n`` of every bucket and keeps its state for
+            that slice only, and the updated parameters are all-gathered. ``opt`` must be
+            element-wise (SGD, Adam, AdamW, ... or a class marked with
+            :func:`~distoptim.cross_shard_sharding.elementwise`); ``.grad`` keeps the local
+            gradient (also with bucket views). The parameters' storage moves into flat
+            buffers at the first step. ``state_dict()``, ``get_slot()``, ``get_slot_names()``
+            and ``variables()`` gather the full per-parameter state: collectives, call them
+            on every rank. The state dict has the unsharded format (either loads into either).
 
     Collectives are bucketed (see :mod:`distoptim.comm.bucket`). A parameter whose gradient is
     None on some ranks is zero-filled there; one with no gradient on any rank keeps ``None``.
@@ -217,6 +257,8 @@ class CrossShardOptimizer(WrappedOptimizer):
         compression: str | None = None,
         backward_passes_per_step: int = 1,
         sequence_guard: bool = True,
+        gradient_as_bucket_view: bool = False,
+        shard_optimizer_state: bool = False,
     ) -> None:
         # -- validate everything before any side effect (subgroup creation is collective) --
         if not isinstance(opt, torch.optim.Optimizer):
@@ -225,10 +267,18 @@ class CrossShardOptimizer(WrappedOptimizer):
             )
         red = Reduction.parse(reduction)
         passes = _check_options(
-            name, bucket_cap_mb, overlap, backward_passes_per_step, sequence_guard
+            name,
+            bucket_cap_mb,
+            backward_passes_per_step,
+            overlap=overlap,
+            sequence_guard=sequence_guard,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            shard_optimizer_state=shard_optimizer_state,
         )
         wire = WireFormat.parse(compression)
         checks.check_finite_hyperparameters(opt, "CrossShardOptimizer")
+        if shard_optimizer_state:
+            check_elementwise(opt)
         distributed = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size() if distributed else 1
         groups = _check_group_assignment(group_assignment, world if distributed else None)
@@ -260,14 +310,19 @@ class CrossShardOptimizer(WrappedOptimizer):
         self.compression = wire.name
         self.backward_passes_per_step = passes
         self.sequence_guard = sequence_guard
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.shard_optimizer_state = shard_optimizer_state
         self._group = group
         self._num_shards = num_shards
         self._stats = CommStats()
         self._reducer = BucketAllReduce(group, num_shards, wire, self._stats)
+        self._scatter = BucketReduceScatter(group, num_shards, wire, self._stats)
         self._codec: GuardCodec | None = None
+        self._group_rank = 0
         if num_shards > 1:
             ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
-            self._codec = GuardCodec(num_shards, dist.get_rank(group), ranks)
+            self._group_rank = dist.get_rank(group)
+            self._codec = GuardCodec(num_shards, self._group_rank, ranks)
         self._options = {
             "reduction": red.value,
             "cap": (int(self.bucket_cap_mb * _MIB), overlap),
@@ -275,6 +330,8 @@ class CrossShardOptimizer(WrappedOptimizer):
             "backward_passes_per_step": passes,
             "num_shards": num_shards,
             "sequence_guard": sequence_guard,
+            "gradient_as_bucket_view": gradient_as_bucket_view,
+            "shard_optimizer_state": shard_optimizer_state,
         }
         self._applying_pairs = False
         self._warned_edit = False
@@ -289,6 +346,15 @@ class CrossShardOptimizer(WrappedOptimizer):
         self._inflight: ReduceRound | None = None
         self._overlap: BackwardOverlap | None = None
         self._order_synced = False
+        # gradient_as_bucket_view: the .grad aliases of the plan rounds use, and whether
+        # zero_grad() ran while a round launched in place during backward was in flight
+        self._views: GradViews | None = None
+        self._zeroed_inflight = False
+        # shard_optimizer_state: the update of the plan rounds use, its control message, and
+        # the state of parameters outside that plan (frozen ones), by id: (param, state)
+        self._sharded: ShardedUpdate | None = None
+        self._control: ControlReduce | None = None
+        self._parked: dict[int, tuple[torch.Tensor, State]] = {}
         self._refresh_plan()
 
     # ---- public read-only facts --------------------------------------------------------------
@@ -341,18 +407,24 @@ class CrossShardOptimizer(WrappedOptimizer):
         self._plan_key = key
         self._plan_word = plan_word(digest(params, self._options))
         self._install(params, order=None)
+        if self._num_shards == 1:
+            self._follow_views(self._plan)
 
     def _install(self, params: list[torch.Tensor], order: list[int] | None) -> None:
         """Make ``params`` (in ready ``order``) this rank's plan, with its hooks."""
         self._detach()
         overlap = self._options["cap"][1]
+        sharding = self.shard_optimizer_state
+        words = self._codec.size if self._codec is not None and not sharding else 0
         self._plan = BucketPlan(
             params,
             cap_bytes=max(1, int(self.bucket_cap_mb * _MIB)),
             first_cap_bytes=_FIRST_BUCKET_BYTES if overlap else None,
             order=order,
-            trailer=self._codec.size if self._codec is not None else 0,
-            trailer_device=self._comm_device() if self._codec is not None else "cpu",
+            trailer=words,
+            trailer_device=self._comm_device() if words else "cpu",
+            pad_to=self._num_shards if sharding else 1,
+            flags=not sharding,  # sharded rounds carry flags and words in a control message
         )
         if not self._hooks_on:
             return
@@ -371,8 +443,68 @@ class CrossShardOptimizer(WrappedOptimizer):
     def _adopt_plan(self) -> None:
         """Every rank of the group switches to its current plan (their fingerprints agree)."""
         if self._agreed is not self._plan:
-            self._agreed = self._plan
+            self._set_agreed(self._plan)
             self._order_synced = False
+
+    def _set_agreed(self, plan: BucketPlan) -> None:
+        """``plan`` is what every rank's rounds use from now on (every rank calls this)."""
+        self._agreed = plan
+        self._follow_views(plan)
+        self._follow_shards(plan)
+
+    def _follow_shards(self, plan: BucketPlan) -> None:
+        """With sharding, the flat parameters, segments and state follow ``plan``.
+
+        The state moves with its parameters: a collective gather of the old layout's state
+        (every rank changes plans at the same point), then each rank keeps its new pieces.
+        """
+        if not self.shard_optimizer_state or (
+            self._sharded is not None and self._sharded.plan is plan
+        ):
+            return
+        old = self._sharded
+        carried = dict(self._parked)
+        if old is not None:
+            for i, state in old.full_state().items():
+                p = old.plan.params[i]
+                carried[id(p)] = (p, state)
+        for p, state in self._absorb_inner_state().items():
+            carried[id(p)] = (p, state)
+        layout = ShardLayout(plan, self._num_shards, self._group_rank)
+        update = ShardedUpdate(plan, layout, self._wrapped, self._group, self._stats)
+        update.load(
+            {i: carried.pop(id(p))[1] for i, p in enumerate(plan.params) if id(p) in carried}
+        )
+        self._parked = carried
+        if old is not None:  # parameters that left the plan get storage of their own back
+            kept = {id(p) for p in plan.params}
+            for p in old.plan.params:
+                if id(p) not in kept:
+                    p.data = p.data.clone()
+        device = self._comm_device() if self._codec is not None else torch.device("cpu")
+        words = self._codec.size if self._codec is not None else 0
+        self._control = ControlReduce(
+            plan, words, device, self._group, self._num_shards, self._stats
+        )
+        self._sharded = update
+
+    def _absorb_inner_state(self) -> dict[torch.Tensor, State]:
+        """Take the wrapped optimizer's own per-parameter state out of it (sharding keeps
+        state in the shards only): what it built eagerly, or a loaded unsharded checkpoint."""
+        state = self._wrapped.state
+        self._wrapped.state = defaultdict(dict)
+        return {p: s for p, s in state.items() if s}
+
+    def _follow_views(self, plan: BucketPlan) -> None:
+        """With bucket views, ``.grad`` follows ``plan``'s buckets (values carried over)."""
+        if not self.gradient_as_bucket_view or (
+            self._views is not None and self._views.plan is plan
+        ):
+            return
+        views = GradViews(plan)
+        if self._views is not None:
+            views.take_over(self._views)
+        self._views = views
 
     def _sync_ready_order(self) -> None:
         """DDP's bucket rebuild: after an overlapped step, follow the observed order.
@@ -409,7 +541,7 @@ class CrossShardOptimizer(WrappedOptimizer):
         self._order_synced = True
         if agreed != plan.order:
             self._install(plan.params, agreed)
-            self._agreed = self._plan
+            self._set_agreed(self._plan)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group to the wrapped optimizer; its hyperparameters must be finite.
@@ -459,20 +591,80 @@ class CrossShardOptimizer(WrappedOptimizer):
             raise
         except RuntimeError as exc:
             raise self._peer_lost("the parameter-list agreement", exc) from exc
-        self._agreed = self._plan
+        self._set_agreed(self._plan)
         self._order_synced = False
 
-    def _grad_round(self, plan: BucketPlan) -> ReduceRound:
-        """A round over ``.grad`` in the persistent bucket buffers (the PyTorch path)."""
+    def _grads_of(self, plan: BucketPlan) -> Callable[[Bucket], Sequence[torch.Tensor | None]]:
+        """What a round packs for a bucket: ``.grad`` of its members (None where absent)."""
+        views = self._views
+        if views is not None and views.plan is plan:
+            return views.grads
         params = plan.params
-        return ReduceRound(
+        return lambda b: [params[i].grad for i in b.members]
+
+    def _round(
+        self,
+        plan: BucketPlan,
+        grads_of: Callable[[Bucket], Sequence[torch.Tensor | None]],
+        buffer_of: Callable[[Bucket], torch.Tensor],
+        divisor: float,
+        what: str,
+    ) -> ReduceRound:
+        """One round over ``plan``: all-reduces, or reduce-scatters with sharding."""
+        if not self.shard_optimizer_state:
+            return ReduceRound(plan, self._reducer, grads_of, buffer_of, divisor, what)
+        update, control = self._sharded, self._control
+        assert update is not None and control is not None and update.plan is plan
+        return ShardRound(
             plan,
-            self._reducer,
-            grads_of=lambda b: [params[i].grad for i in b.members],
-            buffer_of=Bucket.persistent_buffer,
-            divisor=self._divisor(),
-            what=f"the reduction of step {self.iterations}",
+            self._scatter,
+            update.layout,
+            update.shards,
+            control,
+            grads_of,
+            buffer_of,
+            divisor,
+            what,
         )
+
+    def _grad_round(self, plan: BucketPlan, fresh: bool = False) -> ReduceRound:
+        """A round over ``.grad`` (the PyTorch path) in the persistent bucket buffers.
+
+        With bucket views those buffers *are* ``.grad``: the round packs nothing (and an
+        all-reduce round reduces in place, see :meth:`_in_place`) -- except with overlap, where
+        user code runs while the round is in flight: its all-reduces then work on a copy in
+        the spare buffers. ``fresh``: new buffers.
+        """
+        views = self._views is not None and self._views.plan is plan
+        buffer_of = Bucket.persistent_buffer
+        if fresh:
+            buffer_of = Bucket.new_buffer
+        elif views and self.overlap and not self.shard_optimizer_state:
+            buffer_of = Bucket.spare_buffer
+        rnd = self._round(
+            plan,
+            self._grads_of(plan),
+            buffer_of,
+            self._divisor(),
+            f"the reduction of step {self.iterations}",
+        )
+        if views and buffer_of is not Bucket.persistent_buffer:
+            rnd.source_of = Bucket.persistent_buffer  # the slots .grad lives in: copied whole
+        return rnd
+
+    def _in_place(self, rnd: ReduceRound) -> bool:
+        """Did ``rnd`` overwrite ``.grad`` itself (bucket views, an in-place all-reduce)?"""
+        return (
+            self._views is not None
+            and self._views.plan is rnd.plan
+            and rnd.reduces_in_place
+            and rnd.buffer_of is Bucket.persistent_buffer
+        )
+
+    def _settle(self, rnd: ReduceRound, buffers: list[torch.Tensor]) -> None:
+        """After an in-place round: ``.grad`` = the replica mean (see :class:`GradViews`)."""
+        assert self._views is not None
+        self._views.settle(rnd.present(buffers), self._divisor() / self._num_shards)
 
     def _round_for_launch(self) -> ReduceRound | None:
         """The round backward hooks launch into: None until every rank agreed on this plan."""
@@ -501,8 +693,7 @@ class CrossShardOptimizer(WrappedOptimizer):
             replanned=self._plan is not self._agreed,
         )
         buffers = rnd.wait_all(lambda trailer: codec.write(trailer, words))
-        last = rnd.plan.buckets[-1]
-        table = codec.read(last.trailer_of(buffers[-1]))
+        table = codec.read(rnd.trailer(buffers))
         return check_round(table, codec.ranks), buffers
 
     def _close_inflight(self, kind: RoundKind) -> None:
@@ -512,9 +703,12 @@ class CrossShardOptimizer(WrappedOptimizer):
         ``ABANDON`` for ``remove_hooks()``), so a peer in ``step()`` learns what this rank did.
         """
         rnd, self._inflight = self._inflight, None
+        self._zeroed_inflight = False
         if rnd is None:
             return
-        verdict, _ = self._close(rnd, kind)
+        verdict, buffers = self._close(rnd, kind)
+        if self._in_place(rnd):
+            self._settle(rnd, buffers)
         if verdict.repeat:
             self._adopt_plan()
 
@@ -531,6 +725,8 @@ class CrossShardOptimizer(WrappedOptimizer):
             rnd = make(self._agreed)
         verdict, buffers = self._close(rnd, kind, edited)
         if verdict.repeat:
+            if self._in_place(rnd):  # the local gradients are gone: reduce their mean again
+                self._settle(rnd, buffers)  # (in-place rounds are never in flight: no edits)
             self._adopt_plan()
             if verdict.edited and not self._warned_edit:
                 self._warned_edit = True
@@ -582,35 +778,87 @@ class CrossShardOptimizer(WrappedOptimizer):
             self._local_step()
         else:
             try:
-                pairs = self._reduce_grads()
+                rnd, buffers = self._reduce_grads()
             finally:
                 self._new_step()
-            with swapped_grads(self._all_params(), pairs):
-                self._wrapped.step()
+            if self.shard_optimizer_state:
+                self._apply_shards(rnd, buffers, adopt=True)
+            elif self._views is not None:
+                self._step_in_place(rnd, buffers)
+            else:
+                with swapped_grads(self._all_params(), self._reduced_pairs(rnd, buffers)):
+                    self._wrapped.step()
             if self._options["cap"][1] and not self._order_synced:
                 self._sync_ready_order()
         self.iterations += 1
         return loss
 
-    def _reduce_grads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def _reduce_grads(self) -> tuple[ReduceRound, list[torch.Tensor]]:
         self._refresh_plan()
         self._ensure_agreed()
         rnd, self._inflight = self._inflight, None
-        edited = rnd is not None and not rnd.inputs_unchanged()
-        rnd, buffers = self._agreed_round(RoundKind.STEP, self._grad_round, rnd, edited)
-        return self._reduced_pairs(rnd, buffers)
+        edited = rnd is not None and (self._zeroed_inflight or not rnd.inputs_unchanged())
+        self._zeroed_inflight = False
+        return self._agreed_round(RoundKind.STEP, self._grad_round, rnd, edited)
+
+    def _step_in_place(self, rnd: ReduceRound, buffers: list[torch.Tensor]) -> None:
+        """Bucket views: ``.grad`` holds (or receives) the reduced gradient; run ``opt`` on it.
+
+        Parameters no rank had a gradient for, and parameters outside the plan (frozen ones),
+        are hidden from ``opt`` (``.grad`` None for the inner step only).
+        """
+        views = self._views
+        assert views is not None and views.plan is rnd.plan
+        if not self._in_place(rnd):  # an overlapped round reduced a copy: take its result
+            for bucket, buffer in zip(rnd.plan.buckets, buffers):
+                bucket.persistent_buffer()[: bucket.numel].copy_(buffer[: bucket.numel])
+        present = rnd.present(buffers)
+        views.adopt([i for i, here in enumerate(present) if here])
+        shown = {id(p) for p, here in zip(rnd.plan.params, present) if here}
+        hidden = [p for p in self._all_params() if p.grad is not None and id(p) not in shown]
+        with swapped_grads(hidden, []):
+            self._wrapped.step()
+        views.settle(present, self._divisor() / self._num_shards)
 
     def _new_step(self) -> None:
         self._counter.reset()
         if self._overlap is not None:
             self._overlap.new_step()
 
+    def _apply_shards(self, rnd: ReduceRound, buffers: list[torch.Tensor], adopt: bool) -> None:
+        """Sharding: update this rank's slice from the reduced shards, then all-gather.
+
+        ``adopt``: the round packed ``.grad`` -- with bucket views, gradients it had to copy
+        into their slots now point there (their value is unchanged).
+        """
+        update = self._sharded
+        assert update is not None and update.plan is rnd.plan
+        present = rnd.present(buffers)
+        if adopt and self._views is not None:
+            self._views.adopt(self._views.foreign())
+        update.ensure_params()
+        update.step(self._wrapped, present)
+        try:
+            update.all_gather()
+        except RuntimeError as exc:
+            raise self._peer_lost("the all-gather of the updated parameters", exc) from exc
+
     def _local_step(self) -> None:
         """One shard: divide accumulated passes (MEAN), never update frozen parameters."""
         self._refresh_plan()
-        if self._divisor() != 1:
+        if self.shard_optimizer_state:  # the flat update, without communication
+            self._follow_shards(self._plan)
             rnd = self._grad_round(self._plan)
+            self._apply_shards(rnd, rnd.wait_all(), adopt=True)
+            return
+        views = self._views
+        if self._divisor() != 1:
+            rnd = self._grad_round(self._plan, fresh=views is not None)
             pairs = self._reduced_pairs(rnd, rnd.wait_all())
+        elif views is not None:
+            pairs = [
+                (g, p) for p, g in zip(self._plan.params, views.present_grads()) if g is not None
+            ]
         elif any(p.grad is not None for p in self._all_params() if not p.requires_grad):
             pairs = [(p.grad, p) for p in self._plan.params if p.grad is not None]
         else:
@@ -636,18 +884,43 @@ class CrossShardOptimizer(WrappedOptimizer):
         self._close_inflight(RoundKind.FINISH)
 
         def zeros(plan: BucketPlan) -> ReduceRound:
-            return ReduceRound(
+            return self._round(
                 plan,
-                self._reducer,
-                grads_of=lambda b: [None] * len(b.members),
-                buffer_of=Bucket.persistent_buffer,
-                divisor=1,
-                what="finish()",
+                lambda b: [None] * len(b.members),
+                # with bucket views the persistent buffers are .grad: leave them alone
+                Bucket.persistent_buffer if self._views is None else Bucket.new_buffer,
+                1,
+                "finish()",
             )
 
         verdict, _ = self._close(zeros(self._agreed), RoundKind.FINISH)  # type: ignore[arg-type]
         if verdict.repeat:
             self._adopt_plan()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``torch.optim.Optimizer.zero_grad``; with bucket views, zero the buckets in place.
+
+        With ``gradient_as_bucket_view=True`` every parameter of the agreed plan gets its
+        zeroed bucket slot as ``.grad`` (never None), for either ``set_to_none``; whether a
+        parameter then has a gradient is tracked exactly as before (see
+        :mod:`distoptim.comm.grad_views`). Other parameters follow torch.
+        """
+        views = self._views
+        if views is None:
+            super().zero_grad(set_to_none)
+            return
+        if self._inflight is not None and self._inflight.next_bucket:
+            self._zeroed_inflight = True  # the in-place reduction in flight read other values
+        views.zero(set_to_none)
+        planned = views.ids
+        for p in self._all_params():
+            if p.grad is None or id(p) in planned:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.detach_() if p.grad.grad_fn is not None else p.grad.requires_grad_(False)
+                p.grad.zero_()
 
     # ---- TF path: compute_gradients / apply_gradients -----------------------------------------
     def _scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -664,25 +937,35 @@ class CrossShardOptimizer(WrappedOptimizer):
                     f"of shape {tuple(v.shape)} has requires_grad=False"
                 )
         self._refresh_plan()
+        by_id = {id(v): g for g, v in pairs}
+
+        def given(plan: BucketPlan) -> ReduceRound:
+            params = plan.params
+            return self._round(
+                plan,
+                lambda b: [by_id.get(id(params[i])) for i in b.members],
+                # fresh buffers: the results must not alias the .grad rounds' buffers
+                Bucket.new_buffer,
+                1,
+                f"apply_gradients at step {self.iterations}",
+            )
+
+        if self._num_shards > 1:
+            self._ensure_agreed()
+            self._close_inflight(RoundKind.PAIRS)
+        if self.shard_optimizer_state:
+            if self._num_shards > 1:
+                rnd, buffers = self._agreed_round(RoundKind.PAIRS, given)
+            else:
+                self._follow_shards(self._plan)
+                rnd = given(self._plan)
+                buffers = rnd.wait_all()
+            self._apply_shards(rnd, buffers, adopt=False)
+            self.iterations += 1
+            return
         if self._num_shards == 1:
             reduced: list[tuple[torch.Tensor, torch.Tensor]] = list(pairs)  # type: ignore[arg-type]
         else:
-            self._ensure_agreed()
-            self._close_inflight(RoundKind.PAIRS)
-            by_id = {id(v): g for g, v in pairs}
-
-            def given(plan: BucketPlan) -> ReduceRound:
-                params = plan.params
-                return ReduceRound(
-                    plan,
-                    self._reducer,
-                    grads_of=lambda b: [by_id.get(id(params[i])) for i in b.members],
-                    # fresh buffers: the results must not alias the .grad rounds' buffers
-                    buffer_of=Bucket.new_buffer,
-                    divisor=1,
-                    what=f"apply_gradients at step {self.iterations}",
-                )
-
             rnd, buffers = self._agreed_round(RoundKind.PAIRS, given)
             reduced = self._reduced_pairs(rnd, buffers)
         self._applying_pairs = True
@@ -692,11 +975,68 @@ class CrossShardOptimizer(WrappedOptimizer):
         finally:
             self._applying_pairs = False
 
+    # ---- state: the full per-parameter state, also when it is sharded ----------------------
+    def _full_state(self) -> dict[torch.Tensor, State]:
+        """Every parameter's optimizer state; with sharding, gathered (a collective)."""
+        if self._sharded is None:
+            return dict(self._wrapped.state)
+        update = self._sharded
+        full = {update.plan.params[i]: s for i, s in update.full_state().items()}
+        full.update({p: s for p, s in self._parked.values()})
+        return full
+
+    @contextlib.contextmanager
+    def _gathered_state(self) -> Iterator[None]:
+        """Within the block the wrapped optimizer's ``state`` is the full per-parameter state."""
+        if self._sharded is None:
+            yield
+            return
+        saved = self._wrapped.state
+        self._wrapped.state = defaultdict(dict, self._full_state())
+        try:
+            yield
+        finally:
+            self._wrapped.state = saved
+
+    def _slot_state(self) -> Any:
+        """The state slots are read from; with sharding, gathered (call on every rank)."""
+        return self._full_state()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state dict plus ``iterations`` (see ``WrappedOptimizer``).
+
+        With ``shard_optimizer_state=True`` the per-parameter state is gathered from every
+        rank into the unsharded format (a collective: call it on every rank); it loads into
+        a sharded or an unsharded optimizer alike.
+        """
+        with self._gathered_state():
+            return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict; everything is checked before anything changes.
+
+        Besides the structure (``WrappedOptimizer``), every hyperparameter in the saved param
+        groups must be finite. With ``shard_optimizer_state=True``, each rank keeps its own
+        slice of every parameter's state (local: no communication).
+        """
+        if isinstance(state_dict, dict):
+            _check_saved_hyperparameters(self._wrapped, state_dict.get("param_groups"))
+        super().load_state_dict(state_dict)
+        update = self._sharded
+        if update is None:
+            return  # with sharding, the first step takes the state into the shards
+        carried = {id(p): (p, s) for p, s in self._absorb_inner_state().items()}
+        update.load(
+            {i: carried.pop(id(p))[1] for i, p in enumerate(update.plan.params) if id(p) in carried}
+        )
+        self._parked = carried
+
     def __repr__(self) -> str:
         return (
             f"CrossShardOptimizer({self.wrapped!r}, reduction={self.reduction.value!r}, "
             f"num_shards={self._num_shards}, overlap={self.overlap}, "
             f"compression={self.compression!r}, "
             f"backward_passes_per_step={self.backward_passes_per_step}, "
-            f"sequence_guard={self.sequence_guard})"
+            f"sequence_guard={self.sequence_guard}, "
+            f"gradient_as_bucket_view={self.gradient_as_bucket_view})"
         )
