@@ -264,7 +264,7 @@ def _restart_fn(ctx, steps: int, kill_at: int) -> dict[str, Any]:
         _small_step(model, opt)
         if killed is not None and resumed is None:
             resumed = time.monotonic()
-    return {"resume_s": None if killed is None else resumed - killed}
+    return {"resume_s": None if killed is None else resumed - killed, "lost": opt.lost_commits}
 
 
 def _late_fn(ctx, out_dir: str) -> dict[str, Any]:
@@ -319,17 +319,20 @@ def _faults(trials: int) -> dict[str, Any]:
             checkpoint_every=every,
             max_restarts=1,
         )
-        lost = 2 * steps - r.stats.global_step - r.stats.refused_commits
+        in_flight = sum(w["lost"] for w in r.worker_results)
+        rolled_back = 2 * steps - r.stats.global_step - r.stats.refused_commits - in_flight
         out["shard_restart"] = {
             "kill_to_resume_s": r.worker_results[0]["resume_s"],
-            "commits_lost": lost,
+            "accepted_commits_rolled_back": rolled_back,
+            "commits_lost_in_flight": in_flight,
             "checkpoint_every": every,
             "workers": 2,
             "restarts": r.stats.shard_restarts,
         }
         print(
-            f"  shard restart: killed -> resumed {out['shard_restart']['kill_to_resume_s']:.2f} s,"
-            f" {lost} commits lost (checkpoint_every={every}, 2 workers)",
+            f"  shard restart: killed -> resumed {out['shard_restart']['kill_to_resume_s']:.2f} s;"
+            f" {rolled_back} accepted commits rolled back (checkpoint_every={every}), "
+            f"{in_flight} in flight lost (2 workers)",
             flush=True,
         )
     with tempfile.TemporaryDirectory() as d:

@@ -41,10 +41,12 @@ worker that reconnects (p2p) is alive again.
 
 Checkpoints (``checkpoint_dir``): ``ps{shard}.pt`` holds every table (center, rule, optimizer
 class/hyperparameters/state, counters). It is written to a temporary file and renamed over the
-old one (atomic on POSIX), every ``checkpoint_every`` accepted commits of a table and when the
-shard stops. A shard started with an existing checkpoint loads it (after removing temporary
-files a killed shard may have left): its tables are seeded already, so the chief's seed is
-ignored (the chief pulls the resumed center like everyone else) and ``version`` continues.
+old one (atomic on POSIX), every ``checkpoint_every`` accepted commits of a table -- before that
+table accepts its next commit, so a restart loses at most ``checkpoint_every`` of its accepted
+commits (plus the commits in flight, which their workers see fail) -- and when the shard stops.
+A shard started with an existing checkpoint loads it (after removing temporary files a killed
+shard may have left): its tables are seeded already, so the chief's seed is ignored (the chief
+pulls the resumed center like everyone else) and ``version`` continues.
 """
 
 from __future__ import annotations
@@ -170,6 +172,7 @@ class _Table:
         self.views = self.layout.views(self.flats)
         self.optimizer = _build_optimizer(spec, self.views) if spec.rule.uses_optimizer else None
         self.backup = Backup.like(self.flats)
+        self.saved_state: dict[str, Any] | None = None  # as of its latest checkpoint
         self.refreshing = threading.Lock()
         self.rw = _ReadWriteLock()
         self.stats_lock = threading.Lock()
@@ -243,9 +246,11 @@ class _Table:
         self.bytes_in = int(c["bytes_in"])
         self.bytes_out = int(c["bytes_out"])
 
-    def state(self) -> dict[str, Any]:
-        """Everything a checkpoint keeps, consistent (taken under the read lock)."""
-        self.rw.acquire_read()
+    def state(self, locked: bool = False) -> dict[str, Any]:
+        """Everything a checkpoint keeps, consistent: taken under the read lock, or under the
+        write lock the caller holds (``locked``)."""
+        if not locked:
+            self.rw.acquire_read()
         try:
             opt_state = None
             if self.optimizer is not None:
@@ -259,7 +264,8 @@ class _Table:
                 "counters": self.counters(),
             }
         finally:
-            self.rw.release_read()
+            if not locked:
+                self.rw.release_read()
 
     @classmethod
     def from_state(cls, name: str, state: dict[str, Any]) -> _Table:
@@ -389,6 +395,7 @@ class ParameterServer:
             table = self._tables.get(request.table)
             if table is None:
                 table = _Table(request.table, spec, flats)
+                table.saved_state = table.state() if self.checkpoint_dir is not None else None
                 self._tables[request.table] = table
                 self._cond.notify_all()
             else:
@@ -481,6 +488,11 @@ class ParameterServer:
                 table.bytes_in += nbytes(payload)
                 table.bytes_out += nbytes(source)
                 version = table.version
+            every = self.checkpoint_every
+            if accepted and every is not None and version % every == 0:
+                # on disk before this table accepts another commit: a restart loses at most
+                # checkpoint_every of its accepted commits
+                self.checkpoint(held=table if locking else None)
             if live_reply or (not locking and not rule.reply_before_update):
                 reply_flats = source  # live: sent before the center can change (or Hogwild!)
                 if locking:
@@ -506,21 +518,7 @@ class ParameterServer:
             flats=reply_flats,
             reason="" if refusal is None else refusal.describe(),
         )
-        every = self.checkpoint_every
-        due = accepted and every is not None and self.checkpoint_dir is not None
-        due = due and version % every == 0  # type: ignore[operator]
-        if release is None:
-            if due:
-                self.checkpoint()
-            return Handled(reply)
-
-        def after_send() -> None:
-            assert release is not None
-            release()
-            if due:
-                self.checkpoint()
-
-        return Handled(reply, after_send)
+        return Handled(reply, release)
 
     # ---- tables --------------------------------------------------------------------------------
     def _table(self, name: str, wait_s: float = 0.0) -> _Table:
@@ -569,21 +567,45 @@ class ParameterServer:
             )
         for name, state in blob["tables"].items():
             self._tables[name] = _Table.from_state(name, state)
+            self._tables[name].saved_state = state
             self._resumed.add(name)
 
-    def checkpoint(self) -> str | None:
-        """Write every table to ``ps{shard}.pt`` atomically (temp file + rename)."""
+    def checkpoint(self, held: _Table | None = None) -> str | None:
+        """Write every table to ``ps{shard}.pt`` atomically (temp file + rename).
+
+        Each table is written as it is now, except while a commit of table ``held`` (whose
+        write lock the caller holds) makes this checkpoint: then ``held`` is written as it is
+        now and the others as of their own latest checkpoint (taking their locks here could
+        deadlock with their own commits). A table's newest state always wins, so a slower
+        writer never replaces a newer state with an older one.
+        """
         path = self.checkpoint_path
         if path is None:
             return None
+        with self._cond:
+            tables = dict(self._tables)
+        fresh = {}
+        for name, t in tables.items():
+            if held is None or t is held:
+                fresh[name] = t.state(locked=t is held)
         with self._ckpt_lock:
-            with self._cond:
-                tables = dict(self._tables)
+            states = {}
+            for name, t in tables.items():
+                new = fresh.get(name)
+                old = t.saved_state
+                newer = old is None or (
+                    new is not None and new["counters"]["version"] >= old["counters"]["version"]
+                )
+                if newer and new is not None:
+                    t.saved_state = new
+                if t.saved_state is None:  # not checkpointed yet and locked by its owner
+                    continue
+                states[name] = t.saved_state
             blob = {
                 "format": CHECKPOINT_FORMAT,
                 "shard": self.shard,
                 "num_ps": self.num_ps,
-                "tables": {n: t.state() for n, t in tables.items()},
+                "tables": states,
             }
             fd, tmp = tempfile.mkstemp(prefix=f".ps{self.shard}.", dir=self.checkpoint_dir)
             try:

@@ -134,7 +134,9 @@ class AsyncWorkerOptimizer(WrappedOptimizer):
     """Base of the parameter-server optimizers (see the module docstring).
 
     Read-outs: ``local_step`` (worker steps), ``global_step`` (the center's version as last
-    seen from the shards: accepted commits of all workers), ``center_variables()``.
+    seen from the shards: accepted commits of all workers), ``lost_commits`` (commits whose
+    shard died before answering; the worker then resynchronized with the restarted shard),
+    ``center_variables()``.
     """
 
     algorithm = "async"
@@ -175,6 +177,7 @@ class AsyncWorkerOptimizer(WrappedOptimizer):
         self.use_locking = use_locking
         self.local_step = 0
         self.global_step = 0
+        self.lost_commits = 0
         self._conn: _Connection | None = None
         self._ready = False
 
@@ -468,6 +471,7 @@ class AsyncWorkerOptimizer(WrappedOptimizer):
         for link, exc in lost:  # the commit is lost; wait for the shard, take its center
             cluster.reconnect(link.shard, exc)
             self._resync(link)
+        self.lost_commits += bool(lost)
         if reasons:
             warnings.warn(
                 f"{self._name}: worker {conn.task_index}'s commit at local step {self.local_step} "
