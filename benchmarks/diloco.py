@@ -11,8 +11,22 @@ each replica reads a disjoint quarter of the training set every epoch, batch 32.
 * ``streaming_f4_int8``: the same with ``sync_every=48`` (``H`` must be divisible by ``F``),
   ``fragments=4, fragment_sync_delay=1, fragment_update_alpha=0.5, wire="int8"``.
 
-The asynchronous contenders (AsyncDiLoCo and AGN on the parameter server) have their place in
-:data:`ASYNC_CONTENDERS`; they are reported as "not run" until AsyncDiLoCo exists.
+Asynchronous contenders (:data:`ASYNC_CONTENDERS`), the same four replicas as workers of a
+parameter-server cluster (``distoptim.agn.spawn``, one shard, ``p2p``; the shard pays the
+emulated link for its replies too):
+
+* ``async_diloco_h10``: ``AsyncDiLoCoOptimizer(Adam(lr=1e-3), 4, communication_period=10)``
+  with the default outer optimizer (Nesterov SGD, lr 0.7, momentum 0.9) applied to every commit
+  (the paper's "Async. DiLoCo");
+* ``async_diloco_h10_dn_dylu``: the same with Delayed Nesterov (``delayed_momentum=4``, the
+  paper's ``N`` = number of workers) and Dynamic Local Updates;
+* ``async_diloco_h10_dn_dylu_lr035``: the same with the outer learning rate halved (0.35): in
+  a single-process simulation of round-robin asynchronous commits on this task (no grace
+  period, so every pseudo-gradient is three commits stale), Delayed Nesterov at DiLoCo's 0.7
+  oscillates and never reaches the target within 400 steps while 0.35 does (not tuned on this
+  benchmark's runs);
+* ``agn_h10``: ``AGNOptimizer(Adam(lr=1e-3), 4, communication_period=10, update_rule="delta")``
+  (AGN's paper rule, the CLI's default).
 
 Scenarios (the link is emulated by :mod:`distoptim.comm.link`, paid where the optimizers count
 their bytes): ``slow_link`` -- 2 ms and 100 Mbit/s per message; ``straggler`` -- the same link,
@@ -22,15 +36,24 @@ backward and inner step took: emulated at the step boundary).
 Measured per run, on rank 0: the wall time and the bytes rank 0 sent (``comm_stats``) until the
 validation accuracy first reaches the target -- 0.95 x the final accuracy of ``sync`` on the
 slow link, in the same repeat -- evaluated every 10 steps on a snapshot of the model (sync:
-rank 0's parameters; the DiLoCo family: the global copy, what a sync hands every replica);
-snapshots are evaluated after the run, outside the clock. Also: final accuracy, total bytes,
-and the peak bytes of one sync (for a fragment: from its launch to its outer step). The runs
-of one repeat are interleaved in a shuffled order inside one spawned group; ratios against
-``sync`` are paired within a repeat (median over repeats).
+rank 0's parameters; the DiLoCo family: the global copy, what a sync hands every replica;
+AsyncDiLoCo: the center as worker 0 last received it, ``global_parameters()``; AGN: worker 0's
+parameters right after its commit, i.e. the center it just received, as ``λ`` = 10 = the
+evaluation period); snapshots are evaluated after the run, outside the clock. Also: final
+accuracy (async: the center when every worker is done), total bytes, and the peak bytes of
+one sync (for a fragment: from its launch to its outer step; async: one commit's payload).
+Bytes of the asynchronous workers are worker 0's commit payloads (what it sends; it receives
+as many bytes of center back), the ring all-reduce's counterpart being rank 0's sent bytes.
+The wall time of an asynchronous run is its last worker's (with a straggler the fast workers
+finish first: the time to the target is reached, or not, while worker 0 trains, else at the
+end on the final center). The runs of one repeat are shuffled inside two launches, one
+``distoptim.launch`` group for the synchronous contenders and one parameter-server cluster for
+the asynchronous ones, in a shuffled order; ratios against ``sync`` are paired within a
+repeat (median over repeats).
 
 Run::
 
-    python benchmarks/diloco.py             # 3 repeats, ~3-6 minutes on 2 cores
+    python benchmarks/diloco.py             # 3 repeats, ~10-20 minutes on 2 cores
     python benchmarks/diloco.py --quick     # a smoke run
 
 Prints a table and writes ``benchmarks/results/diloco.json``.
@@ -39,6 +62,7 @@ Prints a table and writes ``benchmarks/results/diloco.json``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -46,6 +70,7 @@ import random
 import statistics
 import subprocess
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +80,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import distoptim
+from distoptim import agn
 from distoptim.cli.datasets import load_dataset, shard_indices
 from distoptim.comm import link
 from distoptim.launch import spawn
@@ -78,9 +104,20 @@ CONTENDERS: dict[str, dict[str, Any]] = {
         "wire": "int8",
     },
 }
-ASYNC_CONTENDERS = {
-    "async_diloco": "not run: distoptim.AsyncDiLoCoOptimizer does not exist yet",
-    "agn": "not run: added together with async_diloco (same parameter-server launcher)",
+ASYNC_CONTENDERS: dict[str, dict[str, Any]] = {
+    "async_diloco_h10": {"communication_period": 10},
+    "async_diloco_h10_dn_dylu": {
+        "communication_period": 10,
+        "delayed_momentum": WORLD,
+        "dynamic_local_updates": True,
+    },
+    "async_diloco_h10_dn_dylu_lr035": {
+        "communication_period": 10,
+        "delayed_momentum": WORLD,
+        "dynamic_local_updates": True,
+        "outer_optimizer": functools.partial(torch.optim.SGD, lr=0.35, momentum=0.9, nesterov=True),
+    },
+    "agn_h10": {"communication_period": 10, "update_rule": "delta"},
 }
 TARGET_FRACTION = 0.95
 
@@ -117,18 +154,29 @@ def _accuracy(
     return (model(x).argmax(1) == y).float().mean().item()
 
 
-def _one_run(rank: int, name: str, scenario: str, epochs: int, data: Any) -> dict[str, Any]:
+def _train(
+    rank: int,
+    scenario: str,
+    epochs: int,
+    data: Any,
+    model: nn.Module,
+    opt: Any,
+    start_together: Any,
+    sent: Any,
+    snapshot: Any,
+) -> tuple[list[tuple[int, float, int, list[torch.Tensor]]], list[int], float]:
+    """The training loop every contender runs: rank ``rank``'s quarter of the data each epoch,
+    the straggler's sleep, a snapshot every ``EVAL_EVERY`` steps on rank 0. ``start_together()``
+    starts the clock on every rank at once, ``sent()`` is the bytes sent so far, ``snapshot()``
+    the parameters to evaluate. Returns (snapshots, bytes per step, wall seconds)."""
     straggler = SCENARIOS[scenario]
     slow = straggler is not None and straggler[0] == rank
     factor = straggler[1] if straggler is not None else 1.0
-    model = _model()
-    opt = _optimizer(name, model)
-    stats = opt.comm_stats
     n = int(data.x_train.shape[0])
     steps_per_epoch = n // WORLD // BATCH
     snapshots: list[tuple[int, float, int, list[torch.Tensor]]] = []
     step_bytes: list[int] = []
-    dist.barrier()
+    start_together()
     start = time.perf_counter()
     step = 0
     for epoch in range(epochs):
@@ -139,27 +187,22 @@ def _one_run(rank: int, name: str, scenario: str, epochs: int, data: Any) -> dic
             opt.zero_grad()
             F.cross_entropy(model(data.x_train[take]), data.y_train[take]).backward()
             compute = time.perf_counter() - t0
-            before = stats.bytes_sent
+            before = sent()
             opt.step()
             step += 1
-            step_bytes.append(stats.bytes_sent - before)
+            step_bytes.append(sent() - before)
             if slow:  # the straggler's step takes `factor` times as long
                 time.sleep((factor - 1.0) * compute)
             if rank == 0 and step % EVAL_EVERY == 0:
-                snapshots.append(
-                    (
-                        step,
-                        time.perf_counter() - start,
-                        stats.bytes_sent,
-                        _snapshot(name, model, opt),
-                    )
-                )
-    wall = time.perf_counter() - start
-    dist.barrier()
-    if rank != 0:
-        return {}
+                snapshots.append((step, time.perf_counter() - start, sent(), snapshot()))
+    return snapshots, step_bytes, time.perf_counter() - start
+
+
+def _history(
+    snapshots: list[tuple[int, float, int, list[torch.Tensor]]], data: Any
+) -> list[dict[str, Any]]:
     eval_model = _model()
-    history = [
+    return [
         {
             "step": s,
             "time_s": t,
@@ -168,16 +211,36 @@ def _one_run(rank: int, name: str, scenario: str, epochs: int, data: Any) -> dic
         }
         for s, t, b, p in snapshots
     ]
+
+
+def _one_run(rank: int, name: str, scenario: str, epochs: int, data: Any) -> dict[str, Any]:
+    model = _model()
+    opt = _optimizer(name, model)
+    stats = opt.comm_stats
+    snapshots, step_bytes, wall = _train(
+        rank,
+        scenario,
+        epochs,
+        data,
+        model,
+        opt,
+        dist.barrier,
+        lambda: stats.bytes_sent,
+        lambda: _snapshot(name, model, opt),
+    )
+    dist.barrier()
+    if rank != 0:
+        return {}
     return {
         "contender": name,
         "scenario": scenario,
-        "steps": step,
+        "steps": len(step_bytes),
         "wall_s": wall,
         "bytes": stats.bytes_sent,
         "collectives": stats.collectives,
         "peak_sync_bytes": _peak_sync_bytes(name, opt, step_bytes),
-        "final_val_acc": _accuracy(eval_model, _snapshot(name, model, opt), data.x_val, data.y_val),
-        "history": history,
+        "final_val_acc": _accuracy(_model(), _snapshot(name, model, opt), data.x_val, data.y_val),
+        "history": _history(snapshots, data),
     }
 
 
@@ -194,18 +257,137 @@ def _peak_sync_bytes(name: str, opt: Any, step_bytes: list[int]) -> int:
     return max(peaks)
 
 
-def _worker(rank: int, world: int, order: list[list[tuple[str, str]]], epochs: int) -> list[dict]:
+def _worker(rank: int, world: int, runs: list[tuple[str, str]], epochs: int) -> list[dict]:
     torch.set_num_threads(1)
     data = load_dataset("digits")
     link.set_link(LINK)
     out = []
-    for repeat, runs in enumerate(order):
-        for scenario, name in runs:
-            record = _one_run(rank, name, scenario, epochs, data)
-            if record:
-                record["repeat"] = repeat
-                out.append(record)
+    for scenario, name in runs:
+        record = _one_run(rank, name, scenario, epochs, data)
+        if record:
+            out.append(record)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the asynchronous contenders, on a parameter-server cluster
+# ---------------------------------------------------------------------------------------------
+def _async_optimizer(name: str, model: nn.Module, table: str) -> Any:
+    inner = torch.optim.Adam(model.parameters(), lr=1e-3)
+    kwargs = dict(ASYNC_CONTENDERS[name])
+    if name.startswith("agn"):
+        return distoptim.AGNOptimizer(inner, WORLD, name=table, **kwargs)
+    return distoptim.AsyncDiLoCoOptimizer(inner, WORLD, name=table, **kwargs)
+
+
+def _store_barrier(store: Any, key: str) -> None:
+    """Every worker arrives, then all go (bounded)."""
+    if int(store.add(f"{key}/arrived", 1)) == WORLD:
+        store.set(f"{key}/go", "1")
+    store.wait([f"{key}/go"], timedelta(seconds=600))
+
+
+def _one_async_run(
+    ctx: Any, table: str, name: str, scenario: str, epochs: int, data: Any
+) -> dict[str, Any]:
+    task = ctx.task_index
+    model = _model()
+    opt = _async_optimizer(name, model, table)
+    hook = opt.make_session_run_hook(ctx.is_chief, task)
+    hook.begin()
+    hook.after_create_session()
+    payload = sum(p.numel() * p.element_size() for p in model.parameters())
+    agn_run = isinstance(opt, distoptim.AGNOptimizer)
+    lam = opt.communication_period
+
+    def sent() -> int:  # worker 0's commit payloads
+        return (opt.local_step // lam) * payload if agn_run else opt.bytes_sent
+
+    def snapshot() -> list[torch.Tensor]:  # AGN: right after a commit (λ = EVAL_EVERY)
+        return _params(model) if agn_run else opt.global_parameters()
+
+    snapshots, step_bytes, wall = _train(
+        task,
+        scenario,
+        epochs,
+        data,
+        model,
+        opt,
+        lambda: _store_barrier(ctx.store, f"bench/{table}/start"),
+        sent,
+        snapshot,
+    )
+    record: dict[str, Any] = {"task": task, "wall_s": wall, "steps": len(step_bytes)}
+    if task == 0:
+        record.update(
+            contender=name,
+            scenario=scenario,
+            table=table,
+            bytes=sent(),
+            commits=opt.local_step // lam if agn_run else opt.commits,
+            peak_sync_bytes=payload,
+            snapshots=snapshots,
+        )
+    if not agn_run and opt.dynamic_local_updates:
+        record["dylu_period_last"] = opt.period
+    return record
+
+
+def _params(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _async_worker(ctx: Any, runs: list[tuple[str, str, str]], epochs: int) -> list[dict]:
+    torch.set_num_threads(1)
+    data = load_dataset("digits")
+    link.set_link(LINK)
+    return [
+        _one_async_run(ctx, table, name, scenario, epochs, data) for table, scenario, name in runs
+    ]
+
+
+def _run_async(runs: list[tuple[str, str]], epochs: int, repeat: int) -> list[dict]:
+    """One cluster (one shard, WORLD workers) running ``runs`` in order; one record per run."""
+    tables = [(f"{name}/{scenario}/{repeat}", scenario, name) for scenario, name in runs]
+    saved = os.environ.get(link.ENV_VAR)
+    os.environ[link.ENV_VAR] = LINK.to_env()  # the shard pays the link for its replies too
+    try:
+        result = agn.spawn(
+            _async_worker, WORLD, num_ps=1, args=(tables, epochs), timeout=3600, num_threads=1
+        )
+    finally:
+        if saved is None:
+            os.environ.pop(link.ENV_VAR, None)
+        else:
+            os.environ[link.ENV_VAR] = saved
+    data = load_dataset("digits")
+    eval_model = _model()
+    records = []
+    for i, (table, _, _) in enumerate(tables):
+        per_task = [result.worker_results[t][i] for t in range(WORLD)]
+        rec = dict(per_task[0])
+        snapshots = rec.pop("snapshots")
+        wall = max(r["wall_s"] for r in per_task)
+        final = _accuracy(eval_model, result.centers[table], data.x_val, data.y_val)
+        history = _history(snapshots, data)
+        history.append(
+            {"step": rec["steps"], "time_s": wall, "bytes": rec["bytes"], "val_acc": final}
+        )
+        per = result.stats.per_optimizer[table]
+        rec.update(
+            wall_s=wall,
+            worker0_wall_s=per_task[0]["wall_s"],
+            workers_wall_s=[r["wall_s"] for r in per_task],
+            final_val_acc=final,
+            history=history,
+            server_commits=per["commits_per_worker"],
+            server_bytes=per["bytes_in"] + per["bytes_out"],
+            staleness=per["staleness_histogram"],
+            repeat=repeat,
+        )
+        rec.pop("table", None)
+        records.append(rec)
+    return records
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,7 +421,7 @@ def _summarize(records: list[dict]) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     for scenario in SCENARIOS:
         rows = {}
-        for name in CONTENDERS:
+        for name in [*CONTENDERS, *ASYNC_CONTENDERS]:
             runs = [by[(k, scenario, name)] for k in repeats]
             syncs = [by[(k, scenario, "sync")] for k in repeats]
 
@@ -275,10 +457,33 @@ def _summarize(records: list[dict]) -> dict[str, Any]:
                     ]
                 ),
             }
-        for name, why in ASYNC_CONTENDERS.items():
-            rows[name] = {"status": why}
         summary[scenario] = rows
     return summary
+
+
+def _goal(records: list[dict]) -> dict[str, Any]:
+    """With the straggler: time to the target of each sync DiLoCo over each AsyncDiLoCo,
+    paired within a repeat (> 1: AsyncDiLoCo reached it sooner); None where one never did."""
+    by = {(r["repeat"], r["scenario"], r["contender"]): r for r in records}
+    repeats = sorted({r["repeat"] for r in records})
+    out: dict[str, Any] = {}
+    for a in (n for n in ASYNC_CONTENDERS if n.startswith("async_diloco")):
+        for sync in ("diloco_h10", "diloco_h50"):
+            pairs = [
+                (
+                    by[(k, "straggler", sync)]["time_to_target_s"],
+                    by[(k, "straggler", a)]["time_to_target_s"],
+                )
+                for k in repeats
+            ]
+            ratios = [None if x is None or y is None else x / y for x, y in pairs]
+            out[f"{sync}/{a}"] = {
+                "per_repeat": ratios,
+                "median": statistics.median(r for r in ratios if r is not None)
+                if any(r is not None for r in ratios)
+                else None,
+            }
+    return out
 
 
 def _fmt(v: Any, spec: str) -> str:
@@ -287,17 +492,14 @@ def _fmt(v: Any, spec: str) -> str:
 
 def _print(summary: dict[str, Any]) -> None:
     head = (
-        f"{'contender':<20} {'final acc':>9} {'vs sync':>8} {'to target':>9} {'s':>7} "
+        f"{'contender':<31} {'final acc':>9} {'vs sync':>8} {'to target':>9} {'s':>7} "
         f"{'bytes':>11} {'x fewer':>8} {'speedup':>8} {'total B':>11} {'peak/sync':>10}"
     )
     for scenario, rows in summary.items():
         print(f"\n== {scenario} ==\n{head}")
         for name, row in rows.items():
-            if "status" in row:
-                print(f"{name:<20} {row['status']}")
-                continue
             print(
-                f"{name:<20} {_fmt(row['final_val_acc'], '.4f'):>9} "
+                f"{name:<31} {_fmt(row['final_val_acc'], '.4f'):>9} "
                 f"{_fmt(row['final_vs_sync_points'], '+.2f'):>8} "
                 f"{row['reached_target']:>9} {_fmt(row['time_to_target_s'], '.2f'):>7} "
                 f"{_fmt(row['bytes_to_target'], ',.0f'):>11} "
@@ -317,18 +519,33 @@ def main() -> None:
     args = parser.parse_args()
     repeats, epochs = (1, 10) if args.quick else (args.repeats, args.epochs)
     rng = random.Random(args.seed)
-    order = []
+    order = []  # per repeat: [(launch, [(scenario, contender), ...]), ...] in launch order
     for _ in range(repeats):
-        runs = [(s, c) for s in SCENARIOS for c in CONTENDERS]
-        rng.shuffle(runs)
-        order.append(runs)
+        launches = []
+        for kind, names in (("sync", CONTENDERS), ("async", ASYNC_CONTENDERS)):
+            runs = [(s, c) for s in SCENARIOS for c in names]
+            rng.shuffle(runs)
+            launches.append((kind, runs))
+        rng.shuffle(launches)
+        order.append(launches)
     load_before = _load()
     t0 = time.perf_counter()
-    records = spawn(_worker, WORLD, args=(order, epochs), timeout=3600, num_threads=1)[0]
+    records = []
+    for repeat, launches in enumerate(order):
+        for kind, runs in launches:
+            if kind == "async":
+                records += _run_async(runs, epochs, repeat)
+                continue
+            got = spawn(_worker, WORLD, args=(runs, epochs), timeout=3600, num_threads=1)[0]
+            records += [{**r, "repeat": repeat} for r in got]
     elapsed = time.perf_counter() - t0
     load_after = _load()
     summary = _summarize(records)
     _print(summary)
+    goal = _goal(records)
+    print("\n== straggler: sync DiLoCo's time to target / AsyncDiLoCo's (> 1: async sooner) ==")
+    for k, v in goal.items():
+        print(f"{k:<45} median {_fmt(v['median'], '.2f')}  per repeat {v['per_repeat']}")
     print(f"\nload before: {load_before}\nload after:  {load_after}\n({elapsed:.0f} s)")
     result = {
         "benchmark": "diloco",
@@ -350,10 +567,15 @@ def main() -> None:
             "link": {"latency_ms": LINK.latency_ms, "mbps": LINK.mbps},
             "scenarios": {k: v for k, v in SCENARIOS.items()},
             "contenders": CONTENDERS,
+            "async_contenders": {
+                name: {k: repr(v) if callable(v) else v for k, v in kwargs.items()}
+                for name, kwargs in ASYNC_CONTENDERS.items()
+            },
             "target_fraction_of_sync_final": TARGET_FRACTION,
             "order": order,
         },
         "summary": summary,
+        "goal_straggler_time_to_target": goal,
         "runs": records,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
