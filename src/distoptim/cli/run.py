@@ -10,10 +10,12 @@ loopback port, and the environment torchrun would give each rank
 (:func:`distoptim.launch.torchrun_env`): the same code path as a torchrun job, so the two
 cannot drift apart.
 
-Under torchrun (multi-node), one process per rank::
+Under torchrun (multi-node), one process per rank; on node n, address HOSTn (``is_host=true``
+on node 0 only; ``docs/multinode.md`` says why each flag is needed)::
 
-    torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST0:29500 \\
-        -m distoptim.cli.train --algo sync --epochs 30 --out results/
+    GLOO_SOCKET_IFNAME=eth0 TP_SOCKET_IFNAME=eth0 torchrun --nnodes 2 --nproc-per-node 4 \\
+        --rdzv-backend c10d --rdzv-endpoint HOST0:29500 --rdzv-conf is_host=true \\
+        --local-addr HOSTn -m distoptim.cli.train --algo sync --epochs 30 --out results/
 
 With a ``server`` algorithm the first ``--num-ps`` ranks are parameter-server shards and the
 rest are workers (8 processes, ``--num-ps 1``: 7 workers); the chief (the first worker) writes
