@@ -1,10 +1,13 @@
 """``python -m distoptim.cli.train``: one rank of a torchrun job, or ``distoptim train``.
 
 Under torchrun (``RANK`` and ``WORLD_SIZE`` set) this process runs one rank of the training
-(:func:`distoptim.cli.main.torchrun_train`); otherwise it is the same as ``distoptim train``::
+(:func:`distoptim.cli.main.torchrun_train`); otherwise it is the same as ``distoptim train``.
+On node n, address HOSTn (``is_host=true`` on node 0 only; ``docs/multinode.md`` says why each
+flag is needed)::
 
-    torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST0:29500 \\
-        -m distoptim.cli.train --algo sync --epochs 30 --out results/
+    GLOO_SOCKET_IFNAME=eth0 TP_SOCKET_IFNAME=eth0 torchrun --nnodes 2 --nproc-per-node 4 \\
+        --rdzv-backend c10d --rdzv-endpoint HOST0:29500 --rdzv-conf is_host=true \\
+        --local-addr HOSTn -m distoptim.cli.train --algo sync --epochs 30 --out results/
 """
 
 from __future__ import annotations
