@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distoptim import CrossShardOptimizer, DesyncError
+from distoptim import cross_shard_sharding as sharding
 from distoptim.cross_shard_sharding import ELEMENTWISE_OPTIMIZERS, elementwise
 from distoptim.launch import spawn
 
@@ -141,9 +142,13 @@ def _train(
 
 
 def _pair(
-    make: Make, rows: torch.Tensor, world: int, **kwargs: Any
+    make: Make, rows: torch.Tensor, world: int, native: bool = False, **kwargs: Any
 ) -> tuple[tuple[torch.Tensor, dict], tuple[torch.Tensor, dict], CrossShardOptimizer]:
-    """The same training unsharded and sharded: (params, state dict) of each, and the sharded."""
+    """The same training unsharded and sharded: (params, state dict) of each, and the sharded.
+
+    ``native``: the sharded run uses the backend's reduce-scatter even on gloo (where an
+    in-place all-reduce stands in for it by default).
+    """
     x, y = _data(world)
     out = []
     for shard in (False, True):
@@ -154,6 +159,8 @@ def _pair(
             kwargs if shard else {k: v for k, v in kwargs.items() if k != "gradient_as_bucket_view"}
         )
         opt = CrossShardOptimizer(make(_groups(model)), shard_optimizer_state=shard, **mine)
+        if shard and native:
+            opt._scatter.via_all_reduce = False
         _train(opt, model, x[:, rows], y[:, rows])
         out.append((_flat(model), opt.state_dict(), opt))
         opt.remove_hooks()
@@ -192,10 +199,14 @@ def _optimizers(rank: int, world: int, out: dict[str, Any]) -> None:
         for overlap in (False, True) if name in ("SGD", "Adam") else (False,):
             (pa, sa), (pb, sb), opt = _pair(make, rows, world, overlap=overlap)
             out[f"opt/{name}/{overlap}"] = (torch.equal(pa, pb), _same_state(sa, sb))
-    # one bucket per parameter with views and overlap; a tiny cap splits parameters over ranks
-    for kwargs in ({"gradient_as_bucket_view": True, "overlap": True}, {"bucket_cap_mb": 1e-4}):
-        (pa, sa), (pb, sb), opt = _pair(OPTIMIZERS["Adam"], rows, world, **kwargs)
-        key = "views" if "overlap" in kwargs else "tiny_buckets"
+    # with views and overlap (on gloo's reduce-scatter too); a tiny cap splits parameters
+    for key, native, kwargs in (
+        ("views", False, {"gradient_as_bucket_view": True, "overlap": True}),
+        ("views_native", True, {"gradient_as_bucket_view": True, "overlap": True}),
+        ("native", True, {}),
+        ("tiny_buckets", False, {"bucket_cap_mb": 1e-4}),
+    ):
+        (pa, sa), (pb, sb), opt = _pair(OPTIMIZERS["Adam"], rows, world, native, **kwargs)
         out[f"opt/{key}"] = (torch.equal(pa, pb), _same_state(sa, sb))
         if key == "tiny_buckets":
             out["tiny_buckets/split_params"] = any(
@@ -209,17 +220,19 @@ def _memory_and_bytes(rank: int, world: int, out: dict[str, Any]) -> None:
     rows = _rows(rank)
     x, y = _data(world)
     stats = {}
-    for shard in (False, True):
+    for shard in (False, True, "native"):
         model = _mlp().double()
         opt = CrossShardOptimizer(
-            torch.optim.Adam(model.parameters(), lr=0.05), shard_optimizer_state=shard
+            torch.optim.Adam(model.parameters(), lr=0.05), shard_optimizer_state=bool(shard)
         )
+        if shard == "native":
+            opt._scatter.via_all_reduce = False
         for k in range(2):
             opt.zero_grad()
             F.mse_loss(model(x[k, rows]), y[k, rows]).backward()
             opt.step()
         stats[shard] = opt.comm_stats.as_dict()
-        if shard:
+        if shard is True:
             bucket_bytes = max(b.padded for b in opt.bucket_plan.buckets) * 8
             out["memory"] = (opt._sharded.state_bytes(), bucket_bytes)
             out["flat_params"] = all(
@@ -230,7 +243,7 @@ def _memory_and_bytes(rank: int, world: int, out: dict[str, Any]) -> None:
             # the gathered slot is the whole state, equal on every rank
             slot = opt.get_slot(model[0].weight, "exp_avg")
             out["slot_equal_everywhere"] = all(torch.equal(s, slot) for s in _gather(slot))
-        else:
+        elif shard is False:
             full = sum(
                 v.numel() * v.element_size()
                 for s in opt.wrapped.state.values()
@@ -238,7 +251,7 @@ def _memory_and_bytes(rank: int, world: int, out: dict[str, Any]) -> None:
                 if torch.is_tensor(v) and v.dim() > 0
             )
             out["memory_unsharded"] = full
-    out["bytes"] = (stats[False]["bytes_sent"], stats[True]["bytes_sent"])
+    out["bytes"] = tuple(stats[k]["bytes_sent"] for k in (False, True, "native"))
 
 
 def _presence_and_replans(rank: int, world: int, out: dict[str, Any]) -> None:
@@ -420,10 +433,12 @@ def test_state_is_sharded_and_the_wire_carries_one_all_reduce(
         assert mine < 0.6 * out["memory_unsharded"]
         assert out["flat_params"]
         assert out["slot_equal_everywhere"]
-        unsharded, sharded = out["bytes"]
-        # reduce-scatter + all-gather == all-reduce of the gradients; the flags and words travel
-        # in float32 (in the float64 buckets without sharding)
-        assert 0.8 * unsharded <= sharded <= unsharded
+        unsharded, gloo, native = out["bytes"]
+        # reduce-scatter + all-gather == all-reduce of the gradients (the flags and words
+        # travel in float32, in the float64 buckets without sharding); on gloo an all-reduce
+        # stands in for the reduce-scatter: 1.5x
+        assert 0.8 * unsharded <= native <= unsharded
+        assert 1.2 * unsharded <= gloo <= 1.5 * unsharded
 
 
 @pytest.mark.slow
@@ -492,6 +507,25 @@ def test_one_shard_equals_the_plain_optimizer(name: str) -> None:
         sd | {"param_groups": plain.state_dict()["param_groups"]}, plain.state_dict()
     )
     assert opt.get_slot(model[4].weight, "exp_avg") is None  # never updated
+
+
+def test_segments_are_cut_at_the_size_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sharding, "SEGMENT_ELEMENTS", 7)
+    x, y = _data(1)
+    plain_model, model = _mlp().double(), _mlp().double()
+    plain = torch.optim.Adam(plain_model.parameters(), lr=0.05)
+    opt = _one_shard(torch.optim.Adam(model.parameters(), lr=0.05))
+    for k in range(STEPS):
+        for o, m in ((plain, plain_model), (opt, model)):
+            o.zero_grad()
+            F.mse_loss(m(x[k]), y[k]).backward()
+            o.step()
+    assert torch.equal(_flat(plain_model), _flat(model))
+    segments = opt._sharded.segments
+    assert max(seg.param.numel() for seg in segments) == 7
+    assert sum(seg.param.numel() for seg in segments) == sum(p.numel() for p in model.parameters())
+    assert _same_state(opt.state_dict() | {"param_groups": plain.state_dict()["param_groups"]},
+                       plain.state_dict())  # fmt: skip
 
 
 def test_segments_merge_per_group_and_split_where_presence_differs() -> None:

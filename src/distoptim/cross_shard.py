@@ -316,13 +316,21 @@ class CrossShardOptimizer(WrappedOptimizer):
         self._num_shards = num_shards
         self._stats = CommStats()
         self._reducer = BucketAllReduce(group, num_shards, wire, self._stats)
-        self._scatter = BucketReduceScatter(group, num_shards, wire, self._stats)
         self._codec: GuardCodec | None = None
         self._group_rank = 0
         if num_shards > 1:
             ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
             self._group_rank = dist.get_rank(group)
             self._codec = GuardCodec(num_shards, self._group_rank, ranks)
+        # gloo's reduce-scatter costs more than an all-reduce (time and a full-size temporary)
+        self._scatter = BucketReduceScatter(
+            group,
+            num_shards,
+            wire,
+            self._stats,
+            rank=self._group_rank,
+            via_all_reduce=num_shards > 1 and dist.get_backend(group) == "gloo",
+        )
         self._options = {
             "reduction": red.value,
             "cap": (int(self.bucket_cap_mb * _MIB), overlap),
@@ -633,13 +641,18 @@ class CrossShardOptimizer(WrappedOptimizer):
         With bucket views those buffers *are* ``.grad``: the round packs nothing (and an
         all-reduce round reduces in place, see :meth:`_in_place`) -- except with overlap, where
         user code runs while the round is in flight: its all-reduces then work on a copy in
-        the spare buffers. ``fresh``: new buffers.
+        the spare buffers, as do sharded rounds whose reduce-scatter is an all-reduce (gloo).
+        ``fresh``: new buffers.
         """
         views = self._views is not None and self._views.plan is plan
         buffer_of = Bucket.persistent_buffer
         if fresh:
             buffer_of = Bucket.new_buffer
-        elif views and self.overlap and not self.shard_optimizer_state:
+        elif views and (
+            self._scatter.via_all_reduce  # sharding: this all-reduce would overwrite .grad
+            if self.shard_optimizer_state
+            else self.overlap
+        ):
             buffer_of = Bucket.spare_buffer
         rnd = self._round(
             plan,

@@ -22,7 +22,9 @@ optimizer updates views of them. ``p`` stays the same ``Parameter`` object; its 
 Segments. Rank ``r``'s range of a bucket holds pieces of consecutive parameters
 (:class:`~distoptim.comm.shard.Piece`). Consecutive pieces of the same param group are merged
 into one *segment* -- a flat 1-D view the optimizer sees as one parameter -- as long as their
-per-tensor scalar state agrees (it does for parameters that were always updated together). A
+per-tensor scalar state agrees (it does for parameters that were always updated together) and
+the segment stays under :data:`SEGMENT_ELEMENTS` (a single-tensor optimizer allocates
+temporaries of its parameter's size: Adam two, so a segment bounds that memory). A
 step in which some members of a segment have a gradient and others have none splits it for
 good (slicing its per-element state, copying its scalars): torch skips a parameter without a
 gradient entirely, and so do the pieces of the split. Hence every parameter element follows
@@ -81,6 +83,9 @@ ELEMENTWISE_OPTIMIZERS: frozenset[type[torch.optim.Optimizer]] = frozenset(
 """torch optimizers whose update is element-wise (exactly these classes)."""
 
 _MARK = "_distoptim_elementwise_update"
+
+SEGMENT_ELEMENTS = 1 << 21
+"""Largest segment (elements): 8 MB in float32, so Adam's temporaries stay under 16 MB."""
 
 # Per-tensor scalar state of torch's element-wise optimizers. Only needed to read a 0-dim
 # parameter's saved state, where a per-element value and a scalar have the same shape.
@@ -161,6 +166,26 @@ class _Elements:
     """Per-element state of one piece (a 1-D tensor of the piece's length)."""
 
     tensor: torch.Tensor
+
+
+def _cut(pieces: list[Piece], states: list[State], limit: int) -> tuple[list[Piece], list[State]]:
+    """Pieces of at most ``limit`` elements (longer ones cut, their per-element state too)."""
+    out_pieces: list[Piece] = []
+    out_states: list[State] = []
+    for piece, state in zip(pieces, states):
+        for a in range(piece.start, piece.stop, limit):
+            b = min(a + limit, piece.stop)
+            out_pieces.append(
+                Piece(piece.member, piece.bucket, a, b, piece.first + a - piece.start)
+            )
+            lo, hi = a - piece.start, b - piece.start
+            out_states.append(
+                {
+                    k: _Elements(v.tensor[lo:hi]) if isinstance(v, _Elements) else v
+                    for k, v in state.items()
+                }
+            )
+    return out_pieces, out_states
 
 
 def _copy_scalar(value: Any) -> Any:
@@ -256,9 +281,12 @@ class ShardedUpdate:
         return seg
 
     def _merge(self, pieces: list[Piece], states: list[State]) -> list[_Segment]:
-        """Maximal runs of pieces of one bucket and group whose scalar states agree."""
+        """Maximal runs of pieces of one bucket and group whose scalar states agree, of at
+        most :data:`SEGMENT_ELEMENTS` elements (longer pieces are cut)."""
+        pieces, states = _cut(pieces, states, SEGMENT_ELEMENTS)
         segments: list[_Segment] = []
         run: list[int] = []
+        size = 0
         for k, piece in enumerate(pieces):
             if run:
                 prev = pieces[run[-1]]
@@ -266,11 +294,13 @@ class ShardedUpdate:
                     prev.bucket != piece.bucket
                     or prev.stop != piece.start
                     or self.groups[prev.member] != self.groups[piece.member]
+                    or size + piece.numel > SEGMENT_ELEMENTS
                     or not _same_scalars(states[run[-1]], states[k])
                 ):
                     segments.append(self._make([pieces[j] for j in run], [states[j] for j in run]))
-                    run = []
+                    run, size = [], 0
             run.append(k)
+            size += piece.numel
         if run:
             segments.append(self._make([pieces[j] for j in run], [states[j] for j in run]))
         return segments
