@@ -72,7 +72,7 @@ METHODS = [
 RESULTS = Path(__file__).resolve().parent / "results" / "cross_shard.json"
 
 
-def _model(width: int, depth: int) -> nn.Module:
+def model_of(width: int, depth: int) -> nn.Module:
     torch.manual_seed(0)
     layers: list[nn.Module] = []
     for _ in range(depth):
@@ -83,7 +83,7 @@ def _model(width: int, depth: int) -> nn.Module:
 def _iteration(method: str, case: str, rank: int, world: int) -> tuple[Callable[[], None], Any]:
     """One training iteration of ``method`` on ``case``, as a closure (and its owner)."""
     width, depth, batch = CASES[case]
-    model = _model(width, depth)
+    model = model_of(width, depth)
     g = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(batch, width, generator=g)
     y = torch.randn(batch, width, generator=g)
@@ -118,7 +118,7 @@ def _iteration(method: str, case: str, rank: int, world: int) -> tuple[Callable[
 def _bandwidth(rank: int, world: int, repeats: int) -> dict[str, Any]:
     """Bucketed reduction of 100 tensors (~5M float32) vs one all-reduce of the same bytes."""
     width, depth, _ = CASES["mlp5m"]
-    params = [p.detach().requires_grad_() for p in _model(width, depth).parameters()]
+    params = [p.detach().requires_grad_() for p in model_of(width, depth).parameters()]
     for p in params:
         p.grad = torch.randn_like(p)
     numel = sum(p.numel() for p in params)
@@ -190,12 +190,12 @@ def _bandwidth(rank: int, world: int, repeats: int) -> dict[str, Any]:
             codec.read(plan.buckets[-1].trailer_of(buffers[-1]))
 
         fns[name] = in_place
-    times = _round_robin(fns, warmup=2, repeats=repeats)
+    times = round_robin(fns, warmup=2, repeats=repeats)
     out: dict[str, Any] = {"bytes": numel * 4, "tensors": len(params)}
     out["paired_ratio_vs_single"] = {
-        k: _paired(times, "single_all_reduce", k) for k in fns if k != "single_all_reduce"
+        k: paired(times, "single_all_reduce", k) for k in fns if k != "single_all_reduce"
     }
-    out["paired_ratio_words_vs_none"] = _paired(times, "bucketed_cap25mb_words", "bucketed_cap25mb")
+    out["paired_ratio_words_vs_none"] = paired(times, "bucketed_cap25mb_words", "bucketed_cap25mb")
     for name, ts in times.items():
         med = statistics.median(ts)
         out[name] = {"median_s": med, "GB_per_s": numel * 4 / med / 1e9, "samples": len(ts)}
@@ -206,7 +206,7 @@ def _bandwidth(rank: int, world: int, repeats: int) -> dict[str, Any]:
     return out
 
 
-def _round_robin(
+def round_robin(
     fns: dict[str, Callable[[], None]], warmup: int, repeats: int
 ) -> dict[str, list[float]]:
     """One sample of every fn per repeat, in a shuffled order; slowest rank per sample.
@@ -233,7 +233,7 @@ def _round_robin(
     return times
 
 
-def _paired(times: dict[str, list[float]], a: str, b: str) -> float:
+def paired(times: dict[str, list[float]], a: str, b: str) -> float:
     """Median over repeats of ``time_a / time_b`` (samples taken side by side)."""
     return statistics.median(x / y for x, y in zip(times[a], times[b]))
 
@@ -243,25 +243,25 @@ def _bench(rank: int, world: int, repeats: int) -> dict[str, Any]:
     out: dict[str, Any] = {"cases": {}}
     for case in CASES:
         runs = {m: _iteration(m, case, rank, world) for m in METHODS}
-        times = _round_robin({m: r[0] for m, r in runs.items()}, 3, repeats)
+        times = round_robin({m: r[0] for m, r in runs.items()}, 3, repeats)
         n_params = sum(p.numel() for p in runs["local"][1][0].parameters())
         n_tensors = len(list(runs["local"][1][0].parameters()))
         case_out: dict[str, Any] = {"params": n_params, "tensors": n_tensors, "methods": {}}
         for m, ts in times.items():
             case_out["methods"][m] = {"median_s": statistics.median(ts), "samples": len(ts)}
         case_out["paired_ratios"] = {
-            "guard_on_vs_off": _paired(times, "cross_shard", "cross_shard_noguard"),
-            "guard_on_vs_off_overlap": _paired(
+            "guard_on_vs_off": paired(times, "cross_shard", "cross_shard_noguard"),
+            "guard_on_vs_off_overlap": paired(
                 times, "cross_shard_overlap", "cross_shard_overlap_noguard"
             ),
-            "cross_shard_vs_ddp": _paired(times, "cross_shard", "ddp"),
-            "cross_shard_noguard_vs_ddp": _paired(times, "cross_shard_noguard", "ddp"),
-            "cross_shard_overlap_vs_ddp": _paired(times, "cross_shard_overlap", "ddp"),
-            "cross_shard_views_vs_ddp": _paired(times, "cross_shard_views", "ddp"),
-            "cross_shard_views_overlap_vs_ddp": _paired(times, "cross_shard_views_overlap", "ddp"),
-            "views_vs_cross_shard": _paired(times, "cross_shard_views", "cross_shard"),
-            "naive_vs_cross_shard": _paired(times, "naive", "cross_shard"),
-            "naive_vs_cross_shard_overlap": _paired(times, "naive", "cross_shard_overlap"),
+            "cross_shard_vs_ddp": paired(times, "cross_shard", "ddp"),
+            "cross_shard_noguard_vs_ddp": paired(times, "cross_shard_noguard", "ddp"),
+            "cross_shard_overlap_vs_ddp": paired(times, "cross_shard_overlap", "ddp"),
+            "cross_shard_views_vs_ddp": paired(times, "cross_shard_views", "ddp"),
+            "cross_shard_views_overlap_vs_ddp": paired(times, "cross_shard_views_overlap", "ddp"),
+            "views_vs_cross_shard": paired(times, "cross_shard_views", "cross_shard"),
+            "naive_vs_cross_shard": paired(times, "naive", "cross_shard"),
+            "naive_vs_cross_shard_overlap": paired(times, "naive", "cross_shard_overlap"),
         }
         cs = runs["cross_shard"][1][1].comm_stats
         case_out["cross_shard_collectives_per_step"] = (cs.collectives - 1) / (

@@ -1,0 +1,259 @@
+"""Benchmark: weight-update sharding vs DDP + Adam vs ZeroRedundancyOptimizer, 2 gloo ranks.
+
+Same models as ``benchmarks/cross_shard.py`` (``mlp5m``: 5.0M parameters in 100 tensors;
+``small500``: 264k parameters in 500 tensors), the same data and the same inner optimizer
+(``torch.optim.Adam``, torch's defaults) for every contender, side by side in one run: the
+contenders are interleaved round-robin in a shuffled order per repeat, so a change of machine
+load hits all of them alike; ratios are medians of per-repeat (paired) ratios. A timed
+iteration is ``zero_grad -> forward -> backward -> step``; its time is the slowest rank's.
+
+Contenders:
+* ``ddp``            -- ``DistributedDataParallel`` + Adam (every rank updates everything);
+* ``zero``           -- DDP + ``torch.distributed.optim.ZeroRedundancyOptimizer(Adam)``
+  (whole parameters partitioned between ranks, owners broadcast them);
+* ``zero_bucketview`` -- the same with ``parameters_as_bucket_view=True``;
+* ``cross_shard``    -- ``CrossShardOptimizer(Adam)`` (all-reduce, every rank updates all);
+* ``sharded``        -- ``CrossShardOptimizer(Adam, shard_optimizer_state=True)``;
+* ``sharded_views``  -- the same with ``gradient_as_bucket_view=True``.
+
+Memory, per contender, in a process of its own (so high-water marks do not mix): the
+optimizer state bytes this rank holds, and the peak resident memory of the process above its
+resident size before the model was built -- over the first three steps (``first_steps``:
+includes one-time work such as moving the parameters into flat buffers) and, after resetting
+the high-water mark (``/proc/self/clear_refs``), over three more (``steady``). glibc's malloc
+runs with a fixed mmap threshold there (``MALLOC_MMAP_THRESHOLD_``), so freed tensors leave
+the resident set and it tracks live memory.
+
+Run::
+
+    python benchmarks/zero.py               # a few minutes on 2 quiet cores
+    python benchmarks/zero.py --quick       # a smoke run
+    python benchmarks/zero.py --foreach     # every contender with Adam(foreach=True)
+
+Prints medians and ratios; writes ``benchmarks/results/zero.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from cross_shard import CASES, model_of, paired, round_robin
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from distoptim import CrossShardOptimizer
+from distoptim.launch import spawn
+
+METHODS = ["ddp", "zero", "zero_bucketview", "cross_shard", "sharded", "sharded_views"]
+RESULTS = Path(__file__).resolve().parent / "results" / "zero.json"
+_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_ARENA_MAX": "2"}
+
+
+def _adam(foreach: bool) -> dict[str, Any]:
+    return {"lr": 1e-3, "foreach": True} if foreach else {"lr": 1e-3}
+
+
+def _contender(
+    method: str, case: str, rank: int, foreach: bool
+) -> tuple[Callable[[], None], nn.Module, Any]:
+    """One training iteration of ``method`` on ``case`` (closure), its model and optimizer."""
+    width, depth, batch = CASES[case]
+    model = model_of(width, depth)
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(batch, width, generator=g)
+    y = torch.randn(batch, width, generator=g)
+    kwargs = _adam(foreach)
+    net: nn.Module = model
+    if method == "ddp":
+        net = DDP(model)
+        opt: Any = torch.optim.Adam(net.parameters(), **kwargs)
+    elif method.startswith("zero"):
+        net = DDP(model)
+        opt = ZeroRedundancyOptimizer(
+            net.parameters(),
+            optimizer_class=torch.optim.Adam,
+            parameters_as_bucket_view=method == "zero_bucketview",
+            **kwargs,
+        )
+    else:
+        opt = CrossShardOptimizer(
+            torch.optim.Adam(model.parameters(), **kwargs),
+            shard_optimizer_state=method.startswith("sharded"),
+            gradient_as_bucket_view=method.endswith("views"),
+        )
+
+    def run() -> None:
+        opt.zero_grad()
+        F.mse_loss(net(x), y).backward()
+        opt.step()
+
+    return run, model, opt
+
+
+def state_bytes(method: str, opt: Any) -> int:
+    """Optimizer state bytes this rank holds (tensors of one or more dimensions: moments)."""
+    if method.startswith("sharded"):
+        return opt._sharded.state_bytes()
+    inner = opt.optim if method.startswith("zero") else getattr(opt, "wrapped", opt)
+    return sum(
+        v.numel() * v.element_size()
+        for s in inner.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    )
+
+
+def _timing(rank: int, world: int, repeats: int, foreach: bool) -> dict[str, Any]:
+    torch.set_flush_denormal(True)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    out: dict[str, Any] = {}
+    for case in CASES:
+        runs = {m: _contender(m, case, rank, foreach) for m in METHODS}
+        times = round_robin({m: r[0] for m, r in runs.items()}, 3, repeats)
+        model = runs["ddp"][1]
+        params = list(model.parameters())
+        # every contender trained the same steps from the same start: the same parameters
+        reference = torch.cat([p.detach().reshape(-1) for p in params])
+        drift = {
+            m: (torch.cat([p.detach().reshape(-1) for p in r[1].parameters()]) - reference)
+            .abs()
+            .max()
+            .item()
+            for m, r in runs.items()
+        }
+        out[case] = {
+            "params": sum(p.numel() for p in params),
+            "tensors": len(params),
+            "median_s": {m: statistics.median(ts) for m, ts in times.items()},
+            "samples": len(times["ddp"]),
+            "paired_vs_ddp": {m: paired(times, m, "ddp") for m in METHODS if m != "ddp"},
+            "paired_sharded_vs": {
+                m: paired(times, "sharded", m) for m in METHODS if m != "sharded"
+            },
+            "paired_sharded_views_vs": {
+                m: paired(times, "sharded_views", m) for m in METHODS if m != "sharded_views"
+            },
+            "state_bytes": {m: state_bytes(m, r[2]) for m, r in runs.items()},
+            "max_abs_param_difference_vs_ddp": drift,
+        }
+    return out
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _memory(rank: int, world: int, method: str, case: str, foreach: bool) -> dict[str, int]:
+    """Peak-RSS growth of this process over steps of ``method`` alone (see the docstring)."""
+    warnings.filterwarnings("ignore", category=UserWarning)
+    before = _rss_bytes()
+    run, _, opt = _contender(method, case, rank, foreach)
+    for _ in range(3):
+        run()
+    first = _peak_rss_bytes() - before
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the high-water mark to the current resident size
+    for _ in range(3):
+        run()
+    return {
+        "peak_rss_growth_first_steps_bytes": first,
+        "peak_rss_growth_steady_bytes": _peak_rss_bytes() - before,
+        "state_bytes": state_bytes(method, opt),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=40, help="samples per contender")
+    parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    parser.add_argument("--foreach", action="store_true", help="Adam(foreach=True) everywhere")
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory processes")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON goes")
+    parser.add_argument("--no-save", action="store_true", help="do not write the JSON")
+    args = parser.parse_args()
+    repeats = 4 if args.quick else args.repeats
+    load_before = os.getloadavg()
+    t0 = time.perf_counter()
+    result: dict[str, Any] = {
+        "cases": spawn(_timing, 2, args=(repeats, args.foreach), timeout=1800)[0]
+    }
+    if not args.no_memory:
+        saved = {k: os.environ.get(k) for k in _MALLOC}
+        os.environ.update(_MALLOC)  # read by each memory process's malloc at start-up
+        try:
+            for case in CASES:
+                result["cases"][case]["memory"] = {
+                    m: spawn(_memory, 2, args=(m, case, args.foreach), timeout=300)[0]
+                    for m in METHODS
+                }
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+    result["machine"] = {
+        "cpus": os.cpu_count(),
+        "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "ranks": 2,
+        "backend": "gloo (loopback)",
+        "note": "shared 2-core machine; other jobs may have run at the same time",
+    }
+    result["wall_s"] = time.perf_counter() - t0
+    result["settings"] = {"repeats": repeats, "adam": _adam(args.foreach)}
+    result["command"] = (
+        "python benchmarks/zero.py"
+        + (" --quick" if args.quick else "")
+        + (" --foreach" if args.foreach else "")
+    )
+    for case, c in result["cases"].items():
+        print(f"\n{case}: {c['params']:,} params in {c['tensors']} tensors, Adam")
+        print(
+            f"  {'method':<18}{'median ms':>10}{'x DDP':>8}{'state MB':>10}"
+            f"{'peak MB (first, steady)':>25}"
+        )
+        for m in METHODS:
+            ratio = 1.0 if m == "ddp" else c["paired_vs_ddp"][m]
+            mem = c.get("memory", {}).get(m, {})
+            first = mem.get("peak_rss_growth_first_steps_bytes", float("nan")) / 1e6
+            steady = mem.get("peak_rss_growth_steady_bytes", float("nan")) / 1e6
+            print(
+                f"  {m:<18}{c['median_s'][m] * 1e3:10.2f}{ratio:8.2f}"
+                f"{c['state_bytes'][m] / 1e6:10.2f}{first:14.1f}{steady:11.1f}"
+            )
+        print("  sharded vs:", {k: round(v, 3) for k, v in c["paired_sharded_vs"].items()})
+    print(f"\nload average before/after: {load_before} / {result['machine']['loadavg_after']}")
+    print(f"wall time {result['wall_s']:.0f} s")
+    if not args.no_save:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"saved {args.out}")
+
+
+if __name__ == "__main__":
+    main()
