@@ -29,8 +29,11 @@ Run::
     python benchmarks/agn.py --quick           # a smoke run
     python benchmarks/agn.py --only round_trip --reps 30
 
-Prints medians and paired ratios; writes ``benchmarks/results/agn.json`` (with the machine's
-load average at start and end: on a shared 2-core machine the figures move with the load).
+Prints medians and paired ratios; writes ``benchmarks/results/agn.json`` with the machine's
+load average at the start and end of each section (on a shared 2-core machine the figures move
+with the load); ``--only`` updates its sections and keeps the others. The round trip runs three
+configurations: 1 and 2 shards with p2p's shared-memory segments (same machine), and 1 shard with
+p2p's buffers on the gloo pair (``DISTOPTIM_AGN_SHM=0``: what p2p does across machines).
 """
 
 from __future__ import annotations
@@ -145,10 +148,13 @@ def _dual_main(num_ps: int, mode: str, args: tuple[Any, ...]) -> Any:
         rpc_t.close()
 
 
-def _run_dual(num_worker: int, num_ps: int, mode: str, args: tuple[Any, ...]) -> list[Any]:
+def _run_dual(
+    num_worker: int, num_ps: int, mode: str, args: tuple[Any, ...], shm: bool = True
+) -> list[Any]:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     world = num_ps + num_worker
     env = {"TORCH_CPP_LOG_LEVEL": "ERROR"}  # rpc's shut-down without a barrier logs per pipe
+    env["DISTOPTIM_AGN_SHM"] = "1" if shm else "0"  # 0: p2p buffers on the gloo pair
     outcomes = run_processes(
         _dual_main,
         [(num_ps, mode, args)] * world,
@@ -407,33 +413,40 @@ def main() -> None:
     reps = args.reps or (5 if args.quick else 20)
     seconds = args.seconds or (2.0 if args.quick else 5.0)
     trials = args.trials or (1 if args.quick else 6)
-    results: dict[str, Any] = {
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "torch": torch.__version__,
-            "loadavg_start": _load(),
-        },
-        "model": "MLP 784-1000-2000-1000-10 (float32, 4,798,010 parameters)",
+    out_path = Path(args.out)
+    results: dict[str, Any] = {}
+    if args.only and out_path.exists():  # keep the other sections of the last full run
+        results = json.loads(out_path.read_text())
+    results["machine"] = {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
     }
+    results["model"] = "MLP 784-1000-2000-1000-10 (float32, 4,798,010 parameters)"
+    loads = results.setdefault("loadavg", {})
     if "passes" in sections:
+        start = _load()
         print("passes over the 19.2 MB payload, one thread, medians:", flush=True)
         results["passes_ms"] = _passes(max(5, reps))
         for k, v in results["passes_ms"].items():
             print(f"  {k:32s} {v:7.2f} ms", flush=True)
+        loads["passes"] = {"start": start, "end": _load()}
 
     if "round_trip" in sections:
+        start = _load()
         print(f"round trip, {reps} reps, shuffled per rep:", flush=True)
         rt: dict[str, Any] = {}
-        for num_ps in (1, 2):
-            out = _run_dual(1, num_ps, "round_trip", (reps,))[0]
+        for num_ps, shm in ((1, True), (2, True), (1, False)):
+            key = f"{num_ps}ps" if shm else f"{num_ps}ps_pair"
+            out = _run_dual(1, num_ps, "round_trip", (reps,), shm=shm)[0]
             t = out["times"]
             med = {k: _median_ms(v) for k, v in t.items()}
 
             def pair(a: str, b: str, t: dict[str, list[float]] = t) -> float:
                 return statistics.median(x / y for x, y in zip(t[a], t[b]))
 
-            rt[f"{num_ps}ps"] = {
+            rt[key] = {
+                "p2p_buffers": "shared memory" if shm else "gloo pair (as across machines)",
                 "median_ms": med,
                 "min_ms": {k: 1e3 * min(v) for k, v in t.items()},
                 "p2p_commit_over_p2p_echo": pair("p2p_commit", "p2p_echo"),
@@ -441,9 +454,10 @@ def main() -> None:
                 "p2p_commit_over_rpc_commit": pair("p2p_commit", "rpc_commit"),
                 "p2p_echo_over_rpc_echo": pair("p2p_echo", "rpc_echo"),
             }
-            r = rt[f"{num_ps}ps"]
+            r = rt[key]
             print(
-                f"  {num_ps} shard(s): p2p commit {med['p2p_commit']:.1f} ms, p2p echo "
+                f"  {num_ps} shard(s), p2p {r['p2p_buffers']}: p2p commit "
+                f"{med['p2p_commit']:.1f} ms, p2p echo "
                 f"{med['p2p_echo']:.1f}, rpc commit {med['rpc_commit']:.1f}, rpc echo "
                 f"{med['rpc_echo']:.1f}; paired: p2p commit/echo "
                 f"{r['p2p_commit_over_p2p_echo']:.2f}x (target <= 1.2), p2p/rpc commit "
@@ -453,8 +467,10 @@ def main() -> None:
             )
             results["params"] = out["params"]
         results["round_trip"] = rt
+        loads["round_trip"] = {"start": start, "end": _load()}
 
     if "throughput" in sections:
+        start = _load()
         print(f"commits/s, phases of {seconds:g} s (p2p, rpc, rpc, p2p):", flush=True)
         tp: dict[str, Any] = {}
         for w in (1, 2, 4):
@@ -477,15 +493,18 @@ def main() -> None:
                 flush=True,
             )
         results["commits_per_s"] = tp
+        loads["throughput"] = {"start": start, "end": _load()}
 
     if "faults" in sections:
+        start = _load()
         print("faults (p2p):", flush=True)
         results["faults"] = _faults(trials)
+        loads["faults"] = {"start": start, "end": _load()}
 
-    results["machine"]["loadavg_end"] = _load()
-    print(f"load average: start {results['machine']['loadavg_start']}, end {_load()}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2, default=str) + "\n")
+    for name in sections:
+        print(f"load average during {name}: {loads[name]['start']} -> {loads[name]['end']}")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(results, indent=2, default=str) + "\n")
     print(f"wrote {args.out}")
 
 

@@ -504,3 +504,27 @@ def test_shard_link_is_the_public_extension_point():
     assert torch.equal(p[1].detach(), torch.tensor([4.0, 5.0, 6.0]))
     assert torch.equal(link.local()["float32"], torch.arange(7.0))
     assert link.reply_buffers() is link.reply_buffers()
+
+
+def test_a_late_worker_that_never_comes_up_is_counted_dead_after_its_start_up_bound():
+    """A shard in this process (p2p: no other process needed to serve): one expected worker
+    finishes, a late one reserves its index and never connects."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    cluster = Cluster(
+        rank=0,
+        world_size=2,
+        num_ps=1,
+        master_addr="127.0.0.1",
+        master_port=store.port,
+        rpc_timeout=0.2,
+        probe_period_s=0.05,
+    )
+    try:
+        cluster.store.set("worker/0/end", "finished")
+        assert cluster.store.add("late", 1) == 1  # task 1 reserved, never up
+        report = cluster.serve(timeout=10)
+    finally:
+        cluster.shutdown()
+    assert report.finished_workers == [0] and report.dead_workers == [1]

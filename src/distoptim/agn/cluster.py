@@ -359,6 +359,7 @@ class Cluster:
         self.transport_name = kind
         self._closed = False
         self._server: ParameterServer | None = None
+        self._late_seen: dict[int, float] = {}  # late task -> when this shard first saw it
         self.namespace = _namespace()
         self._root = dist.TCPStore(
             master_addr, master_port, is_master=False, timeout=timedelta(seconds=self.rpc_timeout)
@@ -577,12 +578,22 @@ class Cluster:
         return self.num_worker + int(self._store.add("late", 0))
 
     def _gone(self, pending: list[int]) -> Mapping[int, str]:
-        """Which pending workers are known to have ended, and how."""
+        """Which pending workers are known to have ended, and how.
+
+        A late worker that reserved its task index but never came up within twice
+        ``rpc_timeout`` of this shard first seeing it (its own start-up bound) died joining:
+        nobody else would tell (a late job has no launcher watching it for the cluster).
+        """
         news = {t: "dead" for t in self.transport.gone(pending)}
+        now = time.monotonic()
         for t in pending:
             key = f"worker/{t}/end"
             if self._store.check([key]):
                 news[t] = self._store.get(key).decode()
+            elif t >= self.num_worker and not self._store.check([f"worker/{t}/up"]):
+                first = self._late_seen.setdefault(t, now)
+                if now - first > 2 * self.rpc_timeout:
+                    news[t] = "dead"
         return news
 
     def serve(self, timeout: float | None = None) -> ShardReport:
