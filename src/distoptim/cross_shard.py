@@ -826,12 +826,15 @@ class CrossShardOptimizer(WrappedOptimizer):
             for bucket, buffer in zip(rnd.plan.buckets, buffers):
                 bucket.persistent_buffer()[: bucket.numel].copy_(buffer[: bucket.numel])
         present = rnd.present(buffers)
-        views.adopt([i for i, here in enumerate(present) if here])
-        shown = {id(p) for p, here in zip(rnd.plan.params, present) if here}
-        hidden = [p for p in self._all_params() if p.grad is not None and id(p) not in shown]
+        views.hold_reduced(present)
+        params = self._all_params()
+        hidden: list[torch.Tensor] = []
+        if not all(present) or len(params) != len(rnd.plan.params):
+            shown = {id(p) for p, here in zip(rnd.plan.params, present) if here}
+            hidden = [p for p in params if p.grad is not None and id(p) not in shown]
         with swapped_grads(hidden, []):
             self._wrapped.step()
-        views.settle(present, self._divisor() / self._num_shards)
+        views.rescale(self._divisor() / self._num_shards)
 
     def _new_step(self) -> None:
         self._counter.reset()

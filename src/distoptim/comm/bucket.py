@@ -171,21 +171,24 @@ class Bucket:
         padding is zeroed; the input tensors are only read.
         """
         views = self.views(buffer)
-        slots = views
+        home = buffer
         if source is not None and source is not buffer:
             buffer[: self.numel].copy_(source[: self.numel])
-            slots = self.views(source)
+            home = source
+        slots = self.views(home)
+        # gradients are usually this bucket's own aliases: an identity check is enough
+        aliases = self._aliases if home is self._buffer else None
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
         absent: list[torch.Tensor] = []
         present: list[float] = []
-        for view, slot, grad in zip(views, slots, grads):
+        for k, (view, grad) in enumerate(zip(views, grads)):
             if grad is None:
                 absent.append(view)
                 present.append(0.0)
             else:
                 present.append(1.0)
-                if not _in_slot(grad, slot):
+                if (aliases is None or grad is not aliases[k]) and not _in_slot(grad, slots[k]):
                     dst.append(view)
                     src.append(grad.to_dense() if grad.is_sparse else grad)
         if dst:

@@ -74,8 +74,15 @@ class GradViews:
 
     def grads(self, bucket: Bucket) -> list[torch.Tensor | None]:
         """What to pack for ``bucket``'s members: ``.grad`` if present, None if absent."""
-        params = self.plan.params
-        return [params[i].grad if self._present(i) else None for i in bucket.members]
+        params, aliases, sticky, clean = self.plan.params, self.aliases, self._sticky, self._clean
+        out: list[torch.Tensor | None] = []
+        for i in bucket.members:
+            g = params[i].grad
+            if g is None or (g is aliases[i] and not sticky[i] and g._version == clean[i]):
+                out.append(None)
+            else:
+                out.append(g)
+        return out
 
     # ---- zero_grad -----------------------------------------------------------------------
     def zero(self, set_to_none: bool) -> None:
@@ -90,10 +97,10 @@ class GradViews:
         for bucket in self.plan.buckets:
             if bucket.numel:
                 bucket.persistent_buffer()[: bucket.numel].zero_()
-        for i, (p, alias) in enumerate(zip(params, self.aliases)):
+        for p, alias in zip(params, self.aliases):
             if p.grad is not alias:
                 p.grad = alias
-            self._clean[i] = alias._version
+        self._clean = [alias._version for alias in self.aliases]
         self._sticky = sticky
 
     # ---- after a round -------------------------------------------------------------------
@@ -119,21 +126,29 @@ class GradViews:
             if p.grad is not None and p.grad is not a
         ]
 
-    def settle(self, present: Sequence[bool], factor: float) -> None:
-        """After an in-place round: slots hold ``R``; make them the replica mean ``R * factor``.
+    def hold_reduced(self, present: Sequence[bool]) -> None:
+        """After an in-place round: ``.grad`` of the members is their slot, which holds a
+        reduced gradient where ``present`` (per member, agreed by every rank) -- those count as
+        present until the next zeroing -- and zeros elsewhere."""
+        params, sticky, clean = self.plan.params, self._sticky, self._clean
+        for i, (p, alias, here) in enumerate(zip(params, self.aliases, present)):
+            if p.grad is not alias:
+                p.grad = alias
+            sticky[i] = bool(here)
+            if not here:
+                clean[i] = alias._version
 
-        ``present`` (per member, agreed by every rank) says which slots hold a reduced
-        gradient; those count as present until the next zeroing. ``factor = d / n``.
-        """
+    def rescale(self, factor: float) -> None:
+        """Slots holding ``R`` become the replica mean ``R * factor`` (``factor = d / n``)."""
         if factor != 1:
             for bucket in self.plan.buckets:
                 if bucket.numel:
                     bucket.persistent_buffer()[: bucket.numel].mul_(factor)
-        self.adopt([i for i, here in enumerate(present) if here])
-        for i, here in enumerate(present):
-            if not here:
-                self._sticky[i] = False
-                self._clean[i] = self.aliases[i]._version
+
+    def settle(self, present: Sequence[bool], factor: float) -> None:
+        """After an in-place round: :meth:`hold_reduced`, then :meth:`rescale`."""
+        self.hold_reduced(present)
+        self.rescale(factor)
 
     def take_over(self, old: GradViews) -> None:
         """Become the views of a new plan: move gradients that sit in ``old``'s slots here.
