@@ -70,13 +70,18 @@ def _train(opt, model, ctx, steps, *, record=True, nan_at=None):
 
 
 def _single_worker(ctx, out_dir: str) -> dict:
-    """One worker, two shards: every algorithm's math, NaN refusal, placement."""
+    """Worker 0 alone on its tables, two shards: every algorithm's math, NaN refusal, placement.
+
+    (The cluster has two workers -- worker 1 takes part in ``_two_workers`` only -- so the
+    optimizers are built for ``ctx.num_worker``; nothing else of their math depends on it.)
+    """
     sgd = lambda m: torch.optim.SGD(m.parameters(), lr=LR, momentum=MOMENTUM)  # noqa: E731
+    n = ctx.num_worker
     out = {"num_ps": ctx.num_ps}
 
     m = _model(0)
     out["agn4_c0"] = [p.detach().clone() for p in m.parameters()]
-    opt = distoptim.AGNOptimizer(sgd(m), 1, communication_period=4, name="agn4")
+    opt = distoptim.AGNOptimizer(sgd(m), n, communication_period=4, name="agn4")
     _init(opt, ctx)
     out["agn4"] = _train(opt, m, ctx, 8)
     out["agn4_local_step"] = opt.local_step
@@ -85,7 +90,7 @@ def _single_worker(ctx, out_dir: str) -> dict:
     out["delta_c0"] = [p.detach().clone() for p in m.parameters()]
     opt = distoptim.AGNOptimizer(
         torch.optim.SGD(m.parameters(), lr=LR),
-        1,
+        n,
         communication_period=2,
         update_rule="delta",
         name="delta",
@@ -95,13 +100,13 @@ def _single_worker(ctx, out_dir: str) -> dict:
 
     m = _model(2)
     out["downpour_c0"] = [p.detach().clone() for p in m.parameters()]
-    opt = distoptim.DownpourOptimizer(torch.optim.SGD(m.parameters(), lr=LR), 1, None, 2)
+    opt = distoptim.DownpourOptimizer(torch.optim.SGD(m.parameters(), lr=LR), n, None, 2)
     _init(opt, ctx)
     out["downpour"] = _train(opt, m, ctx, 4)
 
     m = _model(3)
     out["easgd_c0"] = [p.detach().clone() for p in m.parameters()]
-    opt = distoptim.ElasticAverageOptimizer(torch.optim.SGD(m.parameters(), lr=LR), 1, None, 2)
+    opt = distoptim.ElasticAverageOptimizer(torch.optim.SGD(m.parameters(), lr=LR), n, None, 2)
     out["easgd_alpha"] = opt.moving_rate
     _init(opt, ctx)
     out["easgd"] = _train(opt, m, ctx, 4)
@@ -109,7 +114,7 @@ def _single_worker(ctx, out_dir: str) -> dict:
     # the TF path: minimize(loss) and apply_gradients go through the same step
     m = _model(5)
     opt = distoptim.AGNOptimizer(
-        torch.optim.SGD(m.parameters(), lr=LR), 1, communication_period=2, name="tf"
+        torch.optim.SGD(m.parameters(), lr=LR), n, communication_period=2, name="tf"
     )
     _init(opt, ctx)
     x, y = _batch(0, 0)
@@ -127,7 +132,7 @@ def _single_worker(ctx, out_dir: str) -> dict:
     # NaN in a commit: refused by the worker's cross-shard check (two shards)...
     m = _model(4)
     opt = distoptim.AGNOptimizer(
-        torch.optim.SGD(m.parameters(), lr=LR), 1, communication_period=1, name="nan"
+        torch.optim.SGD(m.parameters(), lr=LR), n, communication_period=1, name="nan"
     )
     _init(opt, ctx)
     out["nan"] = _train(opt, m, ctx, 3, nan_at=1)
@@ -210,6 +215,13 @@ def _two_workers(ctx, out_dir: str) -> dict:
     return out
 
 
+def _main_worker(ctx, out_dir: str) -> dict:
+    """Both workers: the two-worker sections; then worker 0 alone: the single-worker ones."""
+    out = _two_workers(ctx, out_dir)  # worker 1 dies in there
+    out.update(_single_worker(ctx, out_dir))
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # reference simulations of the documented math (plain torch, one process)
 # ---------------------------------------------------------------------------------------------
@@ -284,19 +296,31 @@ def ckpt_dir(tmp_path_factory, transport):
 
 
 @pytest.fixture(scope="module")
-def single(ckpt_dir, tmp_path_factory, transport):
-    out_dir = str(tmp_path_factory.mktemp("single"))
-    return spawn(
-        _single_worker,
-        1,
+def run(ckpt_dir, tmp_path_factory, transport):
+    """One cluster per transport: two workers, two shards (checkpointing every 2 commits)."""
+    out_dir = tmp_path_factory.mktemp("run")
+    result = spawn(
+        _main_worker,
+        2,
         num_ps=2,
-        args=(out_dir,),
+        args=(str(out_dir),),
         timeout=120,
         checkpoint_dir=ckpt_dir,
-        checkpoint_every=1,
+        checkpoint_every=2,
         transport=transport,
         rpc_timeout=30,
     )
+    return result, out_dir
+
+
+@pytest.fixture(scope="module")
+def single(run):
+    return run[0]
+
+
+@pytest.fixture(scope="module")
+def pair(run):
+    return run
 
 
 def test_agn_one_worker_lambda4_is_tf_contrib_exact(single):
@@ -324,7 +348,7 @@ def test_agn_one_worker_lambda4_is_tf_contrib_exact(single):
 
 def test_two_shards_each_hold_their_share(single):
     # round-robin by parameter: weight on ps:0, bias on ps:1, for every optimizer
-    assert set(single.placement) == {"tf"} | {
+    assert set(single.placement) == {"tf", "lam1", "kill"} | {
         "agn4",
         "delta",
         "DownpourOptimizer",
@@ -352,7 +376,7 @@ def test_additive_rules_math(single, kind, name):
 
 def test_easgd_math(single):
     out = single.worker_results[0]
-    assert out["easgd_alpha"] == pytest.approx(0.9 / (2 * 1))
+    assert out["easgd_alpha"] == pytest.approx(0.9 / (2 * 2))  # TF's 0.9 / (τ n)
     rec = out["easgd"]
     ref, _, _ = _simulate("easgd", out["easgd_c0"], rec["grads"], 2, alpha=out["easgd_alpha"])
     for k, (local, center, version) in enumerate(ref):
@@ -417,21 +441,6 @@ def test_checkpoint_restart_resume(single, ckpt_dir, tmp_path, transport):
     assert rec["global_step"][-1] == 3
     assert "parameter server" in out["dead_ps_error"]
     assert "ps:1" in out["dead_ps_error"] or "parameter server 1" in out["dead_ps_error"]
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory, transport):
-    out_dir = tmp_path_factory.mktemp("pair")
-    result = spawn(
-        _two_workers,
-        2,
-        num_ps=1,
-        args=(str(out_dir),),
-        timeout=120,
-        transport=transport,
-        rpc_timeout=30,
-    )
-    return result, out_dir
 
 
 def test_init_hook_seeds_from_chief(pair):
