@@ -1,4 +1,5 @@
-"""`distoptim compare` end to end: every algorithm, the λ grid, Ctrl-C and SIGTERM, torchrun."""
+"""`distoptim compare` end to end: every algorithm, the λ grid, the real cause of a failed run,
+Ctrl-C and SIGTERM, torchrun."""
 
 from __future__ import annotations
 
@@ -10,10 +11,15 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 
 import pytest
+import torch
+import torch.distributed as dist
 
+from distoptim.cli import run as cli_run
 from distoptim.cli.main import main
+from distoptim.launch import torchrun_main
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -93,6 +99,45 @@ def test_compare_sweeps_the_lambda_grid(tmp_path, capsys):
     assert {r["temporal_efficiency_reference"] for r in doc["runs"]} == {best["label"]}
     table = capsys.readouterr().out
     assert "1.00*" in table and f"grid's best run ({best['label']})" in table
+
+
+def _run_store() -> dist.TCPStore:
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
+
+
+def _rank_1_raises_after_its_peer_failed(rank: int, world_size: int) -> None:
+    dist.barrier()
+    if rank == 1:
+        dist.destroy_process_group()  # rank 0, in an all-reduce, loses its peer at once ...
+        _run_store().wait(["rank 0 failed"])  # ... and has failed before this raises
+        raise ValueError("the real cause on rank 1")
+    dist.all_reduce(torch.ones(1))
+
+
+def _failing_collective_task(context, cfg, run):
+    """Stands in for the CLI's collective task: rank 1 raises the run's real cause only after
+    rank 0 failed with gloo's consequence, so rank 0's report reaches the parent first."""
+    try:
+        torchrun_main(_rank_1_raises_after_its_peer_failed, backend="gloo", timeout=30)
+    except Exception:
+        if os.environ["RANK"] == "0":
+            _run_store().set("rank 0 failed", "1")
+        raise
+
+
+def test_a_failed_run_reports_the_rank_that_raised_not_its_peers_connection_error(
+    tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setattr(cli_run, "collective_task", _failing_collective_task)
+    out = tmp_path / "out"
+    argv = ["compare", "--algos", "sync", "--workers", "2", "--epochs", "1"]
+    assert main([*argv, "--progress", "none", "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    cause = "RankFailedError: rank 1 failed: ValueError: the real cause on rank 1"
+    assert f"run 'sync n=2' failed: {cause}" in err, err
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["runs"][0]["status"] == "failed" and doc["runs"][0]["error"] == cause
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,13 +18,21 @@ Clean state between runs. Each task runs with
 * whatever process group or parameter-server cluster the task needs created inside the task
   and destroyed before it returns (a fresh rendezvous store, on a fresh port, per run).
 
-Failure. A task that raises is reported as a failed :class:`~distoptim.launch.ProcessOutcome`;
-the process stays usable. A process that dies, or a run that passes its deadline, ends the
-whole pool: every process is killed (``SIGKILL``, by the ids they reported) and
-:class:`PoolBrokenError` / :class:`~distoptim.launch.ProcessTimeoutError` is raised; the caller
-starts a new pool for the next run. Pool processes ignore ``SIGINT`` and ``SIGTERM``: the
-parent decides (it stops them, after keeping what they reported); they still die with the
-parent (``distoptim.launch.run_processes``).
+Failure. A task that raises is reported as a failed :class:`~distoptim.launch.ProcessOutcome`
+(with the time it failed and whether its exception is a peer's consequence,
+:func:`~distoptim.launch.is_peer_failure`); the process stays usable. When the tasks wait for
+each other (``fail_fast``), the first failure is often not the cause: a rank that raises tears
+its process group down and its peers fail a moment later with gloo's "Connection closed by
+peer" -- and their report may arrive first. So after the first failure the pool waits a short
+grace period (``grace``, ending early once every task has answered) and raises
+:class:`~distoptim.launch.RankFailedError` for the root cause
+(:func:`~distoptim.launch.root_cause`: an exception raised in user code before a death, before
+a peer's consequence), the other failures listed after it. A process that dies, or a run that
+passes its deadline, ends the whole pool: every process is killed (``SIGKILL``, by the ids they
+reported) and :class:`PoolBrokenError` / :class:`~distoptim.launch.ProcessTimeoutError` is
+raised; the caller starts a new pool for the next run. Pool processes ignore ``SIGINT`` and
+``SIGTERM``: the parent decides (it stops them, after keeping what they reported); they still
+die with the parent (``distoptim.launch.run_processes``).
 
 The processes are started by :func:`distoptim.launch.run_processes` in a background thread, so
 they die with the parent and none outlives the pool.
@@ -42,6 +50,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -49,10 +58,13 @@ import numpy as np
 import torch
 
 from distoptim.launch import (
+    DEFAULT_GRACE,
     ProcessOutcome,
     ProcessTimeoutError,
     RankFailedError,
     from_bytes,
+    is_peer_failure,
+    root_cause,
     run_processes,
     to_bytes,
 )
@@ -87,6 +99,17 @@ class Task:
         self.seed = int(seed)
 
 
+@dataclass
+class _Reply:
+    """Child -> parent, one per task: its value (``ok``), or what it raised and when."""
+
+    ok: bool
+    blob: bytes | None  # the value (to_bytes), or the pickled exception when it pickles
+    traceback: str | None = None
+    failed_at: float | None = None  # time.time() when the exception reached the task's frame
+    secondary: bool = False  # is_peer_failure(exception): a consequence of a peer's failure
+
+
 # ---------------------------------------------------------------------------------------------
 # child side
 # ---------------------------------------------------------------------------------------------
@@ -96,21 +119,22 @@ def _seed_everything(seed: int) -> None:
     random.seed(seed)
 
 
-def _run_task(task: Task, context: Any) -> tuple[str, bytes | None, str | None]:
+def _run_task(task: Task, context: Any) -> _Reply:
     added = {k for k in task.env if k not in os.environ}
     before = {k: os.environ[k] for k in task.env if k in os.environ}
     os.environ.update(task.env)
     torch.set_num_threads(task.threads)
     _seed_everything(task.seed)
     try:
-        return ("ok", to_bytes(task.fn(context, *task.args)), None)
+        return _Reply(True, to_bytes(task.fn(context, *task.args)))
     except BaseException as exc:  # report everything; the process stays in the pool
+        at = time.time()
         tb = traceback.format_exc()
         try:
             blob = pickle.dumps(exc)
         except Exception:
             blob = None
-        return ("error", blob, tb)
+        return _Reply(False, blob, tb, at, is_peer_failure(exc))
     finally:
         for k in added:
             os.environ.pop(k, None)
@@ -223,14 +247,17 @@ class ProcessPool:
         timeout: float,
         names: Sequence[str] | None = None,
         fail_fast: bool = True,
+        grace: float = DEFAULT_GRACE,
     ) -> list[ProcessOutcome]:
         """Run ``tasks[i]`` on pool process ``i``; return their outcomes in order.
 
-        ``fail_fast=True`` (processes that wait for each other, e.g. one process group): the
-        first task that raises ends the run -- the pool is killed and
-        :class:`~distoptim.launch.RankFailedError` raised. ``fail_fast=False``: failed tasks are
-        returned as outcomes and the others run on. A process that dies raises
-        :class:`PoolBrokenError`; passing ``timeout`` seconds raises
+        ``fail_fast=True`` (processes that wait for each other, e.g. one process group): a task
+        that raises ends the run -- after ``grace`` seconds for the others' answers (less once
+        all have answered), the pool is killed and :class:`~distoptim.launch.RankFailedError`
+        raised for the root cause, the other failures listed after it (module doc).
+        ``fail_fast=False``: failed tasks are returned as outcomes and the others run on. A
+        process that dies raises :class:`PoolBrokenError` (during the grace period it counts as
+        one more failure); passing ``timeout`` seconds raises
         :class:`~distoptim.launch.ProcessTimeoutError`; both kill the pool, as does any
         exception (Ctrl-C included) while waiting.
         """
@@ -244,39 +271,61 @@ class ProcessPool:
             for conn, task in zip(self._conns, tasks):
                 conn.send(task)
             deadline = time.monotonic() + timeout
+            grace_until: float | None = None
             pending = dict(enumerate(self._conns[: len(tasks)]))
             while pending:
-                left = deadline - time.monotonic()
-                if left <= 0:
+                now = time.monotonic()
+                if grace_until is not None and now >= grace_until:
+                    break
+                if now >= deadline:
                     raise ProcessTimeoutError(timeout, [names[i] for i in sorted(pending)])
-                for conn in wait(list(pending.values()), timeout=left):
+                until = deadline if grace_until is None else min(deadline, grace_until)
+                for conn in wait(list(pending.values()), timeout=until - now):
                     i = next(k for k, c in pending.items() if c is conn)
                     del pending[i]
-                    outcome = self._receive(i, names[i], conn)
+                    outcome = self._receive(i, names[i], conn, dying=grace_until is not None)
                     outcomes[i] = outcome
-                    if not outcome.ok and fail_fast:
-                        raise RankFailedError(
-                            i, names[i], outcome.headline(), outcome.error
-                        ) from outcome.exception
+                    if not outcome.ok and fail_fast and grace_until is None:
+                        grace_until = time.monotonic() + grace
+            failures = [o for o in outcomes if o is not None and not o.ok]
+            if fail_fast and failures:
+                root = root_cause(failures)
+                others = [o for o in failures if o is not root]
+                raise RankFailedError(
+                    root.index, root.name, root.headline(), root.error, others
+                ) from root.exception
         except BaseException:
             self.kill()
             raise
         return [o for o in outcomes if o is not None]
 
-    def _receive(self, i: int, name: str, conn: Connection) -> ProcessOutcome:
+    def _receive(self, i: int, name: str, conn: Connection, dying: bool) -> ProcessOutcome:
+        """Process ``i``'s answer. Its death raises :class:`PoolBrokenError`, except while the
+        run is already failing (``dying``): then it is one more failure, ranked by
+        :func:`~distoptim.launch.root_cause` after any exception."""
         try:
-            status, blob, tb = conn.recv()
+            reply: _Reply = conn.recv()
         except (EOFError, OSError):
-            raise PoolBrokenError(
-                f"{name} (pool process {i}, pid {self._pids[i]}) died during the run"
-            ) from None
-        if status == "ok":
-            return ProcessOutcome(i, name, True, value=from_bytes(blob))
+            text = f"{name} (pool process {i}, pid {self._pids[i]}) died during the run"
+            if not dying:
+                raise PoolBrokenError(text) from None
+            return ProcessOutcome(i, name, False, error=text, failed_at=time.time())
+        if reply.ok:
+            return ProcessOutcome(i, name, True, value=from_bytes(reply.blob))
         exc = None
-        if blob is not None:
+        if reply.blob is not None:
             with contextlib.suppress(Exception):
-                exc = pickle.loads(blob)
-        return ProcessOutcome(i, name, False, error=tb, exception=exc)
+                exc = pickle.loads(reply.blob)
+        return ProcessOutcome(
+            i,
+            name,
+            False,
+            error=reply.traceback,
+            exception=exc,
+            raised=True,
+            secondary=reply.secondary,
+            failed_at=reply.failed_at,
+        )
 
     def close(self) -> None:
         """Stop the processes normally (each finishes its loop) and wait for them."""
