@@ -1,5 +1,5 @@
-"""`distoptim compare` end to end: every algorithm, the λ grid, the real cause of a failed run,
-Ctrl-C and SIGTERM, torchrun."""
+"""`distoptim compare` end to end: every algorithm, the λ grid, the outer-optimizer family from
+the console script, the real cause of a failed run, Ctrl-C and SIGTERM, torchrun."""
 
 from __future__ import annotations
 
@@ -24,9 +24,10 @@ from distoptim.launch import torchrun_main
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_compare_every_algorithm_end_to_end(tmp_path, capsys):
+def test_compare_sync_and_the_agn_papers_algorithms_end_to_end(tmp_path, capsys):
     out = tmp_path / "out"
-    argv = ["compare", "--workers", "2", "--communication-period", "4", "--epochs", "3"]
+    argv = ["compare", "--algos", "sync,agn,downpour,easgd", "--workers", "2"]
+    argv += ["--communication-period", "4", "--epochs", "3"]
     argv += ["--agn-rule", "tf,paper", "--moving-rate", "tf"]
     code = main([*argv, "--progress", "plain", "--out", str(out)])
     captured = capsys.readouterr()
@@ -82,6 +83,7 @@ def test_compare_sweeps_the_lambda_grid(tmp_path, capsys):
     out = tmp_path / "out"
     argv = ["compare", "--algos", "easgd", "--workers", "1,2", "--communication-period", "2,5"]
     argv += ["--epochs", "2", "--eval-points", "5", "--moving-rate", "0.3"]
+    argv += ["--transport", "rpc"]  # clusters of two sizes on one pool: rpc's per-process state
     assert main([*argv, "--progress", "none", "--out", str(out)]) == 0
     doc = json.loads((out / "results.json").read_text())
     cells = [(r["algorithm"], r["workers"], r["communication_period"]) for r in doc["summary"]]
@@ -93,12 +95,69 @@ def test_compare_sweeps_the_lambda_grid(tmp_path, capsys):
     assert len(doc["timing"]["pool_start_s"]) == 1 and doc["timing"]["pool_processes"] == 3
     assert all(r["val_acc"] > 0.3 for r in doc["runs"])
     assert [r["settings"]["moving_rate"] for r in doc["runs"]] == [0.3] * 4
+    assert {r["settings"]["transport"] for r in doc["runs"]} == {"rpc"}
     # no sync run: temporal efficiency against the grid's best run, said under the table
     best = max(doc["runs"], key=lambda r: r["val_acc"])
     assert best["temporal_efficiency"] == pytest.approx(1.0)
     assert {r["temporal_efficiency_reference"] for r in doc["runs"]} == {best["label"]}
     table = capsys.readouterr().out
     assert "1.00*" in table and f"grid's best run ({best['label']})" in table
+
+
+def test_the_outer_optimizer_family_from_the_console_script(tmp_path):
+    script = shutil.which("distoptim")
+    assert script, "the distoptim console script is missing: pip install -e '.[dev,cli]'"
+    out = tmp_path / "out"
+    algos = "sync,localsgd,diloco,streaming-diloco,async-diloco,agn"
+    cmd = [script, "compare", "--algos", algos, "--workers", "2", "--epochs", "2"]
+    cmd += ["--eval-points", "5", "--straggler", "1:2", "--progress", "plain", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "warning" not in proc.stderr
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["status"] == "complete" and doc["oversubscription"]["processes"] == 3
+    runs = {r["config"]["algo"]: r for r in doc["runs"]}
+    assert list(runs) == algos.split(",")
+    model_bytes = 4 * (64 * 128 + 128 + 128 * 64 + 64 + 64 * 10 + 10)
+    for algo, r in runs.items():
+        assert r["status"] == "ok", (algo, r["error"])
+        assert r["val_acc"] > (0.5 if algo != "agn" else 0.2), (algo, r["val_acc"])
+        assert r["config"]["stragglers"] == [[1, 2.0]]
+        assert r["samples"] == 2 * 1438 and r["history"][-1]["bytes"] == r["bytes_moved"]
+        assert r["target_reference"] == "sync n=2"
+        assert r["target_acc"] == pytest.approx(0.95 * runs["sync"]["val_acc"])
+        if r["time_to_target_s"] is not None:
+            assert 0 <= r["bytes_to_target"] <= r["bytes_moved"]
+    for algo in ("sync", "diloco", "streaming-diloco"):
+        assert runs[algo]["time_to_target_s"] is not None, algo
+    # the DiLoCo family syncs every H = 10 of each worker's 90 steps; its bytes are measured
+    assert runs["localsgd"]["communications"] == runs["diloco"]["communications"] == 9
+    assert runs["streaming-diloco"]["communications"] == 17  # 2 fragments, the last in flight
+    for algo in ("sync", "localsgd", "diloco", "streaming-diloco"):
+        assert runs[algo]["bytes_history"] == "measured"
+    assert runs["diloco"]["bytes_moved"] * 5 < runs["sync"]["bytes_moved"]
+    assert runs["streaming-diloco"]["bytes_moved"] * 2 < runs["diloco"]["bytes_moved"]
+    assert runs["diloco"]["settings"]["outer"] == {
+        "optimizer": "SGD",
+        "lr": 0.7,
+        "momentum": 0.9,
+        "nesterov": True,
+    }
+    assert runs["streaming-diloco"]["settings"]["wire"] == "int8"
+    # the parameter server: a commit every 10 steps; the chief's evaluation pulls left out
+    for algo in ("async-diloco", "agn"):
+        r = runs[algo]
+        assert r["communications"] == 2 * 9 and r["settings"]["transport"] == "p2p"
+        assert r["bytes_history"] == "estimated from samples"
+        evals = len(r["history"]) - 1  # the last point is the final center, not a pull
+        assert r["stats"]["evaluation_pull_bytes"] == evals * model_bytes
+        moved = r["stats"]["bytes_in"] + r["stats"]["bytes_out"] - evals * model_bytes
+        assert r["bytes_moved"] == moved
+    table = proc.stdout
+    for name in ("| sync", "| LocalSGD", "| DiLoCo", "| Streaming DiLoCo F=2 int8"):
+        assert name in table
+    assert "| Async DiLoCo" in table and "| AGN (paper)" in table
+    assert "bytes to target" in table and "stragglers: worker 1 2x as long per step" in table
 
 
 def _run_store() -> dist.TCPStore:

@@ -40,6 +40,39 @@ from distoptim.cli.main import main
         (["compare", "--moving-rate", "1.5"], "give 'paper' (0.9/n), 'tf'"),
         (["compare", "--hidden", "10,0"], "0 is not allowed"),
         (["compare", "--bogus-flag"], "unrecognized arguments: --bogus-flag"),
+        (["compare", "--straggler", "1"], "give WORKER:FACTOR"),
+        (["compare", "--straggler", "1:0.5"], "a factor >= 1"),
+        (["compare", "--straggler", "4:2"], "--straggler 4: no run has worker 4"),
+        (
+            ["compare", "--algos", "streaming-diloco", "--fragments", "4"],
+            "streaming-diloco λ=10 n=4: sync_every=10 must be divisible by fragments=4",
+        ),
+        (
+            ["compare", "--algos", "streaming-diloco", "--fragments", "7", "-l", "14"],
+            "fragments=7 is more than the 6 parameters",
+        ),
+        (
+            ["compare", "--algos", "streaming-diloco", "--fragment-sync-delay", "5"],
+            "fragment_sync_delay=5 must be < sync_every/fragments = 5",
+        ),
+        (["compare", "--wire", "fp8"], "invalid choice: 'fp8'"),
+        (["compare", "--outer-momentum", "1"], "outer_momentum must be in [0, 1)"),
+        (["compare", "--outer-lr", "0"], "must be a finite number > 0"),
+        (["compare", "--target-acc", "1.5"], "give a validation accuracy in (0, 1]"),
+        (["compare", "--transport", "mpi"], "invalid choice: 'mpi'"),
+        (["compare", "--delayed-momentum", "-1"], "give 'n' (the number of workers) or an integer"),
+        (
+            [
+                "compare",
+                "--algos",
+                "async-diloco",
+                "--delayed-momentum",
+                "4",
+                "--outer-momentum",
+                "0",
+            ],
+            "async-diloco λ=10 n=4: delayed_momentum > 0 runs Delayed Nesterov",
+        ),
     ],
 )
 def test_argument_error_is_one_line_and_exit_2(argv, message, capsys, tmp_path):
@@ -128,3 +161,55 @@ def test_text_file_as_dataset_says_it_is_not_an_npz(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1
     assert "is a text file, not an .npz" in err and "allow_pickle" not in err
+
+
+def test_outer_family_options_stragglers_and_targets_reach_every_run(monkeypatch, tmp_path):
+    from distoptim.cli.options import build_parser, make_plan
+
+    argv = ["compare", "--algos", "sync,diloco,streaming-diloco,agn", "--workers", "2,4"]
+    argv += ["--sync-every", "20", "--straggler", "1:3", "--straggler", "3:2", "--wire", "bf16"]
+    argv += ["--outer-lr", "0.5", "--outer-momentum", "0", "--fragments", "4"]
+    argv += ["--transport", "rpc", "--target-acc", "0.9", "--out", str(tmp_path / "o")]
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    plan = make_plan(build_parser().parse_args(argv))
+    by = {(c.algo, c.workers): c for c in plan.configs}
+    assert by["diloco", 2].communication_period == 20 and by["sync", 2].communication_period == 1
+    assert by["sync", 2].stragglers == ((1, 3.0),)  # worker 3 is not in a 2-worker run
+    assert by["agn", 4].stragglers == ((1, 3.0), (3, 2.0)) and by["agn", 4].transport == "rpc"
+    cfg = by["streaming-diloco", 4]
+    assert (cfg.outer_lr, cfg.outer_momentum, cfg.fragments, cfg.wire) == (0.5, 0.0, 4, "bf16")
+    assert plan.target_acc == 0.9
+    assert by["agn", 4].delayed_nesterov == 4 and by["agn", 2].delayed_nesterov == 2  # "n"
+    assert any("runs with 2 workers have no worker 3" in n for n in plan.notes)
+    assert any(line.startswith("stragglers: worker 1 3x, worker 3 2x") for line in plan.footer)
+    # 5 processes (1 PS + 4 workers) on 1 core: 4 workers per core warn
+    assert plan.oversubscription["workers_per_core"] == 4.0
+    assert any(
+        n.startswith("warning: oversubscribed: runs of up to 5 processes") for n in plan.notes
+    )
+
+
+def test_oversubscription_up_to_two_workers_per_core_is_recorded_not_warned(monkeypatch, tmp_path):
+    from distoptim.cli.options import build_parser, make_plan
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    argv = ["compare", "--out", str(tmp_path / "o")]  # the default: 4 workers + 1 PS on 2 cores
+    plan = make_plan(build_parser().parse_args(argv))
+    assert plan.oversubscription == {
+        "processes": 5,
+        "workers": 4,
+        "cores": 2,
+        "processes_per_core": 2.5,
+        "workers_per_core": 2.0,
+    }
+    assert not [n for n in plan.notes if "warning" in n]
+    assert plan.footer == [
+        "oversubscribed: runs of up to 5 processes (4 training) on 2 CPU core(s), 2.0 workers "
+        "per core, so wall times include waiting for a core"
+    ]
+    argv = ["compare", "--algos", "sync", "-n", "2", "--out", str(tmp_path / "q")]
+    plan = make_plan(build_parser().parse_args(argv))
+    assert plan.footer == [] and plan.oversubscription["processes_per_core"] == 1.0
+    argv = ["compare", "--algos", "sync", "-n", "5", "--out", str(tmp_path / "r")]
+    plan = make_plan(build_parser().parse_args(argv))
+    assert [n for n in plan.notes if n.startswith("warning: oversubscribed")]

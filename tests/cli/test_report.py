@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import json
 import math
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +14,7 @@ from distoptim.cli.config import RunConfig
 from distoptim.cli.plot import accuracy_range, plot_accuracy
 from distoptim.cli.record import RunRecord, build_history
 from distoptim.cli.report import (
+    assign_targets,
     assign_temporal_efficiency,
     render_table,
     summarize,
@@ -129,3 +132,105 @@ def test_plot_writes_both_pngs_with_a_zoomed_accuracy_axis(tmp_path):
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     assert path == str(tmp_path / "p.png")
     assert plot_accuracy([RunRecord(_cfg("sync"))], tmp_path / "q.png", "t") is None
+
+
+def _curve(algo, points, **cfg):
+    """A finished run whose history is ``points``: (t, val_acc, bytes) at 10 samples apart."""
+    r = _rec(algo, points[-1][1], **cfg)
+    r.history = [
+        {"t": t, "samples": 10 * i, "val_acc": a, "val_loss": 1.0, "train_loss": 1.0, "bytes": b}
+        for i, (t, a, b) in enumerate(points)
+    ]
+    r.bytes_moved = points[-1][2]
+    return r
+
+
+def test_time_and_bytes_to_target_read_the_first_evaluation_at_the_target():
+    sync = _curve("sync", [(0, 0.1, 0), (4, 0.8, 400), (8, 0.9, 800)])
+    diloco = _curve("diloco", [(0, 0.1, 0), (3, 0.855, 30), (6, 0.6, 60), (9, 0.88, 90)])
+    slow = _curve("agn", [(0, 0.1, 0), (9, 0.85, 90)])  # 0.85 < 0.95 x 0.9 = 0.855
+    records = [sync, diloco, slow]
+    assign_targets(records)
+    assert sync.target_acc == diloco.target_acc == pytest.approx(0.855)
+    assert diloco.target_reference == "sync n=2" and sync.target_reference == "sync n=2"
+    assert (sync.time_to_target_s, sync.bytes_to_target) == (8, 800)
+    assert (diloco.time_to_target_s, diloco.bytes_to_target) == (3, 30)  # first, not last
+    assert slow.time_to_target_s is None and slow.bytes_to_target is None
+    buf = io.StringIO()
+    render_table(summarize(records), buf, notes=["stragglers: worker 1 3x as long per step"])
+    text = buf.getvalue()
+    assert "time to target" in text and "bytes to target" in text and "not reached" in text
+    assert " 3.0 s |" in text and " 30 B |" in text
+    assert "0.95 x the final val acc of sync with the same n (85.5% for sync n=2)" in text
+    assert text.rstrip().endswith("stragglers: worker 1 3x as long per step")
+    assign_targets(records, 0.5)  # --target-acc: a fixed accuracy, for every run
+    assert slow.target_acc == 0.5 and slow.target_reference is None
+    assert (slow.time_to_target_s, slow.bytes_to_target) == (9, 90)
+    buf = io.StringIO()
+    render_table(summarize(records), buf)
+    assert "val acc >= 50.0% (--target-acc)" in buf.getvalue()
+
+
+def test_without_sync_the_target_is_relative_to_the_best_run_and_the_footer_says_so():
+    best = _curve("diloco", [(0, 0.1, 0), (5, 0.92, 50), (10, 0.95, 100)])
+    other = _curve("agn", [(0, 0.1, 0), (4, 0.9, 40), (8, 0.93, 80)])
+    unfinished = _curve("localsgd", [(0, 0.1, 0), (1, 0.99, 10)])
+    unfinished.status = "interrupted"
+    records = [best, other, unfinished]
+    assign_targets(records)
+    assert other.target_reference == best.label == "diloco λ=5 n=2"
+    assert other.time_to_target_s == 8 and best.time_to_target_s == 5  # 0.9025
+    assert unfinished.target_acc is None and unfinished.time_to_target_s is None
+    rows = summarize(records)
+    buf = io.StringIO()
+    render_table(rows, buf)
+    assert "the final val acc of the grid's best run (no sync run with that n)" in buf.getvalue()
+    doc = write_results(Path(tempfile.mkdtemp()) / "r.json", records, {}, notes=["x"])
+    assert doc["footer"][-1] == "x" and "first evaluation" in doc["to_target_definition"]
+    assert doc["runs"][1]["bytes_to_target"] == 80 and doc["summary"][1]["reached_target"] == 1
+
+
+def _ev(kind, worker, t, samples, step, sent, **fields):
+    return {"kind": kind, "worker": worker, "t": t, "samples": samples, "step": step,
+            "bytes": sent, **fields}  # fmt: skip
+
+
+def test_history_bytes_are_the_evaluating_rank_plus_every_other_ranks_mark_at_that_step():
+    events = [
+        _ev("start", 0, 10.0, 0, 0, 0),
+        _ev("start", 1, 10.0, 0, 0, 0),
+        _ev("eval", 0, 10.1, 0, 0, 5, acc=0.1, loss=2.0),
+        _ev("mark", 1, 10.1, 0, 0, 5),
+        _ev("mark", 1, 11.0, 64, 4, 900),
+        _ev("tick", 1, 11.5, 96, 6, 1300),
+        _ev("eval", 0, 11.9, 64, 4, 905, acc=0.5, loss=1.0),
+        _ev("eval", 0, 12.5, 96, 6, 1305, acc=0.6, loss=0.9),  # no mark of worker 1 at step 6
+    ]
+    _, points = build_history(events)
+    assert [p["bytes"] for p in points] == [10, 1805, None]
+    assert [p["samples"] for p in points] == [0, 160, 192]  # worker 1 at its tick, 96
+
+
+def test_unmeasured_bytes_are_the_samples_share_of_the_total():
+    import torch
+
+    from distoptim.cli.datasets import Dataset
+    from distoptim.cli.model import build_model
+    from distoptim.cli.record import finish_record
+
+    x, y = torch.rand(8, 4), torch.arange(8) % 2
+    data = Dataset("tiny", x, y, x, y, 2)
+    record = RunRecord(_cfg("agn"))
+    record.bytes_moved = 1000
+    events = [
+        {"kind": "start", "worker": 0, "t": 0.0, "samples": 0},
+        {"kind": "eval", "worker": 0, "t": 0.1, "samples": 0, "acc": 0.1, "loss": 2.0},
+        {"kind": "tick", "worker": 1, "t": 0.9, "samples": 100, "loss": 1.0},
+        {"kind": "eval", "worker": 0, "t": 1.0, "samples": 100, "acc": 0.5, "loss": 1.0},
+        {"kind": "finish", "worker": 0, "t": 2.0, "samples": 200, "loss": 1.0},
+        {"kind": "finish", "worker": 1, "t": 2.0, "samples": 200, "loss": 1.0},
+    ]
+    params = list(build_model(data.num_features, data.num_classes, 0, (128, 64)).parameters())
+    finish_record(record, data, events, params)
+    assert [p["bytes"] for p in record.history] == [0, 500, 1000]  # 200 of 400 samples: half
+    assert record.bytes_history == "estimated from samples"

@@ -75,9 +75,11 @@ def test_train_on_a_user_npz(tmp_path, capsys, monkeypatch):
     argv += ["--hidden", "64"]
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)  # one core
     code = main([*argv, "--dataset", str(path), "--progress", "none", "--out", str(out)])
-    err = capsys.readouterr().err
+    captured = capsys.readouterr()
+    err = captured.err
     assert code == 0, err
-    assert "warning: runs of up to 2 processes on 1 CPU core(s): oversubscribed 2.0x" in err
+    assert "warning" not in err  # 2 workers on 1 core: recorded, under the table
+    oversubscribed = "oversubscribed: runs of up to 2 processes (2 training) on 1 CPU core(s)"
     doc = json.loads((out / "results.json").read_text())
     assert doc["dataset"] == {
         "name": "blobs.npz",
@@ -89,6 +91,9 @@ def test_train_on_a_user_npz(tmp_path, capsys, monkeypatch):
     assert doc["runs"][0]["val_acc"] > 0.8  # chance is 1/3
     assert doc["runs"][0]["config"]["hidden"] == [64]
     assert doc["link"] == {"latency_ms": 1.0, "mbps": 1000.0}
+    assert doc["oversubscription"]["workers_per_core"] == 2.0
+    assert any(line.startswith(oversubscribed) for line in doc["footer"])
+    assert oversubscribed in captured.out
     assert os.environ.get(ENV_VAR) is None  # only the children had it
 
 

@@ -1,4 +1,5 @@
-"""cli.worker: the private torch state a cluster in a reused process relies on, pinned."""
+"""cli.worker: straggler emulation; the private torch state an RPC cluster in a reused process
+relies on, pinned."""
 
 from __future__ import annotations
 
@@ -6,9 +7,15 @@ import os
 import subprocess
 import sys
 
+import pytest
+import torch
 import torch.distributed.rpc as rpc
 
-from distoptim.cli.worker import _cpp_log_level_flag, _rpc_in_a_reused_process
+from distoptim.cli import worker
+from distoptim.cli.config import RunConfig
+from distoptim.cli.datasets import Dataset
+from distoptim.cli.progress import Reporter
+from distoptim.cli.worker import _cpp_log_level_flag, _rpc_in_a_reused_process, train_loop
 
 _SCRIPT = """
 import datetime, os, sys
@@ -55,3 +62,35 @@ def test_the_flag_silences_cpp_warnings_in_a_process_that_loaded_torch_earlier()
     assert proc.returncode == 0, proc.stderr
     inside, after = proc.stderr.split("--- after ---")
     assert "[W" not in inside and "[W" in after, proc.stderr  # off inside, back on after
+
+
+class _Clock:
+    """A fake ``time`` for the worker module: every ``perf_counter()`` call advances 10 ms."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.slept: list[float] = []
+
+    def perf_counter(self) -> float:
+        self.now += 0.01
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+
+
+def test_a_straggler_waits_factor_minus_one_times_its_forward_backward_after_each_step(
+    monkeypatch,
+):
+    x, y = torch.rand(40, 4), torch.arange(40) % 2
+    data = Dataset("tiny", x, y, x, y, 2)
+    cfg = RunConfig("sync", 2, 1, 1, 5, "sgd", 0.1, 0, hidden=(3,), stragglers=((1, 3.0),))
+    for rank, expected in ((1, [0.02] * 4), (0, [])):  # 20 samples each: 4 steps of 5
+        clock = _Clock()
+        monkeypatch.setattr(worker, "time", clock)
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        steps = train_loop(model, opt, cfg, data, rank, Reporter(None, rank), None)
+        assert steps == 4
+        # forward + backward measured between two clock reads (10 ms), waited 2 x that
+        assert clock.slept == pytest.approx(expected)

@@ -6,12 +6,24 @@ what it records. The training loop is the same for all (:mod:`distoptim.cli.work
 
     opt.zero_grad(); loss = cross_entropy(model(x), y); loss.backward(); opt.step()
 
-=========  ==================================================================================
-sync       ``CrossShardOptimizer(opt, reduction="mean")`` on N gloo ranks; global batch N*B
-agn        ``AGNOptimizer(opt, N, getter, communication_period=λ, update_rule=...)``
-downpour   ``DownpourOptimizer(opt, N, getter, communication_period=λ)``
-easgd      ``ElasticAverageOptimizer(opt, N, getter, communication_period=τ, moving_rate=alpha)``
-=========  ==================================================================================
+================  ===========================================================================
+sync              ``CrossShardOptimizer(opt, reduction="mean")`` on N gloo ranks; global batch
+                  N*B
+localsgd          ``LocalSGD(opt, sync_every=H)``: parameter averaging every H steps
+diloco            ``DiLoCo(opt, outer, sync_every=H, wire=...)``, ``outer`` Nesterov SGD
+streaming-diloco  ``DiLoCo(opt, outer, sync_every=H, fragments=F, fragment_sync_delay=τ,
+                  fragment_update_alpha=alpha, wire=...)``
+agn               ``AGNOptimizer(opt, N, getter, communication_period=λ, update_rule=...)``
+downpour          ``DownpourOptimizer(opt, N, getter, communication_period=λ)``
+easgd             ``ElasticAverageOptimizer(opt, N, getter, communication_period=τ,
+                  moving_rate=alpha)``
+async-diloco      ``AsyncDiLoCoOptimizer(opt, N, getter, communication_period=H,
+                  outer_optimizer=partial(SGD, ...), delayed_momentum=...,
+                  dynamic_local_updates=...)``
+================  ===========================================================================
+
+The λ of the table and of ``--communication-period`` is the local steps between two
+communications of a worker: AGN's λ, EASGD's τ, and LocalSGD's and DiLoCo's H.
 
 Families: ``collective`` algorithms run on one process group of N ranks (``build(opt, cfg)``);
 ``server`` algorithms on a parameter-server cluster of ``--num-ps`` shards and N workers
@@ -19,11 +31,17 @@ Families: ``collective`` algorithms run on one process group of N ranks (``build
 
 Adding an algorithm is one builder function and one :func:`register` call: say its family,
 whether it sweeps over ``--communication-period``, and what settings it records.
+
+Which parameters are *the model* of a run (evaluated during training and at the end):
+``sync``'s parameters, which every rank shares; the DiLoCo family's global copy (what the
+replicas agree on at each sync; a replica's local parameters drift between syncs); the
+parameter server's center for the ``server`` family.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +53,7 @@ __all__ = [
     "ALGORITHMS",
     "FAMILIES",
     "Algorithm",
+    "check",
     "get",
     "label",
     "title",
@@ -58,6 +77,11 @@ class Algorithm:
       runs with different variants are different cells of the table and panels of the plot.
     * ``detail(cfg)``: what the table shows after the title (e.g. EASGD's alpha), or "".
     * ``settings(cfg)``: the algorithm-specific settings ``results.json`` records, resolved.
+    * ``note(cfg)``: a line under the table saying what the algorithm's settings mean, or "".
+    * ``model(opt, model)``: the parameters that are the run's model (``collective`` family;
+      default the model's own): what is evaluated during training and at the end.
+    * ``check(cfg, model)``: raise ``ValueError`` if ``cfg`` cannot be built, before any
+      process starts (``model`` is a freshly built model of the run; default: nothing).
     """
 
     name: str
@@ -69,11 +93,19 @@ class Algorithm:
     variant: Callable[[RunConfig], str] = field(default=lambda cfg: "")
     detail: Callable[[RunConfig], str] = field(default=lambda cfg: "")
     settings: Callable[[RunConfig], dict[str, Any]] = field(default=lambda cfg: {})
+    note: Callable[[RunConfig], str] = field(default=lambda cfg: "")
+    model: Callable[[Any, torch.nn.Module], Sequence[torch.Tensor]] = field(
+        default=lambda opt, model: list(model.parameters())
+    )
+    check: Callable[[RunConfig, torch.nn.Module], None] = field(default=lambda cfg, model: None)
 
     @property
     def communication_kind(self) -> str:
-        """What the ``communications`` figure counts: all-reduces per rank, or server commits."""
-        return "all-reduces" if self.family == "collective" else "commits"
+        """What the ``communications`` figure counts: a rank's all-reduces (sync), outer syncs
+        (the DiLoCo family: ``opt.syncs``, one per fragment sync), or server commits."""
+        if self.family == "server":
+            return "commits"
+        return "syncs" if self.model is _global_copy else "all-reduces"
 
 
 ALGORITHMS: dict[str, Algorithm] = {}
@@ -120,15 +152,26 @@ def processes_of(cfg: RunConfig) -> int:
     return cfg.workers + (cfg.num_ps if get(cfg.algo).family == "server" else 0)
 
 
+def check(cfg: RunConfig, model: torch.nn.Module) -> None:
+    """``ValueError`` naming the run if ``cfg``'s algorithm cannot be built on ``model``."""
+    try:
+        get(cfg.algo).check(cfg, model)
+    except ValueError as exc:
+        raise ValueError(f"{label(cfg)}: {exc}") from None
+
+
 def make_torch_optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
-    """``sgd`` -> SGD; ``momentum`` -> SGD(momentum=0.9); ``adam`` -> Adam."""
+    """``sgd`` -> SGD; ``momentum`` -> SGD(momentum=0.9); ``adam`` -> Adam; ``adamw`` -> AdamW
+    (torch's default weight decay 0.01, DiLoCo's inner optimizer)."""
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr)
     if name == "momentum":
         return torch.optim.SGD(params, lr=lr, momentum=0.9)
     if name == "adam":
         return torch.optim.Adam(params, lr=lr)
-    raise ValueError(f"optimizer must be one of sgd, momentum, adam, got {name!r}")
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr)
+    raise ValueError(f"optimizer must be one of sgd, momentum, adam, adamw, got {name!r}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,6 +199,125 @@ def _on_server(
     )
 
 
+_DEFAULT_WIRE = {"diloco": "fp32", "streaming-diloco": "int8"}
+"""``--wire`` when not given: DiLoCo's paper sends full precision; Streaming DiLoCo's point is
+to send fragments in low precision (int8 here, with error feedback)."""
+
+
+def _wire(cfg: RunConfig) -> str:
+    return cfg.wire or _DEFAULT_WIRE.get(cfg.algo, "fp32")
+
+
+def _outer_factory(cfg: RunConfig) -> Callable[..., torch.optim.Optimizer]:
+    """DiLoCo's outer optimizer as a picklable factory ``f(params)``: SGD at ``--outer-lr`` with
+    Nesterov momentum ``--outer-momentum`` (plain SGD at momentum 0)."""
+    mu = cfg.outer_momentum
+    return functools.partial(torch.optim.SGD, lr=cfg.outer_lr, momentum=mu, nesterov=mu > 0)
+
+
+def _outer_optimizer(opt: torch.optim.Optimizer, cfg: RunConfig) -> torch.optim.Optimizer:
+    """The outer optimizer over ``opt``'s parameters (the DiLoCo family's global copy)."""
+    return _outer_factory(cfg)([p for g in opt.param_groups for p in g["params"]])
+
+
+def _outer_spec(cfg: RunConfig) -> dict[str, Any]:
+    """What ``results.json`` records of the outer optimizer."""
+    mu = cfg.outer_momentum
+    return {"optimizer": "SGD", "lr": cfg.outer_lr, "momentum": mu, "nesterov": mu > 0}
+
+
+def _localsgd(opt: torch.optim.Optimizer, cfg: RunConfig, cluster: Any) -> torch.optim.Optimizer:
+    import distoptim
+
+    return distoptim.LocalSGD(opt, sync_every=cfg.communication_period)
+
+
+def _diloco(opt: torch.optim.Optimizer, cfg: RunConfig, cluster: Any) -> torch.optim.Optimizer:
+    import distoptim
+
+    outer = _outer_optimizer(opt, cfg)
+    return distoptim.DiLoCo(opt, outer, sync_every=cfg.communication_period, wire=_wire(cfg))
+
+
+def _streaming(opt: torch.optim.Optimizer, cfg: RunConfig, cluster: Any) -> torch.optim.Optimizer:
+    import distoptim
+
+    return distoptim.DiLoCo(
+        opt,
+        _outer_optimizer(opt, cfg),
+        sync_every=cfg.communication_period,
+        fragments=cfg.fragments,
+        fragment_sync_delay=cfg.fragment_sync_delay,
+        fragment_update_alpha=cfg.fragment_alpha,
+        wire=_wire(cfg),
+        name="StreamingDiLoCo",
+    )
+
+
+def _built_alone(build: Callable[..., torch.optim.Optimizer]) -> Callable[..., None]:
+    """A check that builds the optimizer on ``model`` in this process (no process group: one
+    replica, nothing sent), so the library's own validation speaks before any process starts."""
+
+    def check(cfg: RunConfig, model: torch.nn.Module) -> None:
+        build(make_torch_optimizer(cfg.optimizer, model.parameters(), cfg.lr), cfg, None)
+
+    return check
+
+
+def _global_copy(opt: Any, model: torch.nn.Module) -> Sequence[torch.Tensor]:
+    return opt.global_parameters
+
+
+def _outer_settings(cfg: RunConfig) -> dict[str, Any]:
+    return {"sync_every": cfg.communication_period, "outer": _outer_spec(cfg), "wire": _wire(cfg)}
+
+
+def _outer_note(cfg: RunConfig) -> str:
+    mu = cfg.outer_momentum
+    kind = f"Nesterov momentum {mu:g}" if mu > 0 else "no momentum"
+    return (
+        f"DiLoCo: every H = λ steps the replicas average θ_global - θ_local and an outer SGD "
+        f"(lr {cfg.outer_lr:g}, {kind}) steps the global copy; inner: --optimizer"
+    )
+
+
+_AGN_NOTES = {
+    "paper": "AGN (paper): Hermans et al.'s rule, commit (θ-θ_pulled)/λ, the server adds it",
+    "tf": "AGN (tf): TF contrib's rule, commit a/λ, the server runs its own optimizer on it",
+}
+
+
+def _async_diloco(
+    opt: torch.optim.Optimizer, cfg: RunConfig, cluster: Any
+) -> torch.optim.Optimizer:
+    import distoptim
+
+    return distoptim.AsyncDiLoCoOptimizer(
+        opt,
+        cfg.workers,
+        custom_getter=None if cluster is None else cluster.custom_getter,
+        communication_period=cfg.communication_period,
+        outer_optimizer=_outer_factory(cfg),  # pickled to the shard, which builds it there
+        delayed_momentum=cfg.delayed_nesterov,
+        dynamic_local_updates=cfg.dylu,
+    )
+
+
+def _async_detail(cfg: RunConfig) -> str:
+    parts = [f"DN={cfg.delayed_nesterov}"] if cfg.delayed_nesterov else []
+    return " ".join(parts + (["DyLU"] if cfg.dylu else []))
+
+
+def _async_note(cfg: RunConfig) -> str:
+    mu = cfg.outer_momentum
+    outer = f"SGD lr {cfg.outer_lr:g}" + (f", Nesterov momentum {mu:g}" if mu > 0 else "")
+    return (
+        "Async DiLoCo: each worker commits θ_pulled - θ_local every H = λ of its steps; the "
+        f"server's outer {outer} applies it on arrival; DN=N: Delayed Nesterov (momentum "
+        "applied every N commits), DyLU: H scaled by each worker's measured speed"
+    )
+
+
 def _agn(opt: torch.optim.Optimizer, cfg: RunConfig, cluster: Any) -> torch.optim.Optimizer:
     return _on_server("AGNOptimizer", opt, cfg, cluster, update_rule=AGN_RULES[cfg.agn_rule])
 
@@ -180,6 +342,60 @@ register(
 )
 register(
     Algorithm(
+        "localsgd",
+        "LocalSGD",
+        "collective",
+        _localsgd,
+        periodic=True,
+        help="LocalSGD: parameters averaged over all workers every H = λ steps",
+        settings=lambda cfg: {"sync_every": cfg.communication_period},
+        model=_global_copy,
+        check=_built_alone(_localsgd),
+    )
+)
+register(
+    Algorithm(
+        "diloco",
+        "DiLoCo",
+        "collective",
+        _diloco,
+        periodic=True,
+        help="DiLoCo: outer Nesterov SGD on the averaged pseudo-gradient every H = λ steps",
+        detail=lambda cfg: "" if _wire(cfg) == "fp32" else _wire(cfg),
+        settings=_outer_settings,
+        note=_outer_note,
+        model=_global_copy,
+        check=_built_alone(_diloco),
+    )
+)
+register(
+    Algorithm(
+        "streaming-diloco",
+        "Streaming DiLoCo",
+        "collective",
+        _streaming,
+        periodic=True,
+        help="Streaming DiLoCo: --fragments sync in turn, overlapped, in --wire precision",
+        detail=lambda cfg: f"F={cfg.fragments} {_wire(cfg)}",
+        settings=lambda cfg: {
+            **_outer_settings(cfg),
+            "fragments": cfg.fragments,
+            "fragment_sync_delay": cfg.fragment_sync_delay,
+            "fragment_update_alpha": cfg.fragment_alpha,
+        },
+        note=lambda cfg: (
+            f"Streaming DiLoCo F={cfg.fragments}: the model in {cfg.fragments} fragments, one "
+            f"syncing every H/{cfg.fragments} steps, "
+            f"its outer step applied τ = {cfg.fragment_sync_delay} step(s) later, local values "
+            f"mixed with \N{GREEK SMALL LETTER ALPHA} = {cfg.fragment_alpha:g}; int8/bf16: the "
+            "wire's precision"
+        ),
+        model=_global_copy,
+        check=_built_alone(_streaming),
+    )
+)
+register(
+    Algorithm(
         "agn",
         "AGN",
         "server",
@@ -191,7 +407,9 @@ register(
             "agn_rule": cfg.agn_rule,
             "update_rule": AGN_RULES[cfg.agn_rule],
             "communication_period": cfg.communication_period,
+            "transport": cfg.transport,
         },
+        note=lambda cfg: _AGN_NOTES[cfg.agn_rule],
     )
 )
 register(
@@ -202,7 +420,10 @@ register(
         _downpour,
         periodic=True,
         help="DOWNPOUR: accumulated updates committed every λ steps, not normalized",
-        settings=lambda cfg: {"communication_period": cfg.communication_period},
+        settings=lambda cfg: {
+            "communication_period": cfg.communication_period,
+            "transport": cfg.transport,
+        },
     )
 )
 register(
@@ -218,6 +439,30 @@ register(
             "moving_rate": cfg.easgd_alpha,
             "moving_rate_rule": MOVING_RATE_RULES.get(cfg.moving_rate, "fixed"),
             "communication_period": cfg.communication_period,
+            "transport": cfg.transport,
         },
+        note=lambda cfg: (
+            "EASGD \N{GREEK SMALL LETTER ALPHA}: the elastic pull's moving rate (--moving-rate)"
+        ),
+    )
+)
+register(
+    Algorithm(
+        "async-diloco",
+        "Async DiLoCo",
+        "server",
+        _async_diloco,
+        periodic=True,
+        help="asynchronous DiLoCo on the parameter server (--delayed-momentum, --dylu)",
+        detail=_async_detail,
+        settings=lambda cfg: {
+            "communication_period": cfg.communication_period,
+            "outer": _outer_spec(cfg),
+            "delayed_momentum": cfg.delayed_nesterov,
+            "dynamic_local_updates": cfg.dylu,
+            "transport": cfg.transport,
+        },
+        note=_async_note,
+        check=_built_alone(_async_diloco),
     )
 )

@@ -1,10 +1,11 @@
 """What one run is: the command line's constants and :class:`RunConfig`.
 
 Owns: the defaults of ``distoptim train`` / ``distoptim compare``, the choices of the options
-that are not algorithms (torch optimizer, AGN rule, EASGD moving rate), and the frozen
-:class:`RunConfig` every process of a run receives. The algorithms themselves (names, how each
-is built, what it records) are :mod:`distoptim.cli.algorithms`; the epoch plan (shards,
-batches) is :mod:`distoptim.cli.datasets`.
+that are not algorithms (torch optimizer, AGN rule, EASGD moving rate, the outer optimizer of
+the DiLoCo family, wire formats, the parameter server's transport, emulated stragglers), and
+the frozen :class:`RunConfig` every process of a run receives. The algorithms themselves
+(names, how each is built, what it records) are :mod:`distoptim.cli.algorithms`; the epoch
+plan (shards, batches) is :mod:`distoptim.cli.datasets`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from distoptim.agn.transport import TRANSPORTS  # --transport: p2p (the library's default), rpc
 from distoptim.cli.datasets import batches_per_epoch, shard_size
+from distoptim.comm.quantize import WIRES  # --wire: fp32, bf16, int8
 
 __all__ = [
     "AGN_RULES",
@@ -22,12 +25,16 @@ __all__ = [
     "DEFAULT_LR",
     "MOVING_RATE_RULES",
     "OPTIMIZERS",
+    "TRANSPORTS",
+    "WIRES",
     "RunConfig",
+    "delayed_nesterov",
     "easgd_alpha",
+    "straggler_factor",
 ]
 
-OPTIMIZERS = ("sgd", "momentum", "adam")
-DEFAULT_LR = {"sgd": 0.05, "momentum": 0.01, "adam": 0.001}
+OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
+DEFAULT_LR = {"sgd": 0.05, "momentum": 0.01, "adam": 0.001, "adamw": 0.001}
 """Per-optimizer learning rate when ``--lr`` is not given (tuned on digits, see docs/cli.md)."""
 
 AGN_RULES = {"paper": "delta", "tf": "gradient"}
@@ -68,11 +75,33 @@ DEFAULTS: dict[str, Any] = {
     "moving_rate": "paper",
     "hidden": DEFAULT_HIDDEN,
     "out": "distoptim-results",
+    "outer_lr": 0.7,
+    "outer_momentum": 0.9,
+    "fragments": 2,
+    "fragment_sync_delay": 1,
+    "fragment_alpha": 0.5,
+    "transport": "p2p",
+    "delayed_momentum": "n",
 }
 """``distoptim compare`` with no arguments: 4 workers, λ = 10, 30 epochs of digits, batch 16
 per worker, Adam (lr 0.001): sync, DOWNPOUR and EASGD reach about 96-97 % validation accuracy,
 AGN with the paper's rule (commits normalized by λ, so the center moves more slowly) about
 93 %; AGN is the one that stays stable as n and λ grow (docs/cli.md)."""
+
+
+def straggler_factor(stragglers: tuple[tuple[int, float], ...], worker: int) -> float:
+    """How many times as long worker ``worker``'s steps take (1.0 when it is no straggler)."""
+    return dict(stragglers).get(worker, 1.0)
+
+
+def delayed_nesterov(rule: str, workers: int) -> int:
+    """``--delayed-momentum``: ``"n"`` -> the number of workers (Liu et al.'s choice), else the
+    count itself (``"0"``: Nesterov on every commit); ``ValueError`` otherwise."""
+    if rule == "n":
+        return workers
+    if isinstance(rule, str) and rule.isdigit():
+        return int(rule)
+    raise ValueError(f"delayed_momentum must be 'n' or an integer >= 0, got {rule!r}")
 
 
 def easgd_alpha(rule: str, workers: int, period: int) -> float:
@@ -91,8 +120,17 @@ def easgd_alpha(rule: str, workers: int, period: int) -> float:
 class RunConfig:
     """Everything one run needs; validated by the command line before any process starts.
 
-    ``communication_period`` is λ (AGN, DOWNPOUR) or τ (EASGD); algorithms that do not use it
-    keep 1. ``agn_rule`` and ``moving_rate`` matter only to AGN and EASGD.
+    ``communication_period`` is λ (AGN, DOWNPOUR), τ (EASGD) or H (LocalSGD and the DiLoCo
+    family: inner steps between syncs); algorithms that do not use it keep 1. ``agn_rule`` and
+    ``moving_rate`` matter only to AGN and EASGD; ``outer_lr`` and ``outer_momentum`` (the outer
+    optimizer: SGD with Nesterov momentum) to the DiLoCo family; ``fragments``,
+    ``fragment_sync_delay`` and ``fragment_alpha`` to Streaming DiLoCo; ``wire`` (None: the
+    algorithm's own default) to DiLoCo and Streaming DiLoCo; ``delayed_momentum`` (Delayed
+    Nesterov's N as given: ``"n"`` for the number of workers, or a count, ``"0"`` off; resolved
+    by :attr:`delayed_nesterov`) and ``dylu`` (Dynamic Local Updates) to asynchronous DiLoCo;
+    ``transport`` to the parameter-server algorithms. ``stragglers``: ``(worker, factor)``
+    pairs, each such worker's steps take ``factor`` times as long (emulated,
+    :mod:`distoptim.cli.worker`).
     """
 
     algo: str
@@ -110,13 +148,30 @@ class RunConfig:
     hidden: tuple[int, ...] = DEFAULT_HIDDEN
     agn_rule: str = "paper"
     moving_rate: str = "paper"
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    fragments: int = 2
+    fragment_sync_delay: int = 1
+    fragment_alpha: float = 0.5
+    wire: str | None = None
+    transport: str = "p2p"
+    stragglers: tuple[tuple[int, float], ...] = ()
+    delayed_momentum: str = "n"
+    dylu: bool = False
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(
                 f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"
             )
-        for name in ("workers", "communication_period", "epochs", "batch_size", "num_ps"):
+        for name in (
+            "workers",
+            "communication_period",
+            "epochs",
+            "batch_size",
+            "num_ps",
+            "fragments",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -131,6 +186,37 @@ class RunConfig:
                 f"agn_rule must be one of {', '.join(AGN_RULES)}, got {self.agn_rule!r}"
             )
         easgd_alpha(self.moving_rate, self.workers, self.communication_period)
+        if not (math.isfinite(self.outer_lr) and self.outer_lr > 0):
+            raise ValueError(f"outer_lr must be a finite number > 0, got {self.outer_lr!r}")
+        if not (math.isfinite(self.outer_momentum) and 0 <= self.outer_momentum < 1):
+            raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum!r}")
+        delay = self.fragment_sync_delay
+        if not isinstance(delay, int) or isinstance(delay, bool) or delay < 0:
+            raise ValueError(f"fragment_sync_delay must be an integer >= 0, got {delay!r}")
+        if not (math.isfinite(self.fragment_alpha) and 0 <= self.fragment_alpha <= 1):
+            raise ValueError(f"fragment_alpha must be in [0, 1], got {self.fragment_alpha!r}")
+        if self.wire is not None and self.wire not in WIRES:
+            raise ValueError(f"wire must be one of {', '.join(WIRES)}, got {self.wire!r}")
+        delayed_nesterov(self.delayed_momentum, self.workers)
+        if not isinstance(self.dylu, bool):
+            raise ValueError(f"dylu must be True or False, got {self.dylu!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(
+                f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}"
+            )
+        for worker, factor in self.stragglers:
+            if not 0 <= worker < self.workers:
+                raise ValueError(
+                    f"straggler {worker} is not a worker of a run with {self.workers} workers "
+                    f"(0..{self.workers - 1})"
+                )
+            if not (math.isfinite(factor) and factor >= 1):
+                raise ValueError(f"straggler factor must be a number >= 1, got {factor!r}")
+
+    @property
+    def delayed_nesterov(self) -> int:
+        """Async DiLoCo's Delayed Nesterov N for this run (0: off)."""
+        return delayed_nesterov(self.delayed_momentum, self.workers)
 
     @property
     def easgd_alpha(self) -> float:

@@ -30,7 +30,10 @@ from distoptim.cli.config import (
     DEFAULT_LR,
     DEFAULTS,
     OPTIMIZERS,
+    TRANSPORTS,
+    WIRES,
     RunConfig,
+    delayed_nesterov,
     easgd_alpha,
 )
 from distoptim.cli.datasets import (
@@ -46,6 +49,8 @@ __all__ = ["RESULTS_JSON", "Plan", "UsageError", "build_parser", "make_plan"]
 
 RESULTS_JSON = "results.json"
 _MAX_WORKERS = 256
+_WARN_OVERSUBSCRIPTION = 2.0
+"""Workers per core above which the command warns (up to it, the factor is only recorded)."""
 
 _NEEDED = {
     "rich": "the results table and live progress: pip install 'distoptim[cli]'",
@@ -114,6 +119,43 @@ def _moving_rate(text: str) -> str:
     return text
 
 
+def _straggler(text: str) -> tuple[int, float]:
+    worker, sep, factor = text.partition(":")
+    try:
+        pair = (int(worker), float(factor))
+    except ValueError:
+        pair = None
+    if not sep or pair is None or pair[0] < 0 or not (math.isfinite(pair[1]) and pair[1] >= 1):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not allowed: give WORKER:FACTOR, a worker index >= 0 and a factor >= 1 "
+            "(e.g. 1:3: worker 1's steps take 3x as long)"
+        )
+    return pair
+
+
+def _delayed_momentum(text: str) -> str:
+    text = text.strip().lower()
+    try:
+        delayed_nesterov(text, 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not allowed: give 'n' (the number of workers) or an integer >= 0"
+        ) from None
+    return text
+
+
+def _accuracy(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(
+            f"{text} is not allowed: give a validation accuracy in (0, 1], e.g. 0.9"
+        )
+    return value
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -153,12 +195,13 @@ def _add_common(p: argparse.ArgumentParser, grid: bool) -> None:
     )
     p.add_argument(
         "--communication-period",
+        "--sync-every",
         "-l",
         type=_int_list,
         default=DEFAULTS["communication_period"],
         metavar="L" + (",L..." if grid else ""),
-        help=f"λ / τ: local steps between commits of the async algorithms (default 10){many}; "
-        "sync all-reduces every step",
+        help="λ: local steps between a worker's communications -- AGN's/DOWNPOUR's λ, EASGD's τ, "
+        f"LocalSGD's and DiLoCo's H (default 10){many}; sync all-reduces every step",
     )
     p.add_argument(
         "--agn-rule",
@@ -176,6 +219,91 @@ def _add_common(p: argparse.ArgumentParser, grid: bool) -> None:
         metavar="paper|tf|ALPHA",
         help="EASGD's moving rate alpha: 'paper' = 0.9/n (Zhang et al., default), 'tf' = "
         "0.9/(τ·n) (TF contrib's default), or a number in (0, 1]",
+    )
+    p.add_argument(
+        "--outer-lr",
+        type=_number(0.0, inclusive=False),
+        default=DEFAULTS["outer_lr"],
+        metavar="LR",
+        help="DiLoCo's outer SGD learning rate (default %(default)g, DiLoCo's paper)",
+    )
+    p.add_argument(
+        "--outer-momentum",
+        type=_number(0.0, inclusive=True),
+        default=DEFAULTS["outer_momentum"],
+        metavar="MU",
+        help="DiLoCo's outer Nesterov momentum in [0, 1); 0: plain SGD (default %(default)g)",
+    )
+    p.add_argument(
+        "--fragments",
+        type=_positive_int,
+        default=DEFAULTS["fragments"],
+        metavar="F",
+        help="Streaming DiLoCo: fragments that sync in turn, one every H/F steps (F must "
+        "divide H; default %(default)s)",
+    )
+    p.add_argument(
+        "--fragment-sync-delay",
+        type=int,
+        default=DEFAULTS["fragment_sync_delay"],
+        metavar="TAU",
+        help="Streaming DiLoCo: inner steps a fragment's sync overlaps before its outer step "
+        "applies (0 <= TAU < H/F; default %(default)s)",
+    )
+    p.add_argument(
+        "--fragment-alpha",
+        type=_number(0.0, inclusive=True),
+        default=DEFAULTS["fragment_alpha"],
+        metavar="ALPHA",
+        help="Streaming DiLoCo: share of its local values a fragment keeps when the new global "
+        "values arrive, in [0, 1] (default %(default)g)",
+    )
+    p.add_argument(
+        "--wire",
+        choices=WIRES,
+        default=None,
+        help="what a DiLoCo sync sends: fp32 (lossless), bf16, or int8 with error feedback "
+        "(default: fp32 for diloco, int8 for streaming-diloco)",
+    )
+    p.add_argument(
+        "--delayed-momentum",
+        type=_delayed_momentum,
+        default=DEFAULTS["delayed_momentum"],
+        metavar="n|N",
+        help="Async DiLoCo: Delayed Nesterov, the outer momentum applied every N commits (Liu "
+        "et al. 2024); 'n' = the number of workers (default, their choice); 0: Nesterov on "
+        "every commit (unstable: it diverged on digits)",
+    )
+    p.add_argument(
+        "--dylu",
+        action="store_true",
+        help="Async DiLoCo: Dynamic Local Updates, each worker's H scaled by its measured speed "
+        "(a straggler commits after fewer steps)",
+    )
+    p.add_argument(
+        "--transport",
+        choices=TRANSPORTS,
+        default=DEFAULTS["transport"],
+        help="how the parameter-server algorithms' workers and shards talk: p2p (gloo "
+        "point-to-point, the library's default) or rpc (torch.distributed.rpc) "
+        "(default %(default)s)",
+    )
+    p.add_argument(
+        "--straggler",
+        type=_straggler,
+        action="append",
+        default=[],
+        metavar="W:FACTOR",
+        help="make worker W's steps take FACTOR x as long (emulated: it waits FACTOR-1 times "
+        "its forward+backward time after each step); repeatable",
+    )
+    p.add_argument(
+        "--target-acc",
+        type=_accuracy,
+        default=None,
+        metavar="ACC",
+        help="validation accuracy for the 'time/bytes to target' columns (default: 0.95 x the "
+        "final accuracy of sync with the same n, else of the grid's best run)",
     )
     p.add_argument(
         "--epochs",
@@ -203,8 +331,9 @@ def _add_common(p: argparse.ArgumentParser, grid: bool) -> None:
         "--optimizer",
         choices=OPTIMIZERS,
         default=DEFAULTS["optimizer"],
-        help="torch optimizer every algorithm wraps (AGN's server runs the same kind under "
-        "--agn-rule tf): sgd, momentum (SGD, momentum 0.9) or adam (default %(default)s)",
+        help="torch optimizer every algorithm wraps -- DiLoCo's inner optimizer; AGN's server "
+        "runs the same kind under --agn-rule tf: sgd, momentum (SGD, momentum 0.9), adam or "
+        "adamw (default %(default)s)",
     )
     p.add_argument(
         "--lr",
@@ -342,10 +471,16 @@ class Plan:
     link_env: str | None
     progress: str
     notes: list[str] = field(default_factory=list)
+    target_acc: float | None = None
+    footer: list[str] = field(default_factory=list)
+    """Lines under the table that belong to the command (oversubscription, stragglers)."""
+    oversubscription: dict[str, Any] | None = None
+    """The largest run's processes, workers, cores and both per core (None under torchrun)."""
 
 
 def _configs(args: argparse.Namespace, algos: list[str], workers: list[int], repeats: int) -> list:
     lr = args.lr if args.lr is not None else DEFAULT_LR[args.optimizer]
+    stragglers = dict(args.straggler)  # a worker named twice: the last factor
     configs = []
     for repeat in range(repeats):
         for algo in algos:
@@ -371,6 +506,18 @@ def _configs(args: argparse.Namespace, algos: list[str], workers: list[int], rep
                                 hidden=tuple(args.hidden),
                                 agn_rule=rule,
                                 moving_rate=args.moving_rate,
+                                outer_lr=args.outer_lr,
+                                outer_momentum=args.outer_momentum,
+                                fragments=args.fragments,
+                                fragment_sync_delay=args.fragment_sync_delay,
+                                fragment_alpha=args.fragment_alpha,
+                                wire=args.wire,
+                                transport=args.transport,
+                                delayed_momentum=args.delayed_momentum,
+                                dylu=args.dylu,
+                                stragglers=tuple(
+                                    sorted((w, f) for w, f in stragglers.items() if w < n)
+                                ),
                             )
                         )
     return configs
@@ -412,17 +559,62 @@ def _epoch_notes(configs: list[RunConfig], n_train: int) -> list[str]:
     return notes
 
 
-def _oversubscription(configs: list[RunConfig]) -> list[str]:
+def _oversubscription(configs: list[RunConfig]) -> tuple[dict[str, Any], list[str], list[str]]:
+    """How crowded the cores get: ``(record, notes, footer)``.
+
+    Counted: the largest run's processes and its workers (the parameter-server shards mostly
+    wait for messages; the workers compute). Above 2 workers per core the command warns (runs
+    crawl and their wall times say more about the machine than the algorithm); above one
+    process per core it says so under the table instead; ``record`` goes to ``results.json``.
+    """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     cores = cores or 1
     most = max(algorithms.processes_of(c) for c in configs)
-    if most <= cores:
-        return []
-    return [
-        f"warning: runs of up to {most} processes on {cores} CPU core(s): oversubscribed "
-        f"{most / cores:.1f}x, so runs are slower and wall times include waiting for a core "
-        "(compare the algorithms at the same --workers)"
+    workers = max(c.workers for c in configs)
+    record = {
+        "processes": most,
+        "workers": workers,
+        "cores": cores,
+        "processes_per_core": round(most / cores, 3),
+        "workers_per_core": round(workers / cores, 3),
+    }
+    said = (
+        f"oversubscribed: runs of up to {most} processes ({workers} training) on {cores} CPU "
+        f"core(s), {workers / cores:.1f} workers per core, so wall times include waiting for a "
+        "core"
+    )
+    if workers / cores > _WARN_OVERSUBSCRIPTION:
+        warning = (
+            f"warning: {said}; runs are much slower (compare algorithms at the same --workers)"
+        )
+        return record, [warning], [said]
+    return record, [], [said] if most > cores else []
+
+
+def _straggler_notes(args: argparse.Namespace, configs: list[RunConfig]) -> tuple[list, list]:
+    """Refuse a straggler no run has; say which runs lack one; the footer's line."""
+    if not args.straggler:
+        return [], []
+    most = max(c.workers for c in configs)
+    named = dict(args.straggler)
+    absent = sorted(w for w in named if w >= most)
+    if absent:
+        raise UsageError(
+            f"--straggler {absent[0]}: no run has worker {absent[0]} (workers are numbered from "
+            f"0; the largest run has {most})"
+        )
+    notes = [
+        f"note: runs with {n} workers have no worker {w}: --straggler {w} does not apply to them"
+        for n in sorted({c.workers for c in configs})
+        for w in sorted(named)
+        if w >= n
     ]
+    slow = ", ".join(f"worker {w} {f:g}x" for w, f in sorted(named.items()))
+    footer = [
+        f"stragglers: {slow} as long per step (emulated: after each step the worker waits "
+        "FACTOR-1 times its own forward+backward time)"
+    ]
+    return notes, footer
 
 
 def _output_folder(args: argparse.Namespace, create: bool) -> str:
@@ -532,8 +724,43 @@ def make_plan(args: argparse.Namespace, world_size: int | None = None, writes: b
         data = load_dataset(args.dataset)
     except DatasetError as exc:
         raise UsageError(str(exc)) from None
+    _check_algorithms(configs, data)
     notes = _epoch_notes(configs, int(data.x_train.shape[0]))
+    notes_slow, footer = _straggler_notes(args, configs)
+    notes += notes_slow
+    oversubscription = None
     if world_size is None:
-        notes += _oversubscription(configs)
+        oversubscription, warn, said = _oversubscription(configs)
+        notes += warn
+        footer = said + footer
     out = _output_folder(args, create=writes)
-    return Plan(args.command, configs, data, out, link, link_env, args.progress, notes)
+    return Plan(
+        args.command,
+        configs,
+        data,
+        out,
+        link,
+        link_env,
+        args.progress,
+        notes,
+        target_acc=args.target_acc,
+        footer=footer,
+        oversubscription=oversubscription,
+    )
+
+
+def _check_algorithms(configs: list[RunConfig], data: Dataset) -> None:
+    """Each distinct algorithm setting can be built (e.g. Streaming DiLoCo's F divides H)."""
+    from distoptim.cli.model import build_model
+
+    seen = set()
+    for cfg in configs:
+        key = (cfg.algo, cfg.communication_period, cfg.hidden)
+        if key in seen:
+            continue
+        seen.add(key)
+        model = build_model(data.num_features, data.num_classes, cfg.seed, cfg.hidden)
+        try:
+            algorithms.check(cfg, model)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None

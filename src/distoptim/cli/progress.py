@@ -7,12 +7,15 @@ loss and validation accuracy when the terminal can show one, plain lines otherwi
 nothing.
 
 Events are small dicts, all with ``kind``, ``worker`` (task index / rank), ``t`` (``time.time()``
-of the worker), ``samples`` (samples that worker has processed) and, locally, ``run`` (the
-run's index in the command):
+of the worker), ``samples`` (samples that worker has processed), ``step`` (local steps it has
+taken), ``bytes`` when the worker counts what it sends (the ``collective`` family: its
+optimizer's ``comm_stats.bytes_sent``) and, locally, ``run`` (the run's index in the command):
 
 * ``start``  -- the worker is ready and starts its clock;
 * ``tick``   -- periodic, with ``loss``: mean training loss since the previous tick;
 * ``eval``   -- one worker scored the current model: ``acc``, ``loss`` on validation;
+* ``mark``   -- the other workers of a ``collective`` run, at the steps of the evaluations:
+  their ``bytes`` at that step, so the group's bytes at each evaluation are exact;
 * ``finish`` -- the worker's last step is done (``loss``: of its last tick).
 
 The same events the parent sees live are returned by each worker with its result, so a run
@@ -28,7 +31,7 @@ import queue as queue_mod
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
 __all__ = ["EventQueue", "LineSink", "ProgressDisplay", "Reporter", "RunProgress"]
@@ -39,20 +42,37 @@ class Reporter:
 
     ``run``: the index of the run in its command, carried by every event so that the parent
     can tell the runs of one pool apart (None under torchrun, where there is one run).
+    ``sent``: the bytes this worker has sent so far, read at every event (None: not counted).
     """
 
-    def __init__(self, sink: Any, worker: int, run: int | None = None) -> None:
+    def __init__(
+        self,
+        sink: Any,
+        worker: int,
+        run: int | None = None,
+        sent: Callable[[], int] | None = None,
+    ) -> None:
         self.sink = sink
         self.worker = worker
         self.run = run
+        self.sent = sent
         self.events: list[dict[str, Any]] = []
         self.samples = 0
+        self.steps = 0
         self._loss_sum = 0.0
         self._loss_n = 0
         self._last_loss: float | None = None
 
     def _emit(self, kind: str, **fields: Any) -> None:
-        event = {"kind": kind, "worker": self.worker, "t": time.time(), "samples": self.samples}
+        event = {
+            "kind": kind,
+            "worker": self.worker,
+            "t": time.time(),
+            "samples": self.samples,
+            "step": self.steps,
+        }
+        if self.sent is not None:
+            event["bytes"] = int(self.sent())
         if self.run is not None:
             event["run"] = self.run
         event.update(fields)
@@ -66,6 +86,7 @@ class Reporter:
 
     def step(self, batch_samples: int, loss: float) -> None:
         self.samples += batch_samples
+        self.steps += 1
         self._loss_sum += loss
         self._loss_n += 1
 
@@ -77,6 +98,10 @@ class Reporter:
 
     def evaluation(self, acc: float, loss: float) -> None:
         self._emit("eval", acc=acc, loss=loss)
+
+    def mark(self) -> None:
+        """Where this worker stands at another worker's evaluation (same ``step``)."""
+        self._emit("mark")
 
     def finish(self) -> None:
         self._emit("finish", loss=self._last_loss)

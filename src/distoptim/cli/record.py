@@ -12,6 +12,19 @@ until the last one finishes; validation accuracy during training, evaluated by o
 it pulls from the parameter server); final train/validation accuracy of the final parameters
 (sync: rank 0's; async: the center after every worker finished). Samples processed at a point
 in time: the sum over workers of the samples each had finished by its latest progress report.
+
+Bytes moved at an evaluation (``history[i]["bytes"]``, what "bytes to target" reads):
+
+* ``collective`` family -- measured: the evaluating rank's bytes sent at that step plus every
+  other rank's at the same step (each reports a ``mark`` there), so the sum is exact;
+* ``server`` family -- estimated: the parameter server counts bytes only in total, so a point
+  gets the total's share of the samples processed by then (``bytes_moved · samples /
+  samples_total``). Each worker moves a fixed payload every λ of its steps, so the estimate is
+  off by at most about one commit per worker. ``bytes_history`` says which.
+
+The chief's evaluation pulls (one pull of the whole center per evaluation) measure, they do not
+train: they are left out of ``bytes_moved`` (and recorded in ``stats.evaluation_pull_bytes``),
+as sync's evaluation on rank 0 moves nothing either.
 """
 
 from __future__ import annotations
@@ -63,6 +76,11 @@ class RunRecord:
     samples: int | None = None
     temporal_efficiency: float | None = None
     temporal_efficiency_reference: str | None = None
+    target_acc: float | None = None
+    target_reference: str | None = None
+    time_to_target_s: float | None = None
+    bytes_to_target: int | None = None
+    bytes_history: str | None = None
     history: list[dict[str, float]] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
 
@@ -82,8 +100,10 @@ def build_history(events: Sequence[dict[str, Any]]) -> tuple[float | None, list[
     """``(t0, points)`` from the workers' progress events.
 
     ``t0`` is the earliest ``start``; each ``eval`` event becomes a point ``{t, samples,
-    val_acc, val_loss, train_loss}`` with ``t`` in seconds since ``t0`` and ``samples`` the
-    sum over workers of their latest reported sample count at that time.
+    val_acc, val_loss, train_loss, bytes}`` with ``t`` in seconds since ``t0``, ``samples`` the
+    sum over workers of their latest reported sample count at that time, and ``bytes`` the
+    evaluating worker's ``bytes`` plus every other worker's ``mark`` at the same ``step`` (None
+    unless every worker reported one; see the module doc).
     """
     starts = [e["t"] for e in events if e["kind"] == "start"]
     if not starts:
@@ -91,6 +111,11 @@ def build_history(events: Sequence[dict[str, Any]]) -> tuple[float | None, list[
     t0 = min(starts)
     ticks = sorted((e for e in events if e["kind"] in ("tick", "start")), key=lambda e: e["t"])
     evals = sorted((e for e in events if e["kind"] == "eval"), key=lambda e: e["t"])
+    marks: dict[int, dict[int, int]] = {}  # step -> worker -> bytes sent by then
+    for e in events:
+        if e["kind"] == "mark" and "bytes" in e:
+            marks.setdefault(e["step"], {})[e["worker"]] = e["bytes"]
+    workers = {e["worker"] for e in events}
     latest: dict[int, int] = {}
     loss: dict[int, float] = {}
     points = []
@@ -102,6 +127,10 @@ def build_history(events: Sequence[dict[str, Any]]) -> tuple[float | None, list[
                 loss[ticks[i]["worker"]] = ticks[i]["loss"]
             i += 1
         latest[ev["worker"]] = max(latest.get(ev["worker"], 0), ev["samples"])
+        others = marks.get(ev.get("step", -1), {})
+        sent = None
+        if "bytes" in ev and workers - {ev["worker"]} <= set(others):
+            sent = ev["bytes"] + sum(b for w, b in others.items() if w != ev["worker"])
         points.append(
             {
                 "t": ev["t"] - t0,
@@ -109,6 +138,7 @@ def build_history(events: Sequence[dict[str, Any]]) -> tuple[float | None, list[
                 "val_acc": ev["acc"],
                 "val_loss": ev["loss"],
                 "train_loss": sum(loss.values()) / len(loss) if loss else None,
+                "bytes": sent,
             }
         )
     return t0, points
@@ -140,10 +170,24 @@ def finish_record(
                 "val_acc": record.val_acc,
                 "val_loss": record.val_loss,
                 "train_loss": sum(losses) / len(losses) if losses else None,
+                "bytes": record.bytes_moved,
             }
         )
     record.history = points
+    _bytes_history(record)
     return t0
+
+
+def _bytes_history(record: RunRecord) -> None:
+    """Fill the points' ``bytes`` that were not measured with the samples' share (module doc)."""
+    total, moved = record.samples, record.bytes_moved
+    measured = all(p.get("bytes") is not None for p in record.history)
+    record.bytes_history = "measured" if measured else "estimated from samples"
+    if measured or moved is None or not total:
+        return
+    for p in record.history:
+        if p.get("bytes") is None:
+            p["bytes"] = round(moved * min(p["samples"], total) / total)
 
 
 def partial_record(
@@ -173,13 +217,14 @@ def partial_record(
 def record_collective(record: RunRecord, outs: Sequence[dict[str, Any]]) -> tuple[list, list]:
     """Counters of a process-group run into ``record``; returns (all events, rank 0's params).
 
-    ``outs``: what every rank's worker returned (``events``, ``collectives``, ``bytes_sent``;
-    rank 0 also ``params``).
+    ``outs``: what every rank's worker returned (``events``, ``collectives``, ``syncs``,
+    ``bytes_sent``; rank 0 also ``params``).
     """
-    record.communications = outs[0]["collectives"]
-    record.communication_kind = "all-reduces"
+    record.communication_kind = kind = algorithms.get(record.config.algo).communication_kind
+    record.communications = outs[0]["syncs" if kind == "syncs" else "collectives"]
     record.bytes_moved = sum(o["bytes_sent"] for o in outs)
     record.stats = {
+        "syncs": outs[0]["syncs"],
         "collectives_per_rank": [o["collectives"] for o in outs],
         "bytes_sent_per_rank": [o["bytes_sent"] for o in outs],
     }
@@ -187,17 +232,25 @@ def record_collective(record: RunRecord, outs: Sequence[dict[str, Any]]) -> tupl
 
 
 def record_server(
-    record: RunRecord, stats: Any, worker_events: Sequence[list[dict[str, Any]] | None]
+    record: RunRecord,
+    stats: Any,
+    worker_events: Sequence[list[dict[str, Any]] | None],
+    center: Sequence[torch.Tensor],
 ) -> list[dict[str, Any]]:
     """Counters of a parameter-server run into ``record``; returns every worker's events.
 
     ``stats``: the merged :class:`distoptim.agn.ClusterStats` of the shards;
-    ``worker_events``: each worker's events (None for a worker that returned nothing).
+    ``worker_events``: each worker's events (None for a worker that returned nothing);
+    ``center``: the final center (its size is what one evaluation pull moved).
     """
+    events = [e for evs in worker_events if evs is not None for e in evs]
+    pulls = sum(1 for e in events if e["kind"] == "eval")  # one pull of the center each
+    pull_bytes = pulls * sum(t.numel() * t.element_size() for t in center)
     record.communications = int(sum(stats.commits_per_worker.values()))
     record.communication_kind = "commits"
-    record.bytes_moved = int(stats.bytes_in + stats.bytes_out)
+    record.bytes_moved = int(stats.bytes_in + stats.bytes_out) - pull_bytes
     record.stats = stats.as_dict()  # JSON types already (string keys)
+    record.stats["evaluation_pull_bytes"] = pull_bytes
     if stats.dead_workers:
         record.error = f"dead workers: {list(stats.dead_workers)}"
-    return [e for events in worker_events if events is not None for e in events]
+    return events

@@ -20,6 +20,16 @@ the best run of the grid instead -- the finished run with the highest final vali
 accuracy (ties: the shorter one) -- whose own E is then 1; the table marks such values with
 ``*`` and its footer names the reference. E is blank only for runs that did not finish, or
 when no run finished with at least two evaluations.
+
+Time and bytes to target accuracy
+---------------------------------
+The target is ``--target-acc`` (a validation accuracy), or by default ``0.95 *`` the final
+validation accuracy of the same reference as temporal efficiency (sync with the same workers;
+without one, the grid's best run, said in the footer). A run's *time to target* and *bytes to
+target* are the ``t`` and ``bytes`` of its first evaluation at or above the target (the bytes
+at an evaluation: :mod:`distoptim.cli.record`); a run that never reaches it has none. This is
+where the communication-efficient algorithms show: DiLoCo reaches sync's accuracy moving a
+fraction of the bytes, and with a straggler the asynchronous ones do not wait for it.
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ import math
 import os
 import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 import numpy as np
@@ -38,7 +48,10 @@ from distoptim.cli import algorithms
 from distoptim.cli.record import RunRecord
 
 __all__ = [
+    "DEFAULT_TARGET_SHARE",
     "TEMPORAL_EFFICIENCY",
+    "TO_TARGET",
+    "assign_targets",
     "footer",
     "assign_temporal_efficiency",
     "format_bytes",
@@ -53,6 +66,18 @@ TEMPORAL_EFFICIENCY = (
     "same integral for sync with the same workers (without one: for the grid's best run, the "
     "highest final validation accuracy); T = the shorter of the two wall times. E > 1: higher "
     "accuracy sooner than the reference; the reference = 1."
+)
+
+
+DEFAULT_TARGET_SHARE = 0.95
+"""Without ``--target-acc`` the target is this share of the reference's final accuracy."""
+
+TO_TARGET = (
+    "time/bytes to target: wall time and bytes moved until the first evaluation with a "
+    "validation accuracy >= the target: --target-acc, or by default 0.95 x the final validation "
+    "accuracy of sync with the same workers (without one: of the grid's best run). Bytes at an "
+    "evaluation: measured for the collective algorithms, the total's share of the samples "
+    "processed for the parameter-server ones."
 )
 
 
@@ -86,27 +111,56 @@ def _best_run(records: Sequence[RunRecord]) -> RunRecord | None:
     return max(finished, key=lambda r: (r.val_acc or 0.0, -(r.wall_time_s or 0.0)))
 
 
-def assign_temporal_efficiency(records: Sequence[RunRecord]) -> None:
-    """Set ``temporal_efficiency`` and its reference on every finished record.
-
-    The reference is the sync run with the same workers and repeat index (else the first
-    finished sync run with those workers); without one, the grid's best run (module doc).
-    """
+def _references(records: Sequence[RunRecord]) -> Callable[[RunRecord], RunRecord | None]:
+    """Each record's reference: the sync run with the same workers and repeat index (else the
+    first finished sync run with those workers); without one, the grid's best run."""
     refs: dict[tuple[int, int], RunRecord] = {}
     for r in records:
         if r.config.algo == "sync" and r.status == "ok" and len(r.history) >= 2:
             refs.setdefault((r.config.workers, r.config.repeat), r)
             refs.setdefault((r.config.workers, -1), r)
     best = _best_run(records)
+
+    def reference(r: RunRecord) -> RunRecord | None:
+        key = (r.config.workers, r.config.repeat)
+        return refs.get(key) or refs.get((r.config.workers, -1)) or best
+
+    return reference
+
+
+def assign_temporal_efficiency(records: Sequence[RunRecord]) -> None:
+    """Set ``temporal_efficiency`` and its reference on every finished record (module doc)."""
+    reference = _references(records)
     for r in records:
         r.temporal_efficiency = r.temporal_efficiency_reference = None
-        if r.status != "ok":
-            continue
-        ref = refs.get((r.config.workers, r.config.repeat)) or refs.get((r.config.workers, -1))
-        ref = ref or best
+        ref = reference(r) if r.status == "ok" else None
         if ref is not None:
             r.temporal_efficiency = temporal_efficiency(r.history, ref.history)
             r.temporal_efficiency_reference = ref.label
+
+
+def assign_targets(records: Sequence[RunRecord], target_acc: float | None = None) -> None:
+    """Set the target and the time and bytes to reach it on every finished record.
+
+    ``target_acc``: the target validation accuracy, or None for ``0.95 *`` the reference's
+    final validation accuracy (module doc).
+    """
+    reference = _references(records)
+    for r in records:
+        r.target_acc = r.target_reference = r.time_to_target_s = r.bytes_to_target = None
+        if r.status != "ok":
+            continue
+        if target_acc is None:
+            ref = reference(r)
+            if ref is None or ref.val_acc is None:
+                continue
+            r.target_acc, r.target_reference = DEFAULT_TARGET_SHARE * ref.val_acc, ref.label
+        else:
+            r.target_acc = target_acc
+        reached = next((p for p in r.history if p["val_acc"] >= r.target_acc), None)
+        if reached is not None:
+            r.time_to_target_s = reached["t"]
+            r.bytes_to_target = reached.get("bytes")
 
 
 def _mean(values: list[float]) -> float | None:
@@ -156,6 +210,19 @@ def summarize(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
                 [r.temporal_efficiency for r in ok if r.temporal_efficiency is not None]
             ),
             "temporal_efficiency_reference": ", ".join(sorted(refs)) or None,
+            "target_acc": _mean([r.target_acc for r in ok if r.target_acc is not None]),
+            "target_reference": ", ".join(
+                sorted({r.target_reference for r in ok} - {None})  # type: ignore[arg-type]
+            )
+            or None,
+            "reached_target": sum(1 for r in ok if r.time_to_target_s is not None),
+            "time_to_target_s": _mean(
+                [r.time_to_target_s for r in ok if r.time_to_target_s is not None]
+            ),
+            "bytes_to_target": _mean(
+                [r.bytes_to_target for r in ok if r.bytes_to_target is not None]
+            ),
+            "note": algorithms.get(algo).note(runs[0].config),
         }
         rows.append(row)
     return rows
@@ -186,6 +253,7 @@ def _cells(row: dict[str, Any]) -> list[str]:
     algo = row["title"] + (f" {row['detail']}" if row["detail"] else "")
     if row["status"] != "ok":
         algo += f" ({row['status']})"
+    time_to, bytes_to = _to_target(row)
     return [
         algo,
         str(row["workers"]),
@@ -195,8 +263,22 @@ def _cells(row: dict[str, Any]) -> list[str]:
         val,
         comm,
         format_bytes(row["bytes_moved"]),
+        time_to,
+        bytes_to,
         eff,
     ]
+
+
+def _to_target(row: dict[str, Any]) -> tuple[str, str]:
+    """The two "to target" cells: '-' without a target, 'not reached', or the means (with
+    'k/m' when only k of the m finished repeats reached it)."""
+    if row["target_acc"] is None:
+        return "-", "-"
+    if not row["reached_target"]:
+        return "not reached", "not reached"
+    some = f" ({row['reached_target']}/{row['finished']})"
+    some = some if row["reached_target"] < row["finished"] else ""
+    return f"{row['time_to_target_s']:.1f} s{some}", format_bytes(row["bytes_to_target"]) + some
 
 
 _HEADERS = [
@@ -206,15 +288,19 @@ _HEADERS = [
     "wall\ntime",
     "train\nacc",
     "val\nacc",
-    "commits /\nall-reduces",
+    "commits /\nsyncs",
     "bytes\nmoved",
+    "time to\ntarget",
+    "bytes to\ntarget",
     "temporal\neff.",
 ]
 
 
 _CAPTION = (
-    "n: workers, λ: local steps between commits; temporal eff.: accuracy-over-time area vs "
-    "sync with the same n (see results.json)"
+    "n: workers, λ: local steps between commits (LocalSGD, DiLoCo: between syncs, H); commits / "
+    "syncs: parameter-server commits of all workers, a rank's all-reduces (sync) or outer syncs "
+    "(LocalSGD, DiLoCo); temporal eff.: accuracy-over-time area vs sync with the same n (see "
+    "results.json)"
 )
 
 
@@ -223,22 +309,14 @@ def _against_sync(row: dict[str, Any]) -> bool:
     return all(part.startswith("sync ") for part in ref.split(", "))
 
 
-def footer(rows: Sequence[dict[str, Any]]) -> list[str]:
-    """The lines under the table: the columns, which AGN rule ran, what * means."""
+def footer(rows: Sequence[dict[str, Any]], notes: Sequence[str] = ()) -> list[str]:
+    """The lines under the table: the columns, what the algorithms' settings mean (each
+    algorithm's ``note``), the target, what * means, then ``notes`` (the command's own:
+    oversubscription, stragglers)."""
     lines = [_CAPTION]
-    rules = {r["variant"] for r in rows if r["algorithm"] == "agn"}
-    if "paper" in rules:
-        lines.append(
-            "AGN (paper): Hermans et al.'s rule, commit (θ-θ_pulled)/λ, the server adds it"
-        )
-    if "tf" in rules:
-        lines.append(
-            "AGN (tf): TF contrib's rule, commit a/λ, the server runs its own optimizer on it"
-        )
-    if any(r["algorithm"] == "easgd" for r in rows):
-        lines.append(
-            "EASGD \N{GREEK SMALL LETTER ALPHA}: the elastic pull's moving rate (--moving-rate)"
-        )
+    for note in dict.fromkeys(r["note"] for r in rows if r.get("note")):
+        lines.append(note)
+    lines += _target_lines(rows)
     marked = sorted(
         {
             r["temporal_efficiency_reference"]
@@ -255,11 +333,38 @@ def footer(rows: Sequence[dict[str, Any]]) -> list[str]:
             f"*: no sync run with that n; temporal eff. relative to the grid's best run "
             f"({', '.join(marked)}) instead"
         )
-    return lines
+    return lines + list(notes)
 
 
-def render_table(rows: Sequence[dict[str, Any]], stream: TextIO | None = None) -> None:
-    """Print the comparison table (rich, plain box characters when not a terminal)."""
+def _target_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    targets = [r for r in rows if r["target_acc"] is not None]
+    if not targets:
+        return []
+    refs = sorted({r["target_reference"] for r in targets} - {None})
+    if not refs:
+        return [
+            f"to target: until the first evaluation at val acc >= {_pct(targets[0]['target_acc'])}"
+            " (--target-acc)"
+        ]
+    by_ref: dict[str, float] = {}
+    for r in targets:
+        if r["target_reference"] is not None:
+            by_ref.setdefault(r["target_reference"], r["target_acc"])
+    against = ", ".join(f"{_pct(acc)} for {ref}" for ref, acc in by_ref.items())
+    sync = all(ref.startswith("sync ") for ref in refs)
+    whose = "sync with the same n" if sync else "the grid's best run (no sync run with that n)"
+    return [
+        f"to target: until the first evaluation at val acc >= 0.95 x the final val acc of {whose}"
+        f" ({against}); bytes: measured (collective), the samples' share of the total "
+        "(parameter server)"
+    ]
+
+
+def render_table(
+    rows: Sequence[dict[str, Any]], stream: TextIO | None = None, notes: Sequence[str] = ()
+) -> None:
+    """Print the comparison table (rich, plain box characters when not a terminal) and its
+    :func:`footer` (with ``notes``)."""
     from rich import box
     from rich.console import Console
     from rich.table import Table
@@ -281,7 +386,7 @@ def render_table(rows: Sequence[dict[str, Any]], stream: TextIO | None = None) -
     for row in rows:
         table.add_row(*_cells(row))
     console.print(table)
-    for line in footer(rows):
+    for line in footer(rows, notes):
         console.print(line, highlight=False, soft_wrap=True)
 
 
@@ -289,12 +394,15 @@ def write_results(
     path: str | os.PathLike[str],
     records: Sequence[RunRecord],
     meta: dict[str, Any],
+    notes: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """Write ``results.json`` atomically (temp file + rename); return what was written."""
+    """Write ``results.json`` atomically (temp file + rename); return what was written.
+    ``notes``: the command's own lines for the footer (see :func:`footer`)."""
     doc = dict(meta)
     doc["temporal_efficiency_definition"] = TEMPORAL_EFFICIENCY
+    doc["to_target_definition"] = TO_TARGET
     doc["summary"] = rows = summarize(records)
-    doc["footer"] = footer(rows)
+    doc["footer"] = footer(rows, notes)
     doc["runs"] = [r.to_dict() for r in records]
     tmp = f"{os.fspath(path)}.tmp"
     with open(tmp, "w", encoding="utf-8") as fh:

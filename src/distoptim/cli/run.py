@@ -99,7 +99,8 @@ def _server_outcome(
     reports = [v for kind, v in roles if kind == "shard"]
     events: list[list[dict[str, Any]] | None] = [v for kind, v in roles if kind == "worker"]
     stats, centers, _ = merge_reports(reports, cfg.workers, time.time() - since)
-    return record_server(record, stats, events), next(iter(centers.values()))
+    center = next(iter(centers.values()))
+    return record_server(record, stats, events, center), center
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,6 +186,7 @@ def _torchrun_server(cfg: RunConfig, data: Dataset, sink: Any) -> RunRecord | No
     store.wait(keys, wait)
     worker_events = [from_bytes(store.get(k)) for k in keys]
     record = RunRecord(cfg)
-    events = record_server(record, stats, worker_events)
-    finish_record(record, data, events, next(iter(centers.values())))
+    center = next(iter(centers.values()))
+    events = record_server(record, stats, worker_events, center)
+    finish_record(record, data, events, center)
     return record

@@ -33,7 +33,13 @@ from distoptim.cli.options import RESULTS_JSON, Plan
 from distoptim.cli.pool import ProcessPool
 from distoptim.cli.progress import EventQueue, LineSink, ProgressDisplay
 from distoptim.cli.record import RunRecord, partial_record
-from distoptim.cli.report import assign_temporal_efficiency, render_table, summarize, write_results
+from distoptim.cli.report import (
+    assign_targets,
+    assign_temporal_efficiency,
+    render_table,
+    summarize,
+    write_results,
+)
 from distoptim.cli.run import run_on_pool, run_torchrun
 from distoptim.cli.worker import use_link
 
@@ -108,6 +114,8 @@ def _meta(
         "dataset": plan.data.describe(),
         "link": plan.link,
         "notes": plan.notes,
+        "target_acc": plan.target_acc,
+        "oversubscription": plan.oversubscription,
         "timing": timing,
         "machine": {
             "cpus": os.cpu_count(),
@@ -131,6 +139,7 @@ def write_outputs(
 
     os.makedirs(plan.out, exist_ok=True)
     assign_temporal_efficiency(records)
+    assign_targets(records, plan.target_acc)
     png = None
     if plots:  # first, so that the timing written below includes them
         title = f"{plan.data.name}: validation accuracy"
@@ -142,7 +151,7 @@ def write_outputs(
         png = plot_accuracy(records, os.path.join(plan.out, PLOT_PNG), title)
     json_path = os.path.join(plan.out, RESULTS_JSON)
     meta = _meta(plan, argv, status, None if timing is None else timing.as_dict(records))
-    write_results(json_path, records, meta)
+    write_results(json_path, records, meta, plan.footer)
     return json_path, png
 
 
@@ -272,7 +281,7 @@ def run_plan(
         finally:
             _release(pool, events, interrupt is not None)
     rows = summarize(records)
-    render_table(rows, stdout)
+    render_table(rows, stdout, plan.footer)
     print(_timing_line(timing.as_dict(records)), file=stdout)
     print(f"results: {json_path}", file=stdout)
     if png:
@@ -340,7 +349,7 @@ def run_torchrun_plan(plan: Plan, argv: Sequence[str]) -> int:
     if record is None:  # not the reporting rank
         return 0
     json_path, png = write_outputs(plan, [record], argv, "complete")
-    render_table(summarize([record]), sys.stdout)
+    render_table(summarize([record]), sys.stdout, plan.footer)
     print(f"results: {json_path}")
     if png:
         print(f"plot:    {png}")

@@ -9,6 +9,15 @@ pool tasks that run them in the pool's processes (:func:`collective_task`,
 Every worker reads a disjoint shard of the training set each epoch (``shard_indices``) in
 batches of ``--batch-size``, the last batch of the epoch holding the rest of the shard, so an
 epoch is the same samples for every algorithm.
+
+Stragglers (``--straggler W:FACTOR``): worker ``W``'s steps take ``FACTOR`` times as long. After
+each ``opt.step()`` -- at the step boundary -- that worker sleeps ``(FACTOR - 1)`` times the
+time its own forward and backward pass just took, so its step rate is ``1/FACTOR`` of what it
+would be while its arithmetic is unchanged. The sleep emulates compute time (a slower machine);
+it is not synchronization. ``opt.step()`` is not part of the measured time because for the
+synchronous algorithms it includes waiting for the other workers. On a machine with fewer cores
+than processes the others may use the sleeping worker's core meanwhile (a real slow machine
+would not give its core away).
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ import contextlib
 import ctypes
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from distoptim.cli import algorithms
-from distoptim.cli.config import RunConfig
+from distoptim.cli.config import RunConfig, straggler_factor
 from distoptim.cli.datasets import Dataset, shard_indices
 from distoptim.cli.model import build_model, evaluate, load_parameters
 from distoptim.cli.progress import Reporter
@@ -64,26 +74,39 @@ def train_loop(
 ) -> int:
     """Run every local step; report progress; ``evaluator`` (on one worker) scores as it goes.
 
-    Returns the number of local steps taken.
+    The workers without an evaluator report a ``mark`` at the evaluation steps when their
+    reporter counts bytes (``collective`` runs). A straggler (``cfg.stragglers``) waits after
+    each step (module doc). Returns the number of local steps taken.
     """
     total = cfg.epochs * cfg.steps_per_epoch(int(data.x_train.shape[0]))
     eval_every = max(1, total // cfg.eval_points)
     tick_every = max(1, total // 50)
+    slow = straggler_factor(cfg.stragglers, rank)
+
+    def score() -> None:
+        if evaluator is not None:
+            reporter.evaluation(*evaluator())
+        elif reporter.sent is not None:
+            reporter.mark()
+
     reporter.start()
-    if evaluator is not None:
-        reporter.evaluation(*evaluator())
+    score()
     step = 0
     for xb, yb in _batches(cfg, data, rank):
+        began = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(xb), yb)
         loss.backward()
+        compute = time.perf_counter() - began
         opt.step()
+        if slow > 1:
+            time.sleep((slow - 1) * compute)  # emulated compute time, not synchronization
         step += 1
         reporter.step(int(xb.shape[0]), loss.item())
         if step % tick_every == 0 or step == total:
             reporter.tick()
-        if evaluator is not None and step % eval_every == 0 and step != total:
-            reporter.evaluation(*evaluator())
+        if step % eval_every == 0 and step != total:
+            score()
     reporter.finish()
     return step
 
@@ -101,25 +124,31 @@ def collective_rank(
 ) -> dict[str, Any]:
     """One rank of a ``collective`` algorithm, in an initialized default process group.
 
-    Returns its progress events and communication counters; rank 0 also its final parameters
-    (every rank holds the same ones).
+    Returns its progress events and communication counters; rank 0 also the run's final model
+    (the parameters the algorithm's ``model`` names: sync's parameters, which every rank
+    shares, or the DiLoCo family's global copy). Rank 0 evaluates that model as it goes.
     """
     import torch.distributed as dist
 
     model, opt = _model_and_optimizer(cfg, data, None)  # same seed: same init on all ranks
-    reporter = Reporter(sink, rank, run)
+    algo = algorithms.get(cfg.algo)
+    reporter = Reporter(sink, rank, run, sent=lambda: opt.comm_stats.bytes_sent)
+    scratch = build_model(data.num_features, data.num_classes, cfg.seed, cfg.hidden)
 
     def score() -> tuple[float, float]:
-        return evaluate(model, data.x_val, data.y_val)
+        load_parameters(scratch, algo.model(opt, model))
+        return evaluate(scratch, data.x_val, data.y_val)
 
     dist.barrier()  # the clock starts when every rank is ready
     steps = train_loop(model, opt, cfg, data, rank, reporter, score if rank == 0 else None)
     stats = opt.comm_stats
+    final = [t.detach().clone() for t in algo.model(opt, model)] if rank == 0 else None
     return {
         "events": reporter.events,
         "steps": steps,
-        "params": [p.detach().clone() for p in model.parameters()] if rank == 0 else None,
+        "params": final,
         "collectives": int(stats.collectives),
+        "syncs": int(getattr(opt, "syncs", stats.collectives)),
         "bytes_sent": int(stats.bytes_sent),
     }
 
@@ -150,12 +179,14 @@ def cluster_role(cfg: RunConfig, data: Dataset, sink: Any, run: int | None) -> t
 
     The first ``cfg.num_ps`` ranks serve until every worker is done and return
     ``("shard", ShardReport)``; the others train and return ``("worker", events)``. The
-    cluster is left (and the transport shut down) before returning, also on an error.
+    cluster uses ``cfg.transport``; it is left (and the transport shut down) before returning,
+    also on an error.
     """
     from distoptim.agn import Cluster
 
-    with _rpc_in_a_reused_process():
-        cluster = Cluster.from_env(num_ps=cfg.num_ps)
+    reused = _rpc_in_a_reused_process() if cfg.transport == "rpc" else contextlib.nullcontext()
+    with reused:
+        cluster = Cluster.from_env(num_ps=cfg.num_ps, transport=cfg.transport)
         if cluster.is_ps:
             try:
                 return "shard", cluster.serve(timeout=cfg.timeout)
@@ -172,7 +203,8 @@ def cluster_role(cfg: RunConfig, data: Dataset, sink: Any, run: int | None) -> t
 
 @contextlib.contextmanager
 def _rpc_in_a_reused_process() -> Iterator[None]:
-    """What torch's RPC transport needs to run a cluster in a process that ran others before.
+    """What torch's RPC transport (``--transport rpc``) needs to run a cluster in a process
+    that ran others before (the ``p2p`` transport, the default, needs neither).
 
     Two pieces of per-process torch state, both private, both pinned by
     ``tests/cli/test_worker.py``:
