@@ -148,6 +148,9 @@ def _restart_worker(ctx, steps: int, kill_at: int) -> dict:
         if ctx.is_chief and k == kill_at:
             os.kill(ctx.request(0, Ping()).pid, signal.SIGKILL)
             killed_at = time.monotonic()
+            ctx.store.set("test/killed", "1")
+        elif k == kill_at:  # the other worker is surely mid-run when the shard dies
+            ctx.store.wait(["test/killed"], timedelta(seconds=90))
         _step(opt, model, g)
         versions.append(opt.global_step)
         if killed_at is not None and resumed_at is None:
