@@ -48,6 +48,7 @@ import signal
 import statistics
 import tempfile
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -267,6 +268,9 @@ def _restart_fn(ctx, steps: int, kill_at: int) -> dict[str, Any]:
         if ctx.is_chief and k == kill_at:
             os.kill(ctx.request(0, Ping()).pid, signal.SIGKILL)
             killed = time.monotonic()
+            ctx.store.set("bench/killed", "1")
+        elif k == kill_at:  # mid-run when the shard dies
+            ctx.store.wait(["bench/killed"], timedelta(seconds=300))
         _small_step(model, opt)
         if killed is not None and resumed is None:
             resumed = time.monotonic()
