@@ -84,6 +84,7 @@ class AGNOptimizer(AsyncWorkerOptimizer):
             for k, a in link.acc.items():
                 torch.div(a, lam, out=link.out[k])
             return link.out
-        for a in link.acc.values():  # in place: the accumulator is zeroed after the reply
-            a.div_(lam)
+        if lam != 1:
+            for a in link.acc.values():  # in place: the accumulator is zeroed after the reply
+                a.div_(lam)
         return link.acc
