@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import io
 import math
 import multiprocessing as mp
@@ -730,6 +731,32 @@ def import_dynamo_before_groups() -> None:
     import torch._dynamo  # noqa: F401
 
 
+def _release_device_meshes() -> int:
+    """Drop the process groups that live ``DeviceMesh`` objects hold; returns how many meshes.
+
+    Call it right before ``destroy_process_group``. A ``DeviceMesh`` keeps its groups in
+    ``_pg_registry`` (torch 2.13), and DTensor's caches (sharding propagation, mesh topology)
+    keep every mesh a DTensor was placed on alive until the interpreter exits, so the groups
+    outlive ``destroy_process_group``: their gloo worker threads run on into interpreter
+    shutdown. The thread that ran a rank's last collective frees that work a moment after the
+    rank's wait returned; under load that moment can fall into shutdown, where freeing the
+    work's tensors takes the GIL (their Python objects were kept alive by C++), Python ends the
+    thread, and the unwinding through C++ aborts the process: "terminate called without an
+    active exception", SIGABRT, after training succeeded (gdb: ``pt_gloo_runloop`` in
+    ``~AsyncWork`` -> ``TensorImpl::decref_pyobject`` -> ``take_gil`` -> ``pthread_exit``).
+    With the registries empty, ``destroy_process_group`` frees the groups and joins their
+    threads. The meshes stay usable only for their shape (their groups are gone).
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    meshes = [o for o in gc.get_objects() if type(o) is DeviceMesh]  # isinstance is slow here
+    for mesh in meshes:
+        registry = getattr(mesh, "_pg_registry", None)
+        if isinstance(registry, dict):
+            registry.clear()
+    return len(meshes)
+
+
 def _with_process_group(
     fn: Callable[..., Any], backend: str | None, timeout: float, args: tuple[Any, ...]
 ) -> Any:
@@ -757,6 +784,7 @@ def _with_process_group(
         raise
     finally:
         if owns_group and dist.is_initialized():
+            _release_device_meshes()  # else DTensor's caches keep the groups alive
             dist.destroy_process_group()
 
 
@@ -825,11 +853,12 @@ def torchrun_main(
 
     Initializes the default process group from torchrun's environment (``env://``; backend
     NCCL when CUDA is available, else gloo, unless ``backend`` says otherwise), runs ``fn``,
-    destroys the group. Example, two nodes with four processes each::
+    destroys the group. Example, two nodes with four processes each, on node n with address
+    HOSTn (``is_host=true`` on node 0 only; ``docs/multinode.md`` says why each flag is needed)::
 
-        # on every node
-        torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d \\
-                 --rdzv-endpoint HOST0:29500 my_script.py
+        GLOO_SOCKET_IFNAME=eth0 TP_SOCKET_IFNAME=eth0 torchrun --nnodes 2 --nproc-per-node 4 \\
+            --rdzv-backend c10d --rdzv-endpoint HOST0:29500 --rdzv-conf is_host=true \\
+            --local-addr HOSTn my_script.py
 
     where ``my_script.py`` ends with ``torchrun_main(train)``.
     """
