@@ -255,9 +255,12 @@ def test_bad_arguments_raise_before_anything_changes(kwargs, error, match):
     assert inner.state_dict() == before
 
 
-def test_inner_must_be_a_torch_optimizer():
+def test_inner_must_be_a_finite_torch_optimizer():
     with pytest.raises(TypeError, match=r"wraps a torch\.optim\.Optimizer"):
         distoptim.AsyncDiLoCoOptimizer([torch.zeros(2)], 1)
+    inner = torch.optim.SGD(_model().parameters(), lr=float("inf"))
+    with pytest.raises(ValueError, match="lr=inf; it must be a finite number"):
+        distoptim.AsyncDiLoCoOptimizer(inner, 1)
 
 
 def test_defaults_and_state_dict_round_trip():

@@ -298,11 +298,12 @@ class AsyncDiLoCoOptimizer(AsyncWorkerOptimizer):
 
     # ---- what a worker commits ------------------------------------------------------------------
     def _payload(self, link: ShardLink) -> dict[str, torch.Tensor]:
-        """``Δ = θ_pulled - θ`` as flat buffers (fresh: the transport owns them until the reply)."""
-        assert link.pulled is not None
-        flats = link.local()
-        for k, v in flats.items():
-            torch.sub(link.pulled[k], v, out=v)
+        """``Δ = θ_pulled - θ``: :meth:`ShardLink.delta` (``θ - θ_pulled``, written where the
+        transport sends from when it can) negated in place, which is exact (``fl(a - b) =
+        -fl(b - a)`` under round-to-nearest)."""
+        flats = link.delta()
+        for t in flats.values():
+            t.neg_()
         self.bytes_sent += nbytes(flats)
         return flats
 
