@@ -26,6 +26,7 @@ Run::
 
     python benchmarks/cross_shard.py            # ~3 minutes on 2 quiet cores
     python benchmarks/cross_shard.py --quick    # a smoke run
+    python benchmarks/cross_shard.py --bandwidth-only --repeats 100   # the reduction alone
 
 Prints medians and ratios; writes ``benchmarks/results/cross_shard.json``.
 """
@@ -162,34 +163,14 @@ def _bandwidth(rank: int, world: int, repeats: int) -> dict[str, Any]:
 
     fns["bucketed_cap25mb_comm_only"] = comm_only
     # gradients as bucket views: .grad aliases the bucket slots, the round packs nothing
-    view_params = [p.detach().clone().requires_grad_() for p in params]
-    view_plans = {
-        "bucketed_cap25mb_views": BucketPlan(view_params, cap_bytes=25 << 20),
-        "bucketed_cap25mb_views_words": BucketPlan(
-            view_params, cap_bytes=25 << 20, trailer=codec.size
-        ),
-    }
-    for name, plan in view_plans.items():
+    for name, trailer in (("bucketed_cap25mb_views", 0), ("bucketed_cap25mb_views_words", 1)):
+        own = [p.detach().clone().requires_grad_() for p in params]  # each plan its own .grad
+        plan = BucketPlan(own, cap_bytes=25 << 20, trailer=codec.size * trailer)
         for bucket in plan.buckets:
             for i, alias in zip(bucket.members, bucket.grad_aliases()):
                 alias.copy_(params[i].grad)
-                view_params[i].grad = alias
-
-        def in_place(plan: BucketPlan = plan) -> None:
-            rnd = ReduceRound(
-                plan,
-                reducer,
-                grads_of=lambda b: [view_params[i].grad for i in b.members],
-                buffer_of=Bucket.persistent_buffer,
-                divisor=1,
-            )
-            if not plan.buckets[-1].trailer:
-                rnd.wait_all()
-                return
-            buffers = rnd.wait_all(lambda trailer: codec.write(trailer, words))
-            codec.read(plan.buckets[-1].trailer_of(buffers[-1]))
-
-        fns[name] = in_place
+                own[i].grad = alias
+        fns[name] = _in_place_round(plan, own, reducer, codec, words)
     times = round_robin(fns, warmup=2, repeats=repeats)
     out: dict[str, Any] = {"bytes": numel * 4, "tensors": len(params)}
     out["paired_ratio_vs_single"] = {
@@ -204,6 +185,32 @@ def _bandwidth(rank: int, world: int, repeats: int) -> dict[str, Any]:
     out["bucketed_cap25mb_words"]["trailer_elements"] = codec.size
     out["bucketed_cap25mb_comm_only"]["buckets"] = len(packed)
     return out
+
+
+def _in_place_round(
+    plan: BucketPlan,
+    params: list[torch.Tensor],
+    reducer: BucketAllReduce,
+    codec: GuardCodec,
+    words: GuardWords,
+) -> Callable[[], None]:
+    """One round over ``.grad`` that already lives in ``plan``'s buckets (nothing packed)."""
+
+    def run() -> None:
+        rnd = ReduceRound(
+            plan,
+            reducer,
+            grads_of=lambda b: [params[i].grad for i in b.members],
+            buffer_of=Bucket.persistent_buffer,
+            divisor=1,
+        )
+        if not plan.buckets[-1].trailer:
+            rnd.wait_all()
+            return
+        buffers = rnd.wait_all(lambda trailer: codec.write(trailer, words))
+        codec.read(rnd.trailer(buffers))
+
+    return run
 
 
 def round_robin(
@@ -238,10 +245,10 @@ def paired(times: dict[str, list[float]], a: str, b: str) -> float:
     return statistics.median(x / y for x, y in zip(times[a], times[b]))
 
 
-def _bench(rank: int, world: int, repeats: int) -> dict[str, Any]:
+def _bench(rank: int, world: int, repeats: int, cases: list[str]) -> dict[str, Any]:
     torch.set_flush_denormal(True)
     out: dict[str, Any] = {"cases": {}}
-    for case in CASES:
+    for case in cases:
         runs = {m: _iteration(m, case, rank, world) for m in METHODS}
         times = round_robin({m: r[0] for m, r in runs.items()}, 3, repeats)
         n_params = sum(p.numel() for p in runs["local"][1][0].parameters())
@@ -311,28 +318,40 @@ def _ratios(result: dict[str, Any]) -> dict[str, Any]:
     return r
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=60, help="samples per method")
-    parser.add_argument("--quick", action="store_true", help="a short smoke run")
-    parser.add_argument("--no-save", action="store_true", help="do not write the JSON")
-    args = parser.parse_args()
-    repeats = 4 if args.quick else args.repeats
-    load_before = os.getloadavg()
-    t0 = time.perf_counter()
-    result = spawn(_bench, 2, args=(repeats,), timeout=900)[0]
-    wall = time.perf_counter() - t0
-    result["ratios"] = _ratios(result)
-    result["machine"] = {
+def machine(load_before: tuple[float, float, float], backend: str) -> dict[str, Any]:
+    """What a result was measured on: cores, load before and after, versions, backend."""
+    return {
         "cpus": os.cpu_count(),
         "loadavg_before": load_before,
         "loadavg_after": os.getloadavg(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "ranks": 2,
-        "backend": "gloo (loopback), 1 intra-op thread per rank",
+        "backend": backend,
         "note": "shared 2-core machine; other jobs may have run at the same time",
     }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=60, help="samples per method")
+    parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    parser.add_argument("--no-save", action="store_true", help="do not write the JSON")
+    parser.add_argument(
+        "--bandwidth-only",
+        action="store_true",
+        help="only the bucketed-reduction part (printed, not saved)",
+    )
+    args = parser.parse_args()
+    repeats = 4 if args.quick else args.repeats
+    load_before = os.getloadavg()
+    t0 = time.perf_counter()
+    cases = [] if args.bandwidth_only else list(CASES)
+    args.no_save = args.no_save or args.bandwidth_only
+    result = spawn(_bench, 2, args=(repeats, cases), timeout=900)[0]
+    wall = time.perf_counter() - t0
+    result["ratios"] = _ratios(result)
+    result["machine"] = machine(load_before, "gloo (loopback), 1 intra-op thread per rank")
     result["wall_s"] = wall
     result["settings"] = {"repeats": repeats}
     result["command"] = "python benchmarks/cross_shard.py" + (" --quick" if args.quick else "")

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import statistics
 import time
@@ -46,10 +45,11 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
-from cross_shard import CASES, model_of, paired, round_robin
+from cross_shard import CASES, machine, model_of, paired, round_robin
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -200,30 +200,13 @@ def main() -> None:
         "cases": spawn(_timing, 2, args=(repeats, args.foreach), timeout=1800)[0]
     }
     if not args.no_memory:
-        saved = {k: os.environ.get(k) for k in _MALLOC}
-        os.environ.update(_MALLOC)  # read by each memory process's malloc at start-up
-        try:
+        with mock.patch.dict(os.environ, _MALLOC):  # read by each process's malloc at start-up
             for case in CASES:
                 result["cases"][case]["memory"] = {
                     m: spawn(_memory, 2, args=(m, case, args.foreach), timeout=300)[0]
                     for m in METHODS
                 }
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-    result["machine"] = {
-        "cpus": os.cpu_count(),
-        "loadavg_before": load_before,
-        "loadavg_after": os.getloadavg(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "ranks": 2,
-        "backend": "gloo (loopback)",
-        "note": "shared 2-core machine; other jobs may have run at the same time",
-    }
+    result["machine"] = machine(load_before, "gloo (loopback)")
     result["wall_s"] = time.perf_counter() - t0
     result["settings"] = {"repeats": repeats, "adam": _adam(args.foreach)}
     result["command"] = (

@@ -23,14 +23,17 @@ Scaling happens exactly once per path -- the TF path scales the loss and never d
 PyTorch path never touches the loss and divides once -- so mixing the paths, or either of them
 with ``zero_grad(set_to_none=...)``, cannot scale twice.
 
-``.grad`` always holds this replica's *local* gradient: ``step()`` swaps the reduced gradients
-in for the inner ``opt.step()`` only (as ``apply_gradients`` does with its pairs) and puts the
-local ones back. The reduction is linear, so accumulating across steps without ``zero_grad``
-gives on n replicas exactly what it gives on one process over the concatenated batch, for MEAN
-and SUM. Edits of ``.grad`` between ``backward()`` and ``step()`` (clipping, unscaling) act per
-replica, before the reduction -- TF's per-replica clipping between ``compute_gradients`` and
-``apply_gradients``, on the PyTorch path. A parameter with ``requires_grad=False`` is never
-updated, whatever its ``.grad`` holds (torch's optimizers would apply a stale ``.grad``).
+``.grad`` holds this replica's *local* gradient: ``step()`` swaps the reduced gradients in for
+the inner ``opt.step()`` only (as ``apply_gradients`` does with its pairs) and puts the local
+ones back. (With ``gradient_as_bucket_view=True`` ``.grad`` lives in the buckets and holds the
+replica mean of the local gradients after ``step()``; accumulation stays exact, see
+:mod:`distoptim.comm.grad_views`.) The reduction is linear, so accumulating across steps without
+``zero_grad`` gives on n replicas exactly what it gives on one process over the concatenated
+batch, for MEAN and SUM. Edits of ``.grad`` between ``backward()`` and ``step()`` (clipping,
+unscaling) act per replica, before the reduction -- TF's per-replica clipping between
+``compute_gradients`` and ``apply_gradients``, on the PyTorch path. A parameter with
+``requires_grad=False`` is never updated, whatever its ``.grad`` holds (torch's optimizers would
+apply a stale ``.grad``).
 
 Rounds. Every reduction is a *round*: the buckets of the plan all ranks agreed on, the last of
 which carries every rank's sequence words (:mod:`distoptim.comm.guard`). The words are checked
@@ -40,6 +43,11 @@ list changed -- the new list is adopted by every rank at once), or all raise
 :class:`~distoptim.comm.guard.DesyncError` / ``ParameterMismatchError``. A rank issues exactly
 the agreed plan's bucket collectives per round, whatever it does locally, so a divergence
 never mispairs collectives of different sizes and leaves the group usable after the error.
+
+Weight-update sharding (``shard_optimizer_state=True``, :mod:`distoptim.cross_shard_sharding`)
+replaces the all-reduces by reduce-scatters whose flags and words travel in one small control
+all-reduce (:mod:`distoptim.comm.shard_reducer`), runs ``opt`` on this rank's flat slice only,
+and all-gathers the parameters after the agreed verdict.
 """
 
 from __future__ import annotations
@@ -1054,5 +1062,6 @@ class CrossShardOptimizer(WrappedOptimizer):
             f"compression={self.compression!r}, "
             f"backward_passes_per_step={self.backward_passes_per_step}, "
             f"sequence_guard={self.sequence_guard}, "
-            f"gradient_as_bucket_view={self.gradient_as_bucket_view})"
+            f"gradient_as_bucket_view={self.gradient_as_bucket_view}, "
+            f"shard_optimizer_state={self.shard_optimizer_state})"
         )
