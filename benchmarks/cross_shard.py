@@ -132,21 +132,7 @@ def _bandwidth(rank: int, world: int, repeats: int) -> dict[str, Any]:
     words = GuardWords(RoundKind.STEP, step=1, passes=1, plan=12345, params=len(params))
 
     def bucketed(plan: BucketPlan) -> Callable[[], None]:
-        def run() -> None:
-            rnd = ReduceRound(
-                plan,
-                reducer,
-                grads_of=lambda b: [params[i].grad for i in b.members],
-                buffer_of=Bucket.persistent_buffer,
-                divisor=1,
-            )
-            if plan is not guarded:
-                rnd.wait_all()
-                return
-            buffers = rnd.wait_all(lambda trailer: codec.write(trailer, words))
-            codec.read(plan.buckets[-1].trailer_of(buffers[-1]))
-
-        return run
+        return _grad_round(plan, params, reducer, codec, words)
 
     fns: dict[str, Callable[[], None]] = {"single_all_reduce": lambda: dist.all_reduce(flat)}
     for cap, plan in plans.items():
@@ -170,7 +156,7 @@ def _bandwidth(rank: int, world: int, repeats: int) -> dict[str, Any]:
             for i, alias in zip(bucket.members, bucket.grad_aliases()):
                 alias.copy_(params[i].grad)
                 own[i].grad = alias
-        fns[name] = _in_place_round(plan, own, reducer, codec, words)
+        fns[name] = _grad_round(plan, own, reducer, codec, words)
     times = round_robin(fns, warmup=2, repeats=repeats)
     out: dict[str, Any] = {"bytes": numel * 4, "tensors": len(params)}
     out["paired_ratio_vs_single"] = {
@@ -187,14 +173,15 @@ def _bandwidth(rank: int, world: int, repeats: int) -> dict[str, Any]:
     return out
 
 
-def _in_place_round(
+def _grad_round(
     plan: BucketPlan,
     params: list[torch.Tensor],
     reducer: BucketAllReduce,
     codec: GuardCodec,
     words: GuardWords,
 ) -> Callable[[], None]:
-    """One round over ``.grad`` that already lives in ``plan``'s buckets (nothing packed)."""
+    """One round over the ``.grad`` of ``params`` in ``plan``'s persistent buckets (packed,
+    unless ``.grad`` already lives there), with the words when the plan has a trailer."""
 
     def run() -> None:
         rnd = ReduceRound(
