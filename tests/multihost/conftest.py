@@ -3,7 +3,8 @@
 Eight hosts: the jobs of a test module run in waves of up to four at once, each on its own
 hosts (two per multi-node job, one for a single-machine run). Leftovers of earlier runs that
 were killed before their clean-up are swept first; at the end the fixture deletes everything
-and fails if a namespace of this run is left.
+and fails if a namespace of this run is left. The terminal summary gives the CPU seconds of
+every job (the budget of these tests, whatever the machine's load).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.multihost.doc_commands import CPU_SECONDS
 from tests.multihost.harness import Hosts, leftovers, namespaces_unavailable, sweep
 
 HOSTS = 8
@@ -29,3 +31,11 @@ def hosts() -> Iterator[Hosts]:
     finally:
         made.close()
     assert leftovers(made.prefix) == [], "network namespaces left behind"
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not CPU_SECONDS:
+        return
+    jobs = sorted(CPU_SECONDS.items(), key=lambda kv: -kv[1])
+    terminalreporter.write_sep("-", f"multihost jobs: {sum(CPU_SECONDS.values()):.0f} CPU seconds")
+    terminalreporter.write_line("  ".join(f"{name} {cpu:.1f}" for name, cpu in jobs))

@@ -22,6 +22,7 @@ import pytest
 from tests.multihost.harness import HostRun, Hosts, Running
 
 __all__ = [
+    "CPU_SECONDS",
     "DOC",
     "EXIT_BARRIER",
     "JOB_MODULE_MARKS",
@@ -38,6 +39,10 @@ _NODE = re.compile(r"#\s*node\s+(\d+)")
 _ASSIGN = re.compile(r"^[A-Z_][A-Z0-9_]*=")
 _HOST = re.compile(r"\bHOST(\d+)\b")
 _REPO = DOC.parents[1]
+
+CPU_SECONDS: dict[str, float] = {}
+"""CPU seconds (user + system) of every job :func:`run_jobs` ran in this session, all nodes
+together, by job name (the conftest prints them at the end: the budget, whatever the load)."""
 
 JOB_MODULE_MARKS = [pytest.mark.slow, pytest.mark.multihost, pytest.mark.timeout(600)]
 """The marks of a module whose jobs run in a module fixture (in its first test's setup, hence
@@ -201,6 +206,7 @@ def run_jobs(
                     job.during(job, running)
             for job, running in started:
                 out[job.name] = running.wait(until=_only_exit_barriers_left)
+                CPU_SECONDS[job.name] = sum(r.cpu_seconds for r in out[job.name])
         finally:
             for _, running in started:
                 running.stop()

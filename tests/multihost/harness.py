@@ -179,7 +179,9 @@ class Host:
 class HostRun:
     """What a host's command did: exit code (``None``: still running when the run's timeout
     came, ``timed_out``, or when the caller said to stop, ``stopped``), logs, seconds;
-    ``killed``: its host was killed on purpose (:meth:`Running.kill_host`)."""
+    ``killed``: its host was killed on purpose (:meth:`Running.kill_host`); ``cpu_seconds``:
+    user + system CPU time of the command and the descendants it waited for (torchrun and its
+    workers), whatever the machine's load; processes killed with it are not counted."""
 
     host: Host
     argv: list[str]
@@ -190,6 +192,7 @@ class HostRun:
     timed_out: bool = False
     killed: bool = False
     stopped: bool = False
+    cpu_seconds: float = 0.0
 
     def describe(self) -> str:
         """The run and its logs, for an assertion message."""
@@ -211,6 +214,21 @@ class _Proc:
     started: float
     ended: float | None = None
     killed: bool = False
+    cpu: float = 0.0
+
+    def poll(self) -> int | None:
+        """The exit code once the command ended (else None); reaps it with its CPU time
+        (``Popen.poll`` would reap it without)."""
+        if self.popen.returncode is None:
+            try:
+                pid, status, usage = os.wait4(self.popen.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped already
+                return self.popen.poll()
+            if pid == 0:
+                return None
+            self.popen.returncode = os.waitstatus_to_exitcode(status)
+            self.cpu = usage.ru_utime + usage.ru_stime
+        return self.popen.returncode
 
 
 @dataclass
@@ -241,7 +259,7 @@ class Running:
         while time.monotonic() < deadline:
             if rx.search(self.log(host)):
                 return True
-            if self._proc(host).popen.poll() is not None:
+            if self._proc(host).poll() is not None:
                 return bool(rx.search(self.log(host)))
             time.sleep(0.1)
         return False
@@ -253,11 +271,11 @@ class Running:
 
     def returncode(self, host: int) -> int | None:
         """The exit code of the command on host ``host`` (None while it runs)."""
-        return self._proc(host).popen.poll()
+        return self._proc(host).poll()
 
     def running(self, host: int) -> bool:
         """Whether the command on host ``host`` is still running."""
-        return self._proc(host).popen.poll() is None
+        return self._proc(host).poll() is None
 
     def wait(self, until: Callable[[Running], bool] | None = None) -> list[HostRun]:
         """Wait for every command until the run's timeout, or until ``until(self)`` (polled)
@@ -266,7 +284,7 @@ class Running:
         deadline = self.started + self.timeout
         while time.monotonic() < deadline:
             for p in self.procs:
-                if p.ended is None and p.popen.poll() is not None:
+                if p.ended is None and p.poll() is not None:
                     p.ended = time.monotonic()
             if all(p.ended is not None for p in self.procs):
                 break
@@ -286,6 +304,7 @@ class Running:
                 timed_out=p.ended is None and cut >= deadline,
                 killed=p.killed,
                 stopped=p.ended is None and cut < deadline,
+                cpu_seconds=p.cpu,
             )
             for p in self.procs
         ]
@@ -293,12 +312,13 @@ class Running:
     def stop(self) -> None:
         """Kill every process still running on the hosts of this run."""
         for p in self.procs:
-            if p.popen.poll() is None:
+            if p.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.popen.pid, signal.SIGKILL)
             _kill_namespace_processes(p.host.netns)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.popen.wait(5)
+            deadline = time.monotonic() + 5
+            while p.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.01)
 
 
 class Hosts:
