@@ -120,7 +120,10 @@ def train(
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     shape = shape or (world_size,)
     if torch.Size(shape).numel() != world_size:
-        raise ValueError(f"mesh {'x'.join(map(str, shape))} needs {world_size} ranks to fill it")
+        raise ValueError(
+            f"--mesh {'x'.join(map(str, shape))} has {torch.Size(shape).numel()} places, "
+            f"the job has {world_size} ranks"
+        )
     if batch % shape[0]:
         raise ValueError(f"--batch {batch} must be a multiple of the dp size {shape[0]}")
     names = ("dp", "tp")[-len(shape) :]
@@ -155,7 +158,7 @@ def train(
     full = {name: p.full_tensor().cpu() for name, p in model.named_parameters()}
     if rank == 0:
         mesh_text = "x".join(map(str, shape))
-        print(f"done: {opt.iterations} steps on a {mesh_text} mesh {names}, full-data loss with "
+        print(f"done: {opt.iterations} steps on mesh {mesh_text} {names}, full-data loss with "
               f"EMA weights {final:.4f}")  # fmt: skip
         if save:
             torch.save(full, save)

@@ -163,7 +163,7 @@ def test_mesh_sgd_2x2_two_hosts_equal_one_host(outcomes: dict[str, list[HostRun]
     are those of the same mesh on one host."""
     out = _ok(outcomes["mesh_sgd"])
     first = float(re.search(r"step\s+0\s+loss (\S+)", out).group(1))  # type: ignore[union-attr]
-    m = re.search(r"done: 40 steps on a 2x2 mesh \('dp', 'tp'\), full-data loss with EMA "
+    m = re.search(r"done: 40 steps on mesh 2x2 \('dp', 'tp'\), full-data loss with EMA "
                   r"weights (\S+)", out)  # fmt: skip
     assert m, out
     assert float(m.group(1)) < first, out
