@@ -1,16 +1,25 @@
 #!/usr/bin/env bash
-# benchmarks/mesh_sgd.py on one CUDA GPU: plain tensors (200 tensors, ~10M elements), fp32 and
-# bf16, our SGD with jit_compile off ("distoptim") and on ("distoptim_jit"), against
-# torch.optim.SGD foreach and fused and a plain copy. Budget: under 5 minutes in total (each
-# dtype runs in its own process with its own time limit, so a slow torch.compile of one dtype
-# cannot take the other's figures with it).
+# Every GPU figure in one short run on one CUDA GPU, each part under its own time limit so a slow
+# part cannot take the others' figures with it (about 6 minutes in all):
 #
-#   bash benchmarks/gpu.sh            # writes benchmarks/results/mesh_sgd_gpu_{fp32,bf16}.json
+#   1. benchmarks/gpu_mesh_sgd.py   -- distoptim.dtensor.SGD's single-pass Nesterov against
+#      torch.optim.SGD fused and foreach, fp32 and bf16, ~100M elements: correctness against a
+#      float64 replay of Keras' rule, then interleaved step times and paired ratios;
+#   2. benchmarks/gpu_cross_shard.py -- the local update cost of CrossShardOptimizer with and
+#      without weight-update sharding against plain Adam, DDP and ZeroRedundancyOptimizer, world 1
+#      (NCCL), fp32 and bf16.
 #
-# Fails with exit code 2 and a clear message when no CUDA GPU is visible to torch.
+#   bash benchmarks/gpu.sh [OUTDIR]   # JSON to OUTDIR (default benchmarks/results)
+#
+# Runs from the source tree (PYTHONPATH=src), so it needs only torch and numpy where it runs.
+# Fails with exit code 2 and a clear message when no CUDA GPU is visible to torch; exit 1 when a
+# part failed or passed its limit (the other parts still run and write their figures).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
+OUTDIR="${1:-benchmarks/results}"
+mkdir -p "$OUTDIR"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
 if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
     echo "error: benchmarks/gpu.sh needs a CUDA GPU, but torch.cuda.is_available() is False" \
@@ -19,16 +28,20 @@ if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
     exit 2
 fi
 "$PY" -c 'import torch; print("GPU:", torch.cuda.get_device_name(0), "| torch", torch.__version__)'
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,temperature.gpu --format=csv || true
 
 status=0
-for dtype in fp32 bf16; do
-    echo "=== $dtype ==="
-    # 140 s each: compile (first jit step) + 3 optimizers x (10 warm-up + 100 timed steps).
-    if ! timeout 140 "$PY" benchmarks/mesh_sgd.py --device cuda --dtypes "$dtype" \
-            --no-dtensor --reps 100 --warmup 10 \
-            --out "benchmarks/results/mesh_sgd_gpu_${dtype}.json"; then
-        echo "error: the $dtype run failed or passed its 140 s limit" >&2
+run() {  # run LIMIT NAME CMD...: one part, killed 20 s after its own time limit
+    local limit=$1 name=$2
+    shift 2
+    echo "=== $name ==="
+    if ! timeout "$((limit + 20))" "$@"; then
+        echo "error: $name failed or passed its ${limit} s limit" >&2
         status=1
     fi
-done
+}
+run 150 gpu_mesh_sgd "$PY" benchmarks/gpu_mesh_sgd.py "$OUTDIR/gpu_mesh_sgd.json" \
+    --dtypes fp32,bf16 --time-limit 150
+run 150 gpu_cross_shard "$PY" benchmarks/gpu_cross_shard.py "$OUTDIR/cross_shard_gpu.json" \
+    --dtypes fp32 bf16 --time-limit 150
 exit $status
