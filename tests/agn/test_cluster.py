@@ -17,6 +17,7 @@ import torch
 
 import distoptim
 from distoptim.agn import ParameterServerError, spawn
+from distoptim.agn.server import CHUNK_ENV
 from distoptim.agn.transport.messages import Commit, Ping
 from distoptim.launch import RankFailedError
 
@@ -297,19 +298,27 @@ def ckpt_dir(tmp_path_factory, transport):
 
 @pytest.fixture(scope="module")
 def run(ckpt_dir, tmp_path_factory, transport):
-    """One cluster per transport: two workers, two shards (checkpointing every 2 commits)."""
+    """One cluster per transport: two workers, two shards (checkpointing every 2 commits).
+
+    On p2p the shards stream commits in chunks of 8 bytes (2 float32 elements), so every
+    commit is several chunks, the last one short: the exact-math tests below then check
+    the streamed path (update chunk k while k + 1 arrives, the server optimizer stepped piece by
+    piece) against the whole-tensor reference."""
     out_dir = tmp_path_factory.mktemp("run")
-    result = spawn(
-        _main_worker,
-        2,
-        num_ps=2,
-        args=(str(out_dir),),
-        timeout=120,
-        checkpoint_dir=ckpt_dir,
-        checkpoint_every=2,
-        transport=transport,
-        rpc_timeout=30,
-    )
+    with pytest.MonkeyPatch.context() as mp:
+        if transport == "p2p":
+            mp.setenv(CHUNK_ENV, "8")
+        result = spawn(
+            _main_worker,
+            2,
+            num_ps=2,
+            args=(str(out_dir),),
+            timeout=120,
+            checkpoint_dir=ckpt_dir,
+            checkpoint_every=2,
+            transport=transport,
+            rpc_timeout=30,
+        )
     return result, out_dir
 
 

@@ -330,13 +330,13 @@ def test_center_guard_refuses_a_finite_commit_with_a_non_finite_result_exactly()
     assert not good.refused
     table = ps._tables["t"]
     center = table.flats["float32"].clone()
-    momentum = table.optimizer.state[table.views[0]]["momentum_buffer"].clone()
+    momentum = table.server_opt.state_dict()["state"][0]["momentum_buffer"].clone()
     ps.idle()  # between requests the backup is taken ahead: the commit does not copy
-    assert table.backup.version == table.version == 1
+    assert table.backup.versions == [1] and table.version == 1
     r = _commit(ps, "t", 0, 1, layout.flatten([torch.full((4,), 10.0)])).reply
     assert r.refused and "non-finite" in r.reason and r.version == 1
     assert torch.equal(table.flats["float32"], center)  # exactly as before, state too
-    assert torch.equal(table.optimizer.state[table.views[0]]["momentum_buffer"], momentum)
+    assert torch.equal(table.server_opt.state_dict()["state"][0]["momentum_buffer"], momentum)
     assert torch.isfinite(r.flats["float32"]).all()
     counters = ps.report()["tables"]["t"]["counters"]
     assert counters["refused"] == 1 and counters["refused_result"] == 1
@@ -484,13 +484,20 @@ def test_wire_roundtrip_inline_and_large_metadata():
         n, meta = wire.decode_header(header)
         meta = meta if meta is not None else bytes(extra.numpy())
         assert len(meta) == n
-        bare, specs = wire.finish_decode(meta)
+        bare, specs, stream = wire.finish_decode(meta)
+        assert stream is None
         assert bare.flats == {} and bare.hparams == hparams and bare.pulled_version == 7
         assert [(b.key, b.dtype, b.numel) for b in specs] == [
             ("float32", torch.float32, 5),
             ("float64", torch.float64, 2),
         ]
         assert [b.data_ptr() for b in buffers] == [t.data_ptr() for t in flats.values()]
+    # a streamed message: no buffer goes whole, the plan travels in the metadata
+    header, extra, buffers = wire.encode(msg, stream=wire.StreamInfo(16, 40))
+    _, meta = wire.decode_header(header)
+    if meta is None:
+        meta = bytes(extra.numpy())
+    assert buffers == [] and wire.finish_decode(meta)[2] == wire.StreamInfo(16, 40)
     bad = torch.zeros(wire.HEADER_BYTES, dtype=torch.uint8)
     with pytest.raises(wire.WireError, match="bad message header"):
         wire.decode_header(bad)

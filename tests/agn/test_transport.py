@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from distoptim.agn.transport.messages import Commit, Echo, Pull
 from distoptim.agn.transport.p2p import _Pipe
-from distoptim.agn.transport.shm import Segment, layout_offsets
+from distoptim.agn.transport.shm import CONTROL_BYTES, Segment, layout_offsets
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -32,7 +32,7 @@ def pair():
     def make(rank: int) -> None:  # a store client each: a blocking wait holds its client
         client = dist.TCPStore("127.0.0.1", store.port, is_master=False)
         pg = dist.ProcessGroupGloo(dist.PrefixStore("t", client), rank, 2, timedelta(seconds=20))
-        ends[rank] = _Pipe(pg, 1 - rank)
+        ends[rank] = _Pipe(pg, 1 - rank, replies=rank == 0)
 
     threads = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
     for t in threads:
@@ -48,7 +48,7 @@ def _exchange(sender: _Pipe, receiver: _Pipe, message, **recv_kwargs):
     got = {}
 
     def recv() -> None:
-        got["msg"] = receiver.recv(_deadline(), **recv_kwargs)
+        got["msg"] = receiver.recv(_deadline(), **recv_kwargs)[0]
 
     t = threading.Thread(target=recv)
     t.start()
@@ -99,18 +99,24 @@ def test_messages_in_a_shared_segment_copy_nothing_in_place(pair):
         seg.unlink()
     assert not os.path.exists(seg.path)  # the name is gone, the mappings stay valid
     worker.segment, shard.segment = seg, other
+    assert seg.request_base == CONTROL_BYTES and seg.reply_base == CONTROL_BYTES + 128
     got = _exchange(worker, shard, Commit("opt", 0, 0, flats))
     assert all(torch.equal(got.flats[k], v) for k, v in flats.items())
-    assert got.flats["float32"].data_ptr() == other.data.data_ptr()  # a view, no receive copy
-    # the shard echoes the views it got: they are in place, nothing is copied back
+    # a view of the request region: nothing copied on receipt
+    assert got.flats["float32"].data_ptr() == other.data.data_ptr() + other.request_base
+    # the shard echoes the views it got: they are in the segment, nothing is copied back
     back = _exchange(shard, worker, Echo(got.flats))
-    assert back.flats["float16"].data_ptr() == seg.data.data_ptr() + 64
+    assert back.flats["float16"].data_ptr() == seg.data.data_ptr() + seg.request_base + 64
     assert torch.equal(back.flats["float16"], flats["float16"])
-    # a message larger than the segment goes on the pair
+    # a reply that is not in the segment is copied into the reply region
+    back = _exchange(shard, worker, Echo({"float32": torch.full((4,), 7.0)}))
+    assert back.flats["float32"].data_ptr() == seg.data.data_ptr() + seg.reply_base
+    assert torch.equal(back.flats["float32"], torch.full((4,), 7.0))
+    # a message larger than a region goes on the pair
     large = {"float32": torch.arange(100.0)}
     got = _exchange(worker, shard, Commit("opt", 0, 0, large))
     assert torch.equal(got.flats["float32"], large["float32"])
-    assert got.flats["float32"].data_ptr() != other.data.data_ptr()
+    assert other.offset_of(got.flats["float32"]) is None
 
 
 def test_a_segment_cannot_be_made_where_there_is_no_room(tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from distoptim.agn.flat import Chunk
 from distoptim.agn.getter import AGNCustomGetter
 from distoptim.agn.link import ShardLink
 from distoptim.agn.rules import AddUpdate, ApplyOptimizer, ServerRule
@@ -75,16 +76,23 @@ class AGNOptimizer(AsyncWorkerOptimizer):
     def _server_rule(self) -> ServerRule:
         return ApplyOptimizer() if self.update_rule == "gradient" else AddUpdate()
 
-    def _payload(self, link: ShardLink) -> dict[str, torch.Tensor]:
+    def _payload_target(self, link: ShardLink) -> dict[str, torch.Tensor]:
+        if self.update_rule == "gradient" and link.out is None:
+            assert link.acc is not None
+            return link.acc  # a/λ in place: the accumulator is zeroed after the reply
+        return super()._payload_target(link)
+
+    def _payload_part(self, link: ShardLink, chunk: Chunk, dst: dict[str, torch.Tensor]) -> None:
         lam = self.communication_period
         if self.update_rule == "delta":
-            return link.delta(lam)
+            link.delta_part(chunk, dst, lam)
+            return
         assert link.acc is not None
-        if link.out is not None:  # written where the transport sends it from
-            for k, a in link.acc.items():
-                torch.div(a, lam, out=link.out[k])
-            return link.out
-        if lam != 1:
-            for a in link.acc.values():  # in place: the accumulator is zeroed after the reply
+        a, out = chunk.of(link.acc), chunk.of(dst)
+        if out.data_ptr() == a.data_ptr():
+            if lam != 1:
                 a.div_(lam)
-        return link.acc
+        elif lam == 1:
+            out.copy_(a)
+        else:
+            torch.div(a, lam, out=out)  # written where the transport sends it from

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distoptim.agn.flat import nbytes
+from distoptim.agn.flat import Chunk
 from distoptim.agn.getter import AGNCustomGetter
 from distoptim.agn.link import ShardLink
 from distoptim.agn.rules import ApplyOptimizer, DelayedNesterov, ServerRule
@@ -297,15 +297,13 @@ class AsyncDiLoCoOptimizer(AsyncWorkerOptimizer):
         return None
 
     # ---- what a worker commits ------------------------------------------------------------------
-    def _payload(self, link: ShardLink) -> dict[str, torch.Tensor]:
-        """``Δ = θ_pulled - θ``: :meth:`ShardLink.delta` (``θ - θ_pulled``, written where the
-        transport sends from when it can) negated in place, which is exact (``fl(a - b) =
+    def _payload_part(self, link: ShardLink, chunk: Chunk, dst: dict[str, torch.Tensor]) -> None:
+        """``Δ = θ_pulled - θ``: :meth:`ShardLink.delta_part` (``θ - θ_pulled``, written where
+        the transport sends from when it can) negated in place, which is exact (``fl(a - b) =
         -fl(b - a)`` under round-to-nearest)."""
-        flats = link.delta()
-        for t in flats.values():
-            t.neg_()
-        self.bytes_sent += nbytes(flats)
-        return flats
+        part = link.delta_part(chunk, dst)
+        part.neg_()
+        self.bytes_sent += part.numel() * part.element_size()
 
     def _commit(self) -> None:
         super()._commit()

@@ -51,10 +51,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from distoptim.agn.flat import Chunk
 from distoptim.agn.getter import STRATEGIES, AGNCustomGetter
 from distoptim.agn.server import ParameterServer
 from distoptim.agn.transport import TRANSPORTS
-from distoptim.agn.transport.base import ParameterServerError, Pending, Transport
+from distoptim.agn.transport.base import ParameterServerError, Pending, Stream, Transport
 from distoptim.agn.transport.messages import ErrorReply, Finish, Reply, Request
 from distoptim.agn.transport.p2p import DEFAULT_IDLE_TIMEOUT, P2PTransport
 from distoptim.checks import check_positive
@@ -531,6 +532,22 @@ class Cluster:
         """Start ``request`` to ``shard`` (bounded by ``timeout``, default ``rpc_timeout``)."""
         return self.transport.send(
             shard, request, self.rpc_timeout if timeout is None else timeout, into
+        )
+
+    def stream(
+        self,
+        shard: int,
+        request: Request,
+        chunks: Sequence[Chunk],
+        into: dict[str, torch.Tensor] | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> Stream | None:
+        """Start ``request`` (a commit written chunk by chunk in the plan ``chunks``) as a
+        stream to ``shard`` (bounded by ``timeout``, default ``rpc_timeout``), or None when the
+        transport cannot stream it (:meth:`Transport.stream`)."""
+        return self.transport.stream(
+            shard, request, chunks, self.rpc_timeout if timeout is None else timeout, into
         )
 
     @staticmethod

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from distoptim.agn.flat import Chunk
 from distoptim.agn.getter import AGNCustomGetter
 from distoptim.agn.link import ShardLink
 from distoptim.agn.rules import AddUpdate, ServerRule
@@ -47,5 +48,5 @@ class DownpourOptimizer(AsyncWorkerOptimizer):
     def _server_rule(self) -> ServerRule:
         return AddUpdate()
 
-    def _payload(self, link: ShardLink) -> dict[str, torch.Tensor]:
-        return link.delta()
+    def _payload_part(self, link: ShardLink, chunk: Chunk, dst: dict[str, torch.Tensor]) -> None:
+        link.delta_part(chunk, dst)

@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from distoptim.agn.flat import Chunk
 from distoptim.agn.getter import AGNCustomGetter
 from distoptim.agn.link import ShardLink
 from distoptim.agn.rules import ElasticUpdate, ServerRule, elastic_difference
@@ -68,11 +69,12 @@ class ElasticAverageOptimizer(AsyncWorkerOptimizer):
     def _server_rule(self) -> ServerRule:
         return ElasticUpdate(self.moving_rate)
 
-    def _payload(self, link: ShardLink) -> dict[str, torch.Tensor]:
-        return link.local()
+    def _payload_part(self, link: ShardLink, chunk: Chunk, dst: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():  # θ
+            torch._foreach_copy_(link.part_views(chunk, dst), link.part_params(chunk))
 
-    def _absorb(self, link, sent, reply):
-        local = link.layout.views(sent)
-        d = elastic_difference(local, link.layout.views(reply), self.moving_rate)
-        torch._foreach_sub_(local, d)
-        link.assign(sent)
+    def _absorb_part(self, link: ShardLink, chunk: Chunk, reply: dict[str, torch.Tensor]) -> None:
+        local = link.part_params(chunk)  # θ <- θ - alpha (θ - c_old), on the parameters
+        with torch.no_grad():
+            d = elastic_difference(local, link.part_views(chunk, reply), self.moving_rate)
+            torch._foreach_sub_(local, d)

@@ -20,28 +20,30 @@ table's write lock (see :mod:`distoptim.agn.server`). The rules:
 
 A new algorithm adds its rule here: subclass :class:`ServerRule`, implement :meth:`apply`, and
 declare ``uses_optimizer`` (the shard builds and keeps a server optimizer),
-``reply_before_update`` (the reply is the center as it was before this commit) and
-``bounded_by_inputs`` (see the guard). Rules travel to the shards pickled inside the chief's
-seed, so they must be picklable and compare by value (``__eq__`` on their attributes).
+``reply_before_update`` (the reply is the center as it was before this commit), ``elementwise``
+(``apply`` may be called on any part of the variables separately: the shard then applies a
+commit chunk by chunk as it arrives) and ``bounded_by_inputs`` (see the guard). Rules travel to
+the shards pickled inside the chief's seed, so they must be picklable and compare by value
+(``__eq__`` on their attributes).
 
-The center guard (:func:`apply_guarded`)
-----------------------------------------
+The center guard
+----------------
 A commit is applied only if the center is finite afterwards; otherwise the shard refuses it,
 the center (and the server optimizer's state) stay exactly as they were, and the refusal is
-counted and reported to the worker with its reason. Two ways, chosen per rule:
+counted and reported to the worker with its reason.
 
-* **Bounded rules** (``bounded_by_inputs``, the additive and elastic ones): every new center
-  element is a sum of a few terms of the inputs, so ``max|c| + max|u| < FLT_MAX`` (the dtype's
-  largest finite value) guarantees a finite result. The shard keeps an upper bound of ``max|c|``
-  (exact after seeding, grown by ``max|u|`` per commit, recomputed when it gets large), and a
-  commit costs one read pass over the payload (``aminmax``, which also catches NaN/Inf). Only
-  when the bound cannot rule out an overflow is the commit applied the general way below.
-* **General rules** (a server optimizer): the center and the optimizer state are backed up, the
-  rule is applied, and the result is checked with one ``sum`` per buffer (a sum is finite only if
-  every term is; a non-finite sum of finite terms, an overflow of the sum itself, is checked
-  element-wise). A non-finite result restores the backup. The backup is reused while the center
-  has not changed since it was taken (:class:`Backup`), so a shard that can refresh it between
-  commits does not pay for it on a commit's critical path.
+* **Under the table's lock** (``use_locking=True``, and always with a server optimizer): the
+  shard applies a commit chunk by chunk (:mod:`distoptim.agn.server`). Before a chunk is
+  updated its :class:`Backup` unit -- that range of the center and the server-optimizer state of
+  its pieces -- is current: taken ahead, between requests, while the shard is idle, or else
+  copied just before the update while the chunk is in the cache. After the update the chunk is
+  checked with one ``sum`` while it is still in the cache (:func:`finite_tensor`: a sum is finite
+  only if every term is; a non-finite sum of finite terms, an overflow of the sum itself, is
+  checked element-wise), so the check costs no extra pass over memory. A non-finite chunk
+  refuses the commit: every chunk updated so far is restored from the backup.
+* **Without the lock** (``use_locking=False``, bounded rules only): :func:`apply_unlocked`
+  applies a commit only when a bound of ``max|c|`` proves its result finite (no backup is
+  possible while others write).
 """
 
 from __future__ import annotations
@@ -54,17 +56,23 @@ from typing import Any
 
 import torch
 
+from distoptim.cross_shard_sharding import elementwise
+
 __all__ = [
     "AddUpdate",
     "ApplyOptimizer",
     "Backup",
+    "BackupUnit",
+    "Bound",
     "DelayedNesterov",
     "ElasticUpdate",
     "Refusal",
     "ServerRule",
-    "apply_guarded",
+    "apply_unlocked",
     "elastic_difference",
     "finite",
+    "finite_tensor",
+    "unalias_state",
 ]
 
 
@@ -83,9 +91,14 @@ class ServerRule:
     """The shard builds a server optimizer over the center (and keeps its state)."""
     reply_before_update = False
     """The reply carries the center as it was *before* this commit (EASGD)."""
+    elementwise = False
+    """``apply`` may be called on any part of the variables separately (its pieces, 1-D) and gives
+    the same elements as on the whole: the shard then applies a commit chunk by chunk. With
+    ``uses_optimizer``, the server optimizer must also be element-wise (else it is stepped
+    whole)."""
     bounded_by_inputs = False
     """Each new center element is a sum of at most ``max_terms`` terms bounded by ``max|c|`` and
-    ``max|u|`` (so the guard can rule out overflow without a backup)."""
+    ``max|u|`` (so a commit can be applied without the lock: :func:`apply_unlocked`)."""
     max_terms = 2
 
     def apply(
@@ -108,9 +121,13 @@ class ServerRule:
 
 
 class ApplyOptimizer(ServerRule):
-    """``c <- server_optimizer.step(c, grad=u)`` (AGN, TF contrib's rule; an outer optimizer)."""
+    """``c <- server_optimizer.step(c, grad=u)`` (AGN, TF contrib's rule; an outer optimizer).
+
+    Applied chunk by chunk when the server optimizer is element-wise
+    (:mod:`distoptim.agn.server_optimizer`), whole otherwise."""
 
     uses_optimizer = True
+    elementwise = True
 
     def apply(self, center, update, optimizer):
         if optimizer is None:
@@ -127,6 +144,7 @@ class ApplyOptimizer(ServerRule):
 class AddUpdate(ServerRule):
     """``c <- c + u`` (AGN ``update_rule="delta"``, DOWNPOUR)."""
 
+    elementwise = True
     bounded_by_inputs = True
 
     def apply(self, center, update, optimizer):
@@ -148,6 +166,7 @@ class ElasticUpdate(ServerRule):
     """
 
     reply_before_update = True
+    elementwise = True
     bounded_by_inputs = True
     max_terms = 3
 
@@ -158,6 +177,7 @@ class ElasticUpdate(ServerRule):
         torch._foreach_add_(center, elastic_difference(update, center, self.alpha))
 
 
+@elementwise
 class DelayedNesterov(torch.optim.Optimizer):
     """Delayed Nesterov (DN), Liu et al. 2024, arXiv 2401.09135, Algorithm 3.
 
@@ -258,19 +278,22 @@ class DelayedNesterov(torch.optim.Optimizer):
 # ---------------------------------------------------------------------------------------------
 # the guard
 # ---------------------------------------------------------------------------------------------
-def finite(flats: Mapping[str, torch.Tensor]) -> bool:
-    """True iff every element of every floating buffer is finite.
+def finite_tensor(t: torch.Tensor) -> bool:
+    """True iff every element of ``t`` is finite (non-floating tensors are).
 
-    Fast path: a sum reduction (no temporary the size of the buffer) is finite only if every
-    term is (NaN and Inf propagate); a non-finite sum may also be an overflow of finite terms,
-    so only then is the exact element-wise test run.
+    Fast path: a sum reduction (no temporary the size of ``t``) is finite only if every term is
+    (NaN and Inf propagate); a non-finite sum may also be an overflow of finite terms, so only
+    then is the exact element-wise test run. On a chunk that was just written the sum reads it
+    from the cache: the check costs no extra pass over memory.
     """
-    for t in flats.values():
-        if not t.is_floating_point():
-            continue
-        if not math.isfinite(float(t.sum())) and not bool(torch.isfinite(t).all()):
-            return False
-    return True
+    if not t.is_floating_point() or t.numel() == 0:
+        return True
+    return math.isfinite(float(t.sum())) or bool(torch.isfinite(t).all())
+
+
+def finite(flats: Mapping[str, torch.Tensor]) -> bool:
+    """True iff every element of every buffer is finite (:func:`finite_tensor`)."""
+    return all(finite_tensor(t) for t in flats.values())
 
 
 def _max_abs(flats: Mapping[str, torch.Tensor]) -> dict[str, float]:
@@ -288,99 +311,119 @@ def _max_abs(flats: Mapping[str, torch.Tensor]) -> dict[str, float]:
 
 @dataclass
 class Refusal:
-    """Why a commit was refused: ``"payload"`` (NaN/Inf sent) or ``"result"`` (the center would
-    have become non-finite)."""
+    """Why a commit was not applied: ``"payload"`` (NaN/Inf sent, found by the shard or by the
+    worker), ``"result"`` (the center would have become non-finite) or ``"abandoned"`` (the
+    worker stopped in the middle of sending it; not counted as a refusal)."""
 
     reason: str
 
     def describe(self) -> str:
         if self.reason == "payload":
             return "the commit contained NaN/Inf"
+        if self.reason == "abandoned":
+            return "the worker abandoned the commit while sending it"
         return "applying the commit would have made the center non-finite (NaN/Inf)"
 
 
 @dataclass
-class Backup:
-    """A copy of a table's center (and server-optimizer state) from before a commit.
+class BackupUnit:
+    """What one piece of a :class:`Backup` covers: ranges ``(key, start, stop)`` of the center
+    and the server-optimizer parameters whose state goes with them."""
 
-    ``version``: the table version the copy shows (``None``: stale, retake before use).
-    ``center``: flat buffers like the table's; ``state``: per optimizer parameter index, the
-    copied state entries (tensors copied into persistent buffers, other values as they were).
+    ranges: list[tuple[str, int, int]]
+    params: list[torch.Tensor] = field(default_factory=list)
+
+
+class Backup:
+    """A copy of a table's center and server-optimizer state, unit by unit, each tagged with the
+    table version it shows (``None``: stale).
+
+    A unit is a chunk of the center with the optimizer state of its pieces (so a chunk can be
+    backed up just before it is updated, while it is in the cache, or ahead, between requests),
+    plus, for an optimizer stepped whole, one unit holding all of its state. Restoring a unit
+    puts the center range and the state back exactly, including state that did not exist yet
+    (it is removed).
     """
 
-    center: dict[str, torch.Tensor]
-    version: int | None = None
-    state: list[dict[str, Any]] | None = None
-    _state_bufs: dict[tuple[int, str], torch.Tensor] = field(default_factory=dict)
-    bound: dict[str, float] = field(default_factory=dict)  # upper bound of max|c| per buffer
-    bound_lock: threading.Lock = field(default_factory=threading.Lock)
-
-    @classmethod
-    def like(cls, flats: Mapping[str, torch.Tensor]) -> Backup:
-        return cls({k: torch.empty_like(v) for k, v in flats.items()})
-
-    def take(
+    def __init__(
         self,
         flats: Mapping[str, torch.Tensor],
+        units: list[BackupUnit],
         optimizer: torch.optim.Optimizer | None,
-        version: int,
     ) -> None:
-        """Copy the center and the optimizer's state (caller holds the table's lock)."""
-        if self.version == version:
-            return
-        torch._foreach_copy_(list(self.center.values()), [flats[k] for k in self.center])
-        if optimizer is not None:
-            self.state = []
-            params = [p for g in optimizer.param_groups for p in g["params"]]
-            for i, p in enumerate(params):
-                entries = {}
-                for name, value in optimizer.state.get(p, {}).items():
+        self.center = {k: torch.empty_like(v) for k, v in flats.items()}
+        self.units = units
+        self.versions: list[int | None] = [None] * len(units)
+        self._optimizer = optimizer
+        self._state: dict[int, dict[str, Any] | None] = {}  # id(param) -> entries (None: none)
+        self._bufs: dict[tuple[int, str], torch.Tensor] = {}
+
+    def take(self, unit: int, flats: Mapping[str, torch.Tensor], version: int) -> None:
+        """Copy unit ``unit`` as of ``version`` (the caller holds the table's lock)."""
+        u = self.units[unit]
+        for key, lo, hi in u.ranges:
+            self.center[key][lo:hi].copy_(flats[key][lo:hi])
+        opt = self._optimizer
+        if opt is not None:
+            for p in u.params:
+                live = opt.state.get(p)
+                if not live:
+                    self._state[id(p)] = None
+                    continue
+                entries: dict[str, Any] = {}
+                for name, value in live.items():
                     if isinstance(value, torch.Tensor):
-                        buf = self._state_bufs.get((i, name))
+                        buf = self._bufs.get((id(p), name))
                         if buf is None or buf.shape != value.shape or buf.dtype != value.dtype:
-                            buf = torch.empty_like(value)
-                            self._state_bufs[(i, name)] = buf
+                            buf = self._bufs[id(p), name] = torch.empty_like(value)
                         buf.copy_(value)
                         entries[name] = buf
                     else:
                         entries[name] = value
-                self.state.append(entries)
-        self.version = version
+                self._state[id(p)] = entries
+        self.versions[unit] = version
 
-    def restore(
-        self, flats: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer | None
-    ) -> None:
-        """Put the copy back into the live center and optimizer state."""
-        torch._foreach_copy_([flats[k] for k in self.center], list(self.center.values()))
-        if optimizer is not None and self.state is not None:
-            params = [p for g in optimizer.param_groups for p in g["params"]]
-            for p, entries in zip(params, self.state):
-                if not entries:
-                    optimizer.state.pop(p, None)
-                    continue
-                live = optimizer.state[p]
-                for name, value in entries.items():
-                    if isinstance(value, torch.Tensor) and isinstance(live.get(name), torch.Tensor):
-                        live[name].copy_(value)
-                    elif isinstance(value, torch.Tensor):
-                        live[name] = value.clone()
-                    else:
-                        live[name] = value
-                for name in list(live):
-                    if name not in entries:
-                        del live[name]
+    def restore(self, unit: int, flats: Mapping[str, torch.Tensor]) -> None:
+        """Put unit ``unit`` back into the live center and optimizer state."""
+        u = self.units[unit]
+        for key, lo, hi in u.ranges:
+            flats[key][lo:hi].copy_(self.center[key][lo:hi])
+        opt = self._optimizer
+        if opt is None:
+            return
+        for p in u.params:
+            entries = self._state.get(id(p))
+            if not entries:
+                opt.state.pop(p, None)
+                continue
+            live = opt.state[p]
+            for name, value in entries.items():
+                if isinstance(value, torch.Tensor) and isinstance(live.get(name), torch.Tensor):
+                    live[name].copy_(value)
+                elif isinstance(value, torch.Tensor):
+                    live[name] = value.clone()
+                else:
+                    live[name] = value
+            for name in list(live):
+                if name not in entries:
+                    del live[name]
 
 
-def _unalias_state(optimizer: torch.optim.Optimizer, update: list[torch.Tensor]) -> None:
-    """Replace optimizer-state tensors that share storage with ``update`` by copies.
+def unalias_state(
+    optimizer: torch.optim.Optimizer, params: list[torch.Tensor], storages: set[int]
+) -> None:
+    """Replace state tensors of ``params`` that share one of ``storages`` (storage data
+    pointers of a commit's buffers) by copies.
 
     An optimizer may keep a reference to the gradient it stepped with; the commit's buffers are
     reused by the transport for the next message, so such a reference must own its memory.
     """
-    ptrs = {t.untyped_storage().data_ptr() for t in update}
-    for state in optimizer.state.values():
+    for p in params:
+        state = optimizer.state.get(p)
+        if not state:
+            continue
         for name, value in list(state.items()):
-            if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in ptrs:
+            if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in storages:
                 state[name] = value.clone()
 
 
@@ -388,56 +431,45 @@ def _dtype_max(t: torch.Tensor) -> float:
     return float(torch.finfo(t.dtype).max)
 
 
-def apply_guarded(
+@dataclass
+class Bound:
+    """An upper bound of ``max|c|`` per center buffer, for commits applied without the lock."""
+
+    value: dict[str, float] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def apply_unlocked(
     rule: ServerRule,
     center: Mapping[str, torch.Tensor],
     center_views: list[torch.Tensor],
     update: Mapping[str, torch.Tensor],
     update_views: list[torch.Tensor],
-    optimizer: torch.optim.Optimizer | None,
-    backup: Backup,
-    version: int,
-    exclusive: bool = True,
+    bound: Bound,
 ) -> Refusal | None:
-    """Apply ``rule`` to the center unless that makes it non-finite (see the module docstring).
+    """Apply a bounded rule without the table's lock (``use_locking=False``), guarded.
 
-    ``center``/``update``: the flat buffers; ``*_views``: the per-variable views into them.
-    ``version``: the table version before this commit (keys the backup). Returns ``None`` when
-    applied, else the :class:`Refusal` (the center and optimizer state are then unchanged).
-    ``exclusive``: the caller holds the table's write lock. Without it (``use_locking=False``,
-    bounded rules only) concurrent commits reserve their growth of the bound before applying,
-    and a commit whose finiteness the bound cannot prove is refused (no backup is possible
-    while others write).
+    No backup is possible while others write, so the commit is applied only when a bound proves
+    the result finite: every new element is a sum of at most ``rule.max_terms`` terms bounded by
+    ``max|c|`` and ``max|u|``, so ``terms * max(max|c|, max|u|) < FLT_MAX`` (the dtype's largest
+    finite value) guarantees it. The shard keeps an upper bound of ``max|c|`` (exact after
+    seeding, grown by ``max|u|`` per commit -- reserved before applying, so concurrent commits
+    see each other's growth); one read pass over the payload (``aminmax``, which also catches
+    NaN/Inf) per commit. A commit the bound cannot prove safe is refused.
     """
-    if rule.bounded_by_inputs:
-        m_u = _max_abs(update)
-        if any(math.isnan(v) or math.isinf(v) for v in m_u.values()):
-            return Refusal("payload")
-        with backup.bound_lock:
-            if not backup.bound:
-                backup.bound = _max_abs(center)
-            before = dict(backup.bound)
-            safe = all(
-                rule.max_terms * max(before[k], m_u[k]) < _dtype_max(center[k]) for k in center
-            )
-            if safe:  # reserve this commit's growth before applying it
-                backup.bound = {k: before[k] + (rule.max_terms - 1) * m_u[k] for k in center}
-        if safe:
-            rule.apply(center_views, update_views, optimizer)
-            if exclusive and any(v > 1e-3 * _dtype_max(center[k]) for k, v in backup.bound.items()):
-                backup.bound = _max_abs(center)  # tighten a bound grown loose
-            return None
-        if not exclusive:
-            return Refusal("result")
-    if not exclusive:
+    if not rule.bounded_by_inputs:
         raise RuntimeError(f"{type(rule).__name__} needs the table's lock (use_locking=True)")
-    backup.take(center, optimizer, version)
-    rule.apply(center_views, update_views, optimizer)
-    if optimizer is not None:
-        _unalias_state(optimizer, update_views)
-    if finite(center):
-        backup.version = None  # the center moved on
-        backup.bound = {}
-        return None
-    backup.restore(center, optimizer)
-    return Refusal("result" if finite(update) else "payload")
+    m_u = _max_abs(update)
+    if any(math.isnan(v) or math.isinf(v) for v in m_u.values()):
+        return Refusal("payload")
+    with bound.lock:
+        if not bound.value:
+            bound.value = _max_abs(center)
+        before = dict(bound.value)
+        safe = all(rule.max_terms * max(before[k], m_u[k]) < _dtype_max(center[k]) for k in center)
+        if safe:
+            bound.value = {k: before[k] + (rule.max_terms - 1) * m_u[k] for k in center}
+    if not safe:
+        return Refusal("result")
+    rule.apply(center_views, update_views, None)
+    return None

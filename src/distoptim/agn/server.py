@@ -20,18 +20,31 @@ worker commit::
 
     with the table's write lock (if use_locking, or the rule uses an optimizer):
         staleness = version - version_at_workers_last_pull
-        apply the rule under the center guard (rules.apply_guarded):
-            accepted: center <- rule(center, payload); version += 1
-            refused (NaN/Inf sent, or the result would not be finite): center untouched
-    reply with the center (the one before the update for EASGD)
+        for each chunk k of the payload, as it arrives (flat.Chunk):
+            the backup of chunk k is current (taken ahead while idle, else copied now)
+            center[k] <- rule(center[k], payload[k]); check center[k] is finite (in cache)
+            reply chunk k <- center[k] (the backup's, i.e. the old one, for EASGD); publish it
+        accepted (every chunk finite, the worker's verdict "ok"): version += 1
+        refused: every updated chunk restored from the backup -- center, optimizer state and
+                 hyperparameters exactly as before; the reply is the (unchanged) center
 
-The reply is sent from the live center buffers when the transport can send it before the
-center may change again (p2p: the write lock is downgraded to a read lock, held until the
-reply's bytes are out -- no snapshot copy); otherwise a snapshot is copied into the spent
-payload buffers. Readers (replies, pulls) proceed together; a commit waits for them (writers
-first, so commits are not starved). With ``use_locking=False`` additive rules run without the
-lock (Hogwild!-style: a concurrent pull may see a partly applied update, as with TF's
-``use_locking=False``). Counters are always exact (their own lock).
+A rule applies chunk by chunk when it is element-wise (``ServerRule.elementwise``; with a server
+optimizer, that optimizer too: :mod:`distoptim.agn.server_optimizer`); otherwise the shard waits
+for the whole payload, applies it whole, then checks and publishes chunk by chunk. A transport
+that streams (p2p) overlaps all of this with the transfer; one that does not (rpc) hands over the
+whole payload and takes the reply from the spent payload buffers.
+
+Replies from the live center: when the transport sends a reply before anything else can change
+the center (p2p), reply chunks are sent from the center itself (no copy) or copied into the
+connection's shared segment while in cache; the write lock is then downgraded to a read lock,
+held until the reply's bytes are out. Readers (replies, pulls) proceed together; a commit waits
+for them (writers first, so commits are not starved). With ``use_locking=False`` additive rules
+run without the lock (Hogwild!-style: a concurrent pull may see a partly applied update, as with
+TF's ``use_locking=False``), whole, guarded by a bound (:func:`~distoptim.agn.rules.
+apply_unlocked`). Counters are always exact (their own lock).
+
+Between requests (:meth:`ParameterServer.idle`) a shard takes the backups of its tables' current
+versions ahead, chunk by chunk, and stops as soon as a request arrives or a commit waits.
 
 Membership: a worker is *finished* (it said so), *failed* (it said it raised) or *dead* (its
 connection broke without a word, a probe found its process gone, or the launcher said it
@@ -53,7 +66,6 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import inspect
 import io
 import math
 import os
@@ -63,13 +75,23 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from distoptim.agn.flat import nbytes
-from distoptim.agn.rules import Backup, Refusal, apply_guarded
-from distoptim.agn.transport.base import Handled
+from distoptim.agn.flat import DEFAULT_CHUNK_BYTES, Chunk, nbytes
+from distoptim.agn.rules import (
+    Backup,
+    BackupUnit,
+    Bound,
+    Refusal,
+    apply_unlocked,
+    finite_tensor,
+    unalias_state,
+)
+from distoptim.agn.server_optimizer import ServerOptimizer
+from distoptim.agn.transport.base import Arrived, Handled, Inflow
 from distoptim.agn.transport.messages import (
     Ack,
     Commit,
@@ -90,9 +112,25 @@ from distoptim.agn.transport.messages import (
 )
 from distoptim.comm.link import transmit
 
-__all__ = ["CHECKPOINT_FORMAT", "ParameterServer"]
+__all__ = ["CHECKPOINT_FORMAT", "CHUNK_ENV", "ParameterServer"]
 
 CHECKPOINT_FORMAT = 1
+
+CHUNK_ENV = "DISTOPTIM_AGN_CHUNK_BYTES"
+"""Overrides :data:`~distoptim.agn.flat.DEFAULT_CHUNK_BYTES` for a shard started with it set."""
+
+
+def _chunk_bytes_from_env() -> int:
+    raw = os.environ.get(CHUNK_ENV)
+    if raw is None:
+        return DEFAULT_CHUNK_BYTES
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{CHUNK_ENV} must be a positive number of bytes, got {raw!r}")
+    return value
 
 
 class _ReadWriteLock:
@@ -140,38 +178,45 @@ class _ReadWriteLock:
             self._readers += 1
             self._cond.notify_all()
 
-
-def _build_optimizer(spec: TableSpec, views: list[torch.Tensor]) -> torch.optim.Optimizer:
-    """A fresh ``spec.optimizer_cls`` over ``views`` with the worker's hyperparameters."""
-    assert spec.optimizer_cls is not None
-    groups = [{**hp, "params": [views[i] for i in pos]} for _, hp, pos in spec.groups]
-    try:
-        accepted = inspect.signature(spec.optimizer_cls.__init__).parameters
-    except (TypeError, ValueError):
-        accepted = {}
-    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in accepted.values())
-    kwargs = {k: v for k, v in spec.defaults.items() if takes_kwargs or k in accepted}
-    try:
-        return spec.optimizer_cls(groups, **kwargs)
-    except Exception as exc:
-        raise TypeError(
-            f"the parameter server could not build the server optimizer "
-            f"{getattr(spec.optimizer_cls, '__name__', repr(spec.optimizer_cls))}"
-            f"(param_groups, **{sorted(kwargs)}): {exc}. AGN's "
-            "gradient rule needs an optimizer class constructible from (params, **defaults); "
-            "use update_rule='delta' otherwise"
-        ) from exc
+    @property
+    def writers_waiting(self) -> bool:
+        """Whether a writer waits (a reader doing optional work should make way)."""
+        return self._writers_waiting > 0
 
 
 class _Table:
-    def __init__(self, name: str, spec: TableSpec, flats: Mapping[str, torch.Tensor]) -> None:
+    def __init__(
+        self, name: str, spec: TableSpec, flats: Mapping[str, torch.Tensor], chunk_bytes: int
+    ) -> None:
         self.name = name
         self.spec = spec
         self.layout = spec.layout()
         self.flats = {k: v.detach().clone().contiguous() for k, v in flats.items()}
         self.views = self.layout.views(self.flats)
-        self.optimizer = _build_optimizer(spec, self.views) if spec.rule.uses_optimizer else None
-        self.backup = Backup.like(self.flats)
+        self.chunks = self.layout.chunks(chunk_bytes)
+        rule = spec.rule
+        self.server_opt = (
+            ServerOptimizer(spec, self.views, self.chunks, self.flats, rule.elementwise)
+            if rule.uses_optimizer
+            else None
+        )
+        self.optimizer = None if self.server_opt is None else self.server_opt.optimizer
+        self.chunkwise = rule.elementwise and (self.server_opt is None or self.server_opt.chunkwise)
+        self.backup: Backup | None = None
+        if self.locking:
+            units = [
+                BackupUnit(
+                    [(c.key, c.start, c.stop)],
+                    self.server_opt.chunk_params[c.index]
+                    if self.server_opt is not None and self.chunkwise
+                    else [],
+                )
+                for c in self.chunks
+            ]
+            if self.server_opt is not None and not self.chunkwise:
+                units.append(BackupUnit([], list(self.server_opt.params)))
+            self.backup = Backup(self.flats, units, self.optimizer)
+        self.bound = Bound()
         self.saved_state: dict[str, Any] | None = None  # as of its latest checkpoint
         self.refreshing = threading.Lock()
         self.rw = _ReadWriteLock()
@@ -189,25 +234,62 @@ class _Table:
         """Whether commits take the write lock (see the module docstring)."""
         return self.spec.use_locking or self.spec.rule.uses_optimizer
 
-    @property
-    def needs_backup(self) -> bool:
-        """Whether a commit copies the center first (the general guard, or the old-center
-        reply); such a copy can be taken ahead, between requests."""
-        rule = self.spec.rule
-        return self.locking and (not rule.bounded_by_inputs or rule.reply_before_update)
-
-    def refresh_backup(self) -> None:
-        """Take the backup of the current version now, unless it is fresh or being taken."""
-        if self.backup.version == self.version or not self.refreshing.acquire(blocking=False):
+    def refresh_backup(self, interrupted: Callable[[], bool] = lambda: False) -> None:
+        """Take the backup units that are not current now, unit by unit, until ``interrupted()``
+        or a commit waits for the lock (unless another thread is taking them already)."""
+        backup = self.backup
+        if backup is None or not self.refreshing.acquire(blocking=False):
             return
         try:
             self.rw.acquire_read()
             try:
-                self.backup.take(self.flats, self.optimizer, self.version)
+                for u in range(len(backup.units)):
+                    if self.rw.writers_waiting or interrupted():
+                        return
+                    if backup.versions[u] != self.version:
+                        backup.take(u, self.flats, self.version)
             finally:
                 self.rw.release_read()
         finally:
             self.refreshing.release()
+
+    def _fresh(self, unit: int) -> None:
+        """Backup unit ``unit`` shows the current version (the caller holds the write lock)."""
+        assert self.backup is not None
+        if self.backup.versions[unit] != self.version:
+            self.backup.take(unit, self.flats, self.version)
+
+    def apply_chunk(
+        self, chunk: Chunk, payload: Mapping[str, torch.Tensor], storages: set[int]
+    ) -> Refusal | None:
+        """Update chunk ``chunk`` of the center with the payload's, checked (write lock held;
+        its backup unit is current)."""
+        rule = self.spec.rule
+        if self.server_opt is not None:
+            with self.server_opt.only(chunk.index) as params:
+                rule.apply(params, chunk.piece_views(payload), self.server_opt.optimizer)
+            unalias_state(self.server_opt.optimizer, params, storages)
+        else:
+            rule.apply([chunk.of(self.flats)], [chunk.of(payload)], None)
+        return None if finite_tensor(chunk.of(self.flats)) else Refusal("result")
+
+    def apply_whole(self, payload: Mapping[str, torch.Tensor], storages: set[int]) -> None:
+        """Update the whole center at once (a rule or optimizer that is not element-wise; the
+        backup is current)."""
+        rule = self.spec.rule
+        update = self.layout.views(payload)
+        if self.server_opt is not None:
+            order = self.server_opt.params
+            by_id = {id(v): g for v, g in zip(self.views, update)}
+            rule.apply(order, [by_id[id(p)] for p in order], self.server_opt.optimizer)
+            unalias_state(self.server_opt.optimizer, order, storages)
+        else:
+            rule.apply(self.views, update, None)
+
+    def restore(self, units: list[int]) -> None:
+        assert self.backup is not None
+        for u in units:
+            self.backup.restore(u, self.flats)
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in self.flats.items()}
@@ -253,9 +335,9 @@ class _Table:
             self.rw.acquire_read()
         try:
             opt_state = None
-            if self.optimizer is not None:
+            if self.server_opt is not None:
                 buf = io.BytesIO()  # deep copy of the state, detached from live tensors
-                torch.save(self.optimizer.state_dict(), buf)
+                torch.save(self.server_opt.state_dict(), buf)
                 opt_state = buf.getvalue()
             return {
                 "spec": self.spec,
@@ -268,12 +350,35 @@ class _Table:
                 self.rw.release_read()
 
     @classmethod
-    def from_state(cls, name: str, state: dict[str, Any]) -> _Table:
-        t = cls(name, state["spec"], state["flats"])
-        if t.optimizer is not None and state["optimizer"] is not None:
-            t.optimizer.load_state_dict(torch.load(io.BytesIO(state["optimizer"])))
+    def from_state(cls, name: str, state: dict[str, Any], chunk_bytes: int) -> _Table:
+        t = cls(name, state["spec"], state["flats"], chunk_bytes)
+        if t.server_opt is not None and state["optimizer"] is not None:
+            t.server_opt.load_state_dict(torch.load(io.BytesIO(state["optimizer"])))
         t.load_counters(state["counters"])
         return t
+
+
+@dataclass
+class _Touched:
+    """What a commit's application changed: the backup units it updated, and its refusal."""
+
+    units: list[int] = field(default_factory=list)
+    refusal: Refusal | None = None
+    source: Mapping[str, torch.Tensor] = field(default_factory=dict)  # where the reply is read
+
+    def blame(self, payload: torch.Tensor) -> None:
+        """A commit refused for its result was refused for its payload if this chunk of it holds
+        NaN/Inf (checked only once refused)."""
+        refused_for_result = self.refusal is not None and self.refusal.reason == "result"
+        if refused_for_result and not finite_tensor(payload):
+            self.refusal = Refusal("payload")
+
+    def verdict(self, word: str) -> None:
+        """Fold in the worker's verdict on a streamed commit."""
+        if self.refusal is None and word == "refuse":
+            self.refusal = Refusal("payload")
+        elif self.refusal is None and word == "abort":
+            self.refusal = Refusal("abandoned")
 
 
 def _restore_hparams(table: _Table, kept: list[dict[str, Any]]) -> None:
@@ -306,6 +411,9 @@ class ParameterServer:
     A transport calls :meth:`handle` for every request it receives; :meth:`wait_for_workers`
     is the serving loop's end condition. ``incarnation``: 1 + the number of times this shard
     was restarted (told to workers in :class:`~distoptim.agn.transport.messages.Welcome`).
+    ``chunk_bytes``: the chunk size of every table's plan (default
+    :data:`~distoptim.flat.DEFAULT_CHUNK_BYTES`, or ``DISTOPTIM_AGN_CHUNK_BYTES``), told to
+    workers in ``Welcome``.
     """
 
     def __init__(
@@ -316,11 +424,15 @@ class ParameterServer:
         checkpoint_dir: str | os.PathLike[str] | None = None,
         checkpoint_every: int | None = None,
         incarnation: int = 1,
+        chunk_bytes: int | None = None,
     ) -> None:
         self.shard = shard
         self.num_ps = num_ps
         self.num_worker = num_worker
         self.incarnation = incarnation
+        self.chunk_bytes = _chunk_bytes_from_env() if chunk_bytes is None else int(chunk_bytes)
+        if self.chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes!r}")
         self.checkpoint_dir = None if checkpoint_dir is None else os.fspath(checkpoint_dir)
         self.checkpoint_every = checkpoint_every
         self._tables: dict[str, _Table] = {}
@@ -338,17 +450,21 @@ class ParameterServer:
             self._load_checkpoint()
 
     # ---- requests ----------------------------------------------------------------------------
-    def handle(self, request: Request, live_reply: bool = False) -> Handled:
+    def handle(
+        self, request: Request, live_reply: bool = False, inflow: Inflow | None = None
+    ) -> Handled:
         """Answer one request (never raises for the worker's mistakes: they become an
         :class:`ErrorReply` that the worker re-raises by type).
 
         ``live_reply``: the transport sends the reply before anything else can change the center
         and calls :meth:`Handled.sent` afterwards, so replies may reference the live center.
+        ``inflow``: a streamed commit's payload arriving and reply leaving, chunk by chunk
+        (:class:`~distoptim.agn.transport.base.Inflow`).
         """
         try:
             match request:
                 case Commit():
-                    return self.commit(request, live_reply)
+                    return self.commit(request, live_reply, inflow)
                 case Pull():
                     return self.pull(request, live_reply)
                 case Seed():
@@ -366,22 +482,26 @@ class ParameterServer:
         except (ValueError, TypeError, RuntimeError, TimeoutError) as exc:
             return Handled(ErrorReply(type(exc).__name__, str(exc)))
 
-    def idle(self) -> None:
+    def idle(self, interrupted: Callable[[], bool] = lambda: False) -> None:
         """Between requests: copy ahead what the next commit would copy on its critical path
-        (the backups of :func:`~distoptim.agn.rules.apply_guarded`). A transport calls this
-        after a reply is out, while the worker is busy with its next steps."""
+        (each locked table's backup, :class:`~distoptim.agn.rules.Backup`), chunk by chunk,
+        stopping as soon as ``interrupted()`` (a request arrived) or a commit waits. A transport
+        calls this after a reply is out, while the worker is busy with its next steps."""
         with self._cond:
             tables = list(self._tables.values())
         for t in tables:
-            if t.needs_backup:
-                t.refresh_backup()
+            if interrupted():
+                return
+            t.refresh_backup(interrupted)
 
     def hello(self, request: Hello) -> Welcome:
         """A worker connected (again: a worker counted dead is alive again)."""
         with self._cond:
             self._dead.discard(request.task)
             self._hosts[request.task] = request.host
-        return Welcome(self.shard, self.incarnation, os.getpid(), socket.gethostname())
+        return Welcome(
+            self.shard, self.incarnation, os.getpid(), socket.gethostname(), self.chunk_bytes
+        )
 
     def seed(self, request: Seed) -> Handled:
         """Create table ``request.table`` from the chief's values; if it exists (resumed),
@@ -394,7 +514,7 @@ class ParameterServer:
         with self._cond:
             table = self._tables.get(request.table)
             if table is None:
-                table = _Table(request.table, spec, flats)
+                table = _Table(request.table, spec, flats, self.chunk_bytes)
                 table.saved_state = table.state() if self.checkpoint_dir is not None else None
                 self._tables[request.table] = table
                 self._cond.notify_all()
@@ -434,91 +554,213 @@ class ParameterServer:
         reply = PullReply(version, flats, resumed=request.table in self._resumed)
         return Handled(reply, after)
 
-    def commit(self, request: Commit, live_reply: bool = False) -> Handled:
+    def commit(
+        self, request: Commit, live_reply: bool = False, inflow: Inflow | None = None
+    ) -> Handled:
         """Apply one commit of worker ``request.task`` (see the module docstring for the math).
 
-        ``request.flats`` is consumed: its buffers may carry the reply.
+        ``request.flats`` is consumed: its buffers may carry the reply. ``inflow``: the
+        transport's end of a streamed commit (None: the payload is all here, and the reply is
+        written into it).
         """
         table = self._table(request.table)
         payload = request.flats
         if not request.refused_by_worker:
             table.layout.check(payload, "commit payload")
-        rule = table.spec.rule
-        locking = table.locking
-        if locking:
-            table.rw.acquire_write()
-        release: Callable[[], None] | None = table.rw.release_write if locking else None
+        if inflow is None:  # the reply goes from the center (live) or in the spent payload
+            whole = payload and not request.refused_by_worker and not live_reply
+            inflow = Arrived(payload if whole else None)
+        if not table.locking:
+            return self._commit_unlocked(table, request, inflow)
+        table.rw.acquire_write()
+        release: Callable[[], None] | None = table.rw.release_write
         try:
             staleness = table.version - request.pulled_version
             refusal: Refusal | None = Refusal("payload") if request.refused_by_worker else None
-            source = table.flats
             kept_hparams = None
-            if refusal is None:
-                if request.hparams and table.optimizer is not None:
-                    kept_hparams = _set_hparams(table, request.hparams)
-                if rule.reply_before_update and locking:
-                    table.backup.take(table.flats, table.optimizer, table.version)
-                    source = table.backup.center
-                elif rule.reply_before_update:
-                    source = table.snapshot()  # others may be using the backup concurrently
-                refusal = apply_guarded(
-                    rule,
-                    table.flats,
-                    table.views,
-                    payload,
-                    table.layout.views(payload),
-                    table.optimizer,
-                    table.backup,
-                    table.version,
-                    exclusive=locking,
-                )
-                if refusal is not None:
-                    source = table.flats
-                    if kept_hparams is not None:  # a refused commit's hyperparameters do not stick
-                        _restore_hparams(table, kept_hparams)
+            if refusal is None and request.hparams and table.optimizer is not None:
+                kept_hparams = _set_hparams(table, request.hparams)
+            touched = _Touched()
+            try:
+                self._apply(table, payload, inflow, refusal is not None, touched)
+            except BaseException:  # the worker vanished mid-stream, or the rule raised
+                table.restore(touched.units)
+                if kept_hparams is not None:
+                    _restore_hparams(table, kept_hparams)
+                raise
+            refusal = refusal or touched.refusal
+            if refusal is not None:
+                table.restore(touched.units)
+                if kept_hparams is not None:  # a refused commit's hyperparameters do not stick
+                    _restore_hparams(table, kept_hparams)
             accepted = refusal is None
             with table.stats_lock:
                 if accepted:
                     table.version += 1
                     table.commits[request.task] += 1
                     table.staleness[staleness] += 1
-                else:
+                elif refusal is not None and refusal.reason != "abandoned":
                     table.refused += 1
-                    table.refused_result += int(refusal is not None and refusal.reason == "result")
+                    table.refused_result += int(refusal.reason == "result")
                 table.bytes_in += nbytes(payload)
-                table.bytes_out += nbytes(source)
+                table.bytes_out += nbytes(table.flats)
                 version = table.version
             every = self.checkpoint_every
             if accepted and every is not None and version % every == 0:
                 # on disk before this table accepts another commit: a restart loses at most
                 # checkpoint_every of its accepted commits
-                self.checkpoint(held=table if locking else None)
-            if live_reply or (not locking and not rule.reply_before_update):
-                reply_flats = source  # live: sent before the center can change (or Hogwild!)
-                if locking:
-                    table.rw.downgrade()
-                    release = table.rw.release_read
+                self.checkpoint(held=table)
+            if accepted and inflow.streamed:
+                reply_flats: dict[str, torch.Tensor] = {}  # the published chunks are the reply
+            elif accepted:
+                reply_flats = inflow.reply_buffers() or dict(touched.source)
+            elif live_reply:
+                reply_flats = table.flats  # sent before the center can change (read lock)
             elif payload and not request.refused_by_worker:
-                reply_flats = payload  # the spent payload buffers carry the snapshot
-                torch._foreach_copy_(list(payload.values()), [source[k] for k in payload])
+                reply_flats = payload  # the spent payload buffers carry the center
+                torch._foreach_copy_(list(payload.values()), [table.flats[k] for k in payload])
             else:
-                reply_flats = {k: v.clone() for k, v in source.items()}
-            if not live_reply and release is not None:
+                reply_flats = table.snapshot()
+            if live_reply:
+                table.rw.downgrade()
+                release = table.rw.release_read
+            else:
                 release()
                 release = None
         except BaseException:
             if release is not None:
                 release()
             raise
-        transmit(nbytes(reply_flats))
+        transmit(nbytes(table.flats))
         reply = CommitReply(
             refused=not accepted,
             version=version,
             staleness=staleness,
             flats=reply_flats,
             reason="" if refusal is None else refusal.describe(),
+            streamed=accepted and inflow.streamed,
         )
         return Handled(reply, release)
+
+    def _apply(
+        self,
+        table: _Table,
+        payload: Mapping[str, torch.Tensor],
+        inflow: Inflow,
+        refused: bool,
+        touched: _Touched,
+    ) -> None:
+        """Apply ``payload`` chunk by chunk as it arrives (write lock held), publishing each reply
+        chunk; ``touched`` records what was updated (as it goes) and why it was refused."""
+        assert table.backup is not None
+        source = table.backup.center if table.spec.rule.reply_before_update else table.flats
+        touched.source = source
+        storages = {t.untyped_storage().data_ptr() for t in payload.values()}
+        target = inflow.reply_buffers()
+        chunks = table.chunks if payload else []
+        if table.chunkwise:
+            for chunk in chunks:
+                inflow.wait(chunk.index)
+                if not refused and touched.refusal is None:
+                    table._fresh(chunk.index)
+                    touched.units.append(chunk.index)
+                    touched.refusal = table.apply_chunk(chunk, payload, storages)
+                elif table.spec.rule.reply_before_update:
+                    table._fresh(chunk.index)  # the reply is the backup's
+                touched.blame(chunk.of(payload))  # before the reply may overwrite it
+                self._publish(chunk, source, target, inflow)
+            touched.verdict(inflow.verdict() if chunks else "ok")
+            return
+        for chunk in chunks:
+            inflow.wait(chunk.index)
+        verdict = inflow.verdict() if chunks else "ok"
+        if not refused and verdict == "ok":
+            for u in range(len(table.backup.units)):
+                table._fresh(u)
+            touched.units = list(range(len(table.backup.units)))
+            table.apply_whole(payload, storages)
+        elif table.spec.rule.reply_before_update:
+            for u in range(len(table.backup.units)):
+                table._fresh(u)
+        for chunk in chunks:
+            checked = touched.units and touched.refusal is None
+            if checked and not finite_tensor(chunk.of(table.flats)):
+                touched.refusal = Refusal("result")
+            touched.blame(chunk.of(payload))
+            self._publish(chunk, source, target, inflow)
+        touched.verdict(verdict)
+
+    @staticmethod
+    def _publish(
+        chunk: Chunk,
+        source: Mapping[str, torch.Tensor],
+        target: Mapping[str, torch.Tensor] | None,
+        inflow: Inflow,
+    ) -> None:
+        data = chunk.of(source)
+        if target is not None:
+            out = chunk.of(target)
+            out.copy_(data)
+            data = out
+        inflow.publish(chunk.index, data)
+
+    def _commit_unlocked(self, table: _Table, request: Commit, inflow: Inflow) -> Handled:
+        """A commit to a table without the lock (``use_locking=False``, bounded rules):
+        applied whole once it arrived, guarded by a bound; the reply is the center as it is."""
+        payload = request.flats
+        rule = table.spec.rule
+        chunks = table.chunks if payload and not request.refused_by_worker else []
+        for chunk in chunks:
+            inflow.wait(chunk.index)
+        verdict = inflow.verdict() if chunks else "ok"
+        staleness = table.version - request.pulled_version
+        refusal: Refusal | None = None
+        if request.refused_by_worker or verdict == "refuse":
+            refusal = Refusal("payload")
+        elif verdict == "abort":
+            refusal = Refusal("abandoned")
+        source = table.flats
+        if refusal is None:
+            if rule.reply_before_update:
+                source = table.snapshot()  # others may change the center meanwhile
+            refusal = apply_unlocked(
+                rule, table.flats, table.views, payload, table.layout.views(payload), table.bound
+            )
+            if refusal is not None:
+                source = table.flats
+        target = inflow.reply_buffers()
+        if not inflow.streamed:
+            target = None  # the reply is the center as it is (Hogwild!), or the snapshot
+        for chunk in chunks:
+            self._publish(chunk, source, target, inflow)
+        accepted = refusal is None
+        with table.stats_lock:
+            if accepted:
+                table.version += 1
+                table.commits[request.task] += 1
+                table.staleness[staleness] += 1
+            elif refusal is not None and refusal.reason != "abandoned":
+                table.refused += 1
+                table.refused_result += int(refusal.reason == "result")
+            table.bytes_in += nbytes(payload)
+            table.bytes_out += nbytes(table.flats)
+            version = table.version
+        if inflow.streamed and chunks and accepted:
+            reply_flats: dict[str, torch.Tensor] = {}
+        elif target is not None and chunks:
+            reply_flats = dict(target)
+        else:
+            reply_flats = dict(source)
+        transmit(nbytes(table.flats))
+        reply = CommitReply(
+            refused=not accepted,
+            version=version,
+            staleness=staleness,
+            flats=reply_flats,
+            reason="" if refusal is None else refusal.describe(),
+            streamed=inflow.streamed and bool(chunks) and accepted,
+        )
+        return Handled(reply)
 
     # ---- tables --------------------------------------------------------------------------------
     def _table(self, name: str, wait_s: float = 0.0) -> _Table:
@@ -566,7 +808,7 @@ class ParameterServer:
                 "with the same number of parameter servers or use another checkpoint_dir"
             )
         for name, state in blob["tables"].items():
-            self._tables[name] = _Table.from_state(name, state)
+            self._tables[name] = _Table.from_state(name, state, self.chunk_bytes)
             self._tables[name].saved_state = state
             self._resumed.add(name)
 

@@ -8,22 +8,30 @@ and, every ``communication_period`` (λ) steps, sends **one request per shard** 
 flat buffer per dtype and receives that shard's center in the same round trip. The algorithms
 (:mod:`~distoptim.agn.agn`, :mod:`~distoptim.agn.downpour`, :mod:`~distoptim.agn.easgd`)
 differ only in three small pieces a subclass provides, per :class:`~distoptim.agn.link.ShardLink`
-(the extension point, documented there):
+and per chunk of its plan (the extension point, documented there):
 
-* ``_payload(link)``: what it commits (e.g. ``a/λ``, ``θ - θ_pulled``, ``θ``);
-* ``_absorb(link, sent, reply)``: what the local copy becomes afterwards (default: the center);
+* ``_payload_part(link, chunk, dst)``: what it commits (e.g. ``a/λ``, ``θ - θ_pulled``, ``θ``);
+* ``_absorb_part(link, chunk, reply)``: what the local copy becomes (default: the center);
 * ``_server_rule()``: how the shard applies a commit (:mod:`distoptim.agn.rules`).
 
 A worker step, in order: validate (initialized?) → accumulate (AGN: ``a += g``) → the
 wrapped optimizer's ``step()`` on the local parameters → ``local_step += 1`` → if
 ``local_step % λ == 0``: commit and absorb. Nothing waits for other workers.
 
-Refused commits: with several shards the worker checks its payload first and, if any value is
-NaN/Inf, sends an empty "refused" commit to every shard so that *no* shard applies a part of it;
-a shard also refuses a commit whose *result* would not be finite (the center guard of
-:mod:`distoptim.agn.rules`). Either way that shard's center is untouched, it counts a refusal,
-and the worker warns (``RuntimeWarning``, with the reason) and takes the center as its local
-copy.
+A commit, per shard, when the transport streams (p2p): the header goes first; then chunk ``k``
+of the payload is written and made ready (the shard applies it while the worker writes chunk
+``k + 1``); once every shard's payload is written the worker tells each its verdict; then it
+takes each reply chunk as it arrives (the shard still works on the next ones) and finally
+reads the outcome. Otherwise (rpc) the payload is written whole, sent, and the reply absorbed
+chunk by chunk once it is back.
+
+Refused commits: with several shards the worker checks its payload as it writes it (a ``sum`` of
+each chunk while in cache) and, if any value is NaN/Inf, tells every shard to refuse it
+(verdict ``refuse``, or an empty "refused" commit when not streaming) so that *no* shard applies
+a part of it; a shard also refuses a commit whose *result* would not be finite (the center guard
+of :mod:`distoptim.agn.rules`). Either way that shard's center is untouched, it counts a
+refusal, and the worker warns (``RuntimeWarning``, with the reason) and takes the center as its
+local copy.
 
 A restarted shard (p2p, ``reconnect_timeout > 0``): a request that finds the connection broken
 reconnects (bounded) and the worker re-pulls that shard's center into its local copy; the
@@ -33,6 +41,7 @@ next commit (their ``incarnation`` is behind the connection's).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,12 +50,21 @@ from typing import Any
 import torch
 
 from distoptim.agn.cluster import Cluster, current_cluster
-from distoptim.agn.flat import FlatLayout, nbytes
+from distoptim.agn.flat import Chunk, FlatLayout, nbytes
 from distoptim.agn.getter import AGNCustomGetter
 from distoptim.agn.link import ShardLink
-from distoptim.agn.rules import ServerRule, finite
-from distoptim.agn.transport.base import ParameterServerError, Pending, ShardLostError
-from distoptim.agn.transport.messages import Commit, CommitReply, Pull, PullReply, Seed, TableSpec
+from distoptim.agn.rules import ServerRule, finite, finite_tensor
+from distoptim.agn.transport.base import Pending, ShardLostError, Stream
+from distoptim.agn.transport.messages import (
+    Commit,
+    CommitReply,
+    ErrorReply,
+    Pull,
+    PullReply,
+    Reply,
+    Seed,
+    TableSpec,
+)
 from distoptim.checks import check_finite_hyperparameters, check_int
 from distoptim.comm.link import transmit
 from distoptim.protocol import WrappedOptimizer
@@ -87,6 +105,19 @@ class SessionRunHook:
 
     def end(self, session: Any = None) -> None:
         """Nothing to do at the end (TF hook API)."""
+
+
+@dataclass
+class _Flow:
+    """One link's part of a commit in progress."""
+
+    link: ShardLink
+    payload: dict[str, torch.Tensor] | None = None
+    hparams: dict[int, dict[str, Any]] | None = None
+    stream: Stream | None = None
+    pending: Pending | None = None
+    lost: ShardLostError | None = None
+    finite: bool = True
 
 
 @dataclass
@@ -185,14 +216,45 @@ class AsyncWorkerOptimizer(WrappedOptimizer):
     def _server_rule(self) -> ServerRule:
         raise NotImplementedError
 
-    def _payload(self, link: ShardLink) -> dict[str, torch.Tensor]:
+    def _payload_target(self, link: ShardLink) -> dict[str, torch.Tensor]:
+        """Where this commit's payload is written: ``link.out`` (free to send) when set, else
+        the link's own send buffers."""
+        return link.out if link.out is not None else link.send_buffers()
+
+    def _payload_part(self, link: ShardLink, chunk: Chunk, dst: dict[str, torch.Tensor]) -> None:
+        """Write chunk ``chunk`` of this commit's payload into ``dst``."""
         raise NotImplementedError
+
+    def _payload(self, link: ShardLink) -> dict[str, torch.Tensor]:
+        """The whole payload (default: every chunk of :meth:`_payload_part`, in
+        :meth:`_payload_target`). An algorithm overriding this commits whole buffers."""
+        dst = self._payload_target(link)
+        for chunk in link.chunks:
+            self._payload_part(link, chunk, dst)
+        return dst
+
+    def _absorb_part(self, link: ShardLink, chunk: Chunk, reply: dict[str, torch.Tensor]) -> None:
+        """Chunk ``chunk`` of the reply is in ``reply`` (provisional until the commit is
+        accepted); default: that chunk of the local copy becomes the center's."""
+        link.assign_part(chunk, reply)
+        if self._keeps_pulled:
+            link.keep_part(chunk, reply)
+
+    def _absorbed(self, link: ShardLink, reply: dict[str, torch.Tensor]) -> None:
+        """After the last chunk of an accepted commit: the accumulator is zero, the center just
+        taken is the last pulled one."""
+        link.acc_is_zero = True
+        if self._keeps_pulled:
+            link.pulled = link.kept(reply)
 
     def _absorb(
         self, link: ShardLink, sent: dict[str, torch.Tensor], reply: dict[str, torch.Tensor]
     ) -> None:
-        """After an accepted commit; default: the local copy becomes the received center."""
-        self._reset_to(link, reply)
+        """After an accepted commit, whole (default: every chunk of :meth:`_absorb_part`, then
+        :meth:`_absorbed`). An algorithm overriding this absorbs replies whole."""
+        for chunk in link.chunks:
+            self._absorb_part(link, chunk, reply)
+        self._absorbed(link, reply)
 
     # ---- shared worker machinery ----------------------------------------------------------------
     def _reset_to(self, link: ShardLink, center: dict[str, torch.Tensor]) -> None:
@@ -434,43 +496,45 @@ class AsyncWorkerOptimizer(WrappedOptimizer):
         for link in conn.links:  # a shard restarted under another optimizer's request
             if cluster.incarnation(link.shard) != link.incarnation:
                 self._resync(link)
-        for link in conn.links:
-            link.out = self._outbox(link)
-        payloads = [self._payload(link) for link in conn.links]
-        refuse = len(conn.links) > 1 and not all(finite(p) for p in payloads)
+        base = AsyncWorkerOptimizer
+        parts_out = type(self)._payload is base._payload
+        parts_in = type(self)._absorb is base._absorb
+        multi = len(conn.links) > 1
         uses_opt = self._server_rule().uses_optimizer
-        pending: list[Pending | ParameterServerError] = []
-        for link, payload in zip(conn.links, payloads):
-            send = {} if refuse else payload
-            hp = self._hparams(link) if uses_opt and not refuse else None
-            transmit(nbytes(send))
-            commit = Commit(self._name, conn.task_index, link.version, send, hp, refuse)
-            try:
-                pending.append(cluster.send(link.shard, commit, into=link.reply_buffers()))
-            except ShardLostError as exc:
-                pending.append(exc)
-        reasons: list[str] = []
-        lost: list[tuple[ShardLink, ShardLostError]] = []
-        for link, payload, p in zip(conn.links, payloads, pending):
-            try:
-                if isinstance(p, ParameterServerError):
-                    raise p
-                reply = cluster.receive(p)
-            except ShardLostError as exc:
-                lost.append((link, exc))
-                continue
-            assert isinstance(reply, CommitReply)
-            link.version = reply.version
-            self.global_step = max(self.global_step, reply.version)
-            if reply.refused:
-                reasons.append(reply.reason or "refused")
-                link.sent_hparams.clear()
-                self._reset_to(link, reply.flats)
-            else:
-                self._absorb(link, payload, reply.flats)
-        for link, exc in lost:  # the commit is lost; wait for the shard, take its center
-            cluster.reconnect(link.shard, exc)
-            self._resync(link)
+        flows = [_Flow(link) for link in conn.links]
+        try:
+            for f in flows:  # streams start now, so each shard works while payloads are written
+                link = f.link
+                link.out = self._outbox(link)
+                link.plan(cluster.transport.chunk_bytes(link.shard))
+                if parts_out and link.streamable:
+                    f.payload = self._payload_target(link)
+                    f.hparams = self._hparams(link) if uses_opt else None
+                    commit = self._commit_request(link, f.payload, f.hparams, False)
+                    try:
+                        f.stream = cluster.stream(link.shard, commit, link.chunks, link.inbox)
+                    except ShardLostError as exc:
+                        f.lost = exc
+            for f in flows:
+                self._write_payload(f, parts_out, check=multi)
+            refuse = not all(f.finite for f in flows)
+            for f in flows:
+                self._send(f, cluster, refuse, uses_opt)
+            reasons: list[str] = []
+            for f in flows:
+                self._finish_link(f, cluster, parts_in, reasons)
+        except BaseException:
+            for f in flows:  # wind every exchange down: the connections stay usable
+                if f.stream is not None:
+                    f.stream.abandon()
+                if f.pending is not None:
+                    with contextlib.suppress(Exception):
+                        f.pending.wait()
+            raise
+        lost = [f for f in flows if f.lost is not None]
+        for f in lost:  # the commit is lost; wait for the shard, take its center
+            cluster.reconnect(f.link.shard, f.lost)
+            self._resync(f.link)
         self.lost_commits += bool(lost)
         if reasons:
             warnings.warn(
@@ -480,6 +544,92 @@ class AsyncWorkerOptimizer(WrappedOptimizer):
                 RuntimeWarning,
                 stacklevel=3,
             )
+
+    def _commit_request(
+        self,
+        link: ShardLink,
+        flats: dict[str, torch.Tensor],
+        hparams: dict[int, dict[str, Any]] | None,
+        refused: bool,
+    ) -> Commit:
+        conn = self._require_connected()
+        transmit(nbytes(flats))
+        return Commit(self._name, conn.task_index, link.version, flats, hparams, refused)
+
+    def _write_payload(self, f: _Flow, parts: bool, check: bool) -> None:
+        """Write link ``f.link``'s payload (chunk by chunk, each made ready as it is written
+        when streaming); with ``check``, note whether it is finite (a sum per chunk, in cache)."""
+        link = f.link
+        if not parts:
+            f.payload = self._payload(link)
+            f.finite = not check or finite(f.payload)
+            return
+        dst = f.payload if f.payload is not None else self._payload_target(link)
+        f.payload = dst
+        for chunk in link.chunks:
+            self._payload_part(link, chunk, dst)
+            if check and f.finite:
+                f.finite = finite_tensor(chunk.of(dst))
+            if f.stream is not None and f.lost is None:
+                try:
+                    f.stream.ready(chunk.index)
+                except ShardLostError as exc:
+                    f.lost, f.stream = exc, None
+
+    def _send(self, f: _Flow, cluster: Cluster, refuse: bool, uses_opt: bool) -> None:
+        """Tell a streaming shard the verdict; send a whole commit to the others."""
+        link = f.link
+        if f.lost is not None:
+            return
+        try:
+            if f.stream is not None:
+                f.stream.finish("refuse" if refuse else "ok")
+                return
+            assert f.payload is not None
+            hp = self._hparams(link) if uses_opt and not refuse else None
+            commit = self._commit_request(link, {} if refuse else f.payload, hp, refuse)
+            f.pending = cluster.send(link.shard, commit, into=link.reply_buffers())
+        except ShardLostError as exc:
+            f.lost, f.stream = exc, None
+
+    def _finish_link(self, f: _Flow, cluster: Cluster, parts: bool, reasons: list[str]) -> None:
+        """Take the reply: chunk by chunk as it arrives (streaming), then the outcome."""
+        link = f.link
+        if f.lost is not None:
+            return
+        assert f.payload is not None
+        try:
+            if f.stream is not None:
+                stream = f.stream
+                for chunk in link.chunks:
+                    stream.arrived(chunk.index)
+                    if parts:
+                        self._absorb_part(link, chunk, stream.reply_flats)
+                f.stream = None
+                reply: Reply = stream.wait()
+                center = stream.reply_flats
+            else:
+                assert f.pending is not None
+                pending, f.pending = f.pending, None
+                reply = pending.wait()
+                center = getattr(reply, "flats", {})
+        except ShardLostError as exc:
+            f.lost = exc
+            return
+        if isinstance(reply, ErrorReply):
+            self._resync(link)  # the local copy may hold part of a reply: take the center
+            raise reply.to_exception()
+        assert isinstance(reply, CommitReply)
+        link.version = reply.version
+        self.global_step = max(self.global_step, reply.version)
+        if reply.refused:
+            reasons.append(reply.reason or "refused")
+            link.sent_hparams.clear()
+            self._reset_to(link, reply.flats)
+        elif reply.streamed and parts:
+            self._absorbed(link, center)
+        else:
+            self._absorb(link, f.payload, center if reply.streamed else reply.flats)
 
     # ---- state ----------------------------------------------------------------------------------
     def _wrapper_state_dict(self) -> dict[str, Any]:

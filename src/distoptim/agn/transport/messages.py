@@ -183,12 +183,14 @@ class Finish(Request):
 @dataclass
 class Welcome(Reply):
     """The shard accepted the connection: shard ``shard``, ``incarnation`` (1 + restarts),
-    its process ``pid`` on ``host``."""
+    its process ``pid`` on ``host``, and the ``chunk_bytes`` of its tables' chunk plans (commits
+    on this connection are streamed in that plan, :mod:`distoptim.agn.flat`)."""
 
     shard: int
     incarnation: int
     pid: int
     host: str = ""
+    chunk_bytes: int = 0
 
 
 @dataclass
@@ -213,7 +215,9 @@ class CommitReply(Reply):
 
     ``refused``: the center is unchanged (``reason`` says why); ``version``: the center's
     version after it; ``staleness``: commits by others since the worker's last pull; ``flats``:
-    the center after the commit (before it, for rules with ``reply_before_update``).
+    the center after the commit (before it, for rules with ``reply_before_update``) -- or, when
+    ``streamed``, nothing: the reply chunks the worker received while the commit was applied
+    are that center (a refused commit's reply is never streamed: it carries the center whole).
     """
 
     refused: bool
@@ -221,6 +225,7 @@ class CommitReply(Reply):
     staleness: int
     flats: Flats
     reason: str = ""
+    streamed: bool = False
 
 
 @dataclass

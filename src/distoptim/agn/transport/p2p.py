@@ -27,6 +27,16 @@ Replies are sent from the live center when possible (see :mod:`distoptim.agn.ser
 sends the reply before it reads the next request and releases the table's read lock once the
 bytes are out. A shard reuses each connection's receive buffers from one message to the next.
 
+Commits are **streamed** (:mod:`distoptim.agn.transport.base`), in the chunk plan of the shard's
+``chunk_bytes`` (told in ``Welcome``): on the pair, one ``send`` per chunk each way (tags
+``1 + k``) and the verdict (tag ``1 + n``), so the shard updates chunk ``k`` while chunk
+``k + 1`` is on the wire and sends reply chunk ``k`` back while the next ones arrive; in a
+shared segment, the progress counters of :mod:`~distoptim.agn.transport.shm` announce each
+chunk (x86-64 only; elsewhere commits travel whole in the segment). A wait on a counter is
+bounded by the request's timeout and checks between sleeps that the peer's process is alive.
+A worker that stops in the middle of a commit (it raised) tells the shard (verdict ``abort``:
+the shard restores what it updated) and winds the exchange down, so the connection stays usable.
+
 Failures: a worker whose process ends breaks its connections at once (gloo: "Connection closed
 by peer"); the shard counts it dead unless it said ``Finish`` first. A shard whose process ends
 breaks its workers' pending requests at once (:class:`~distoptim.agn.transport.base.
@@ -61,12 +71,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from distoptim.agn.flat import Chunk, chunk_ranges
 from distoptim.agn.transport import wire
 from distoptim.agn.transport.base import (
+    VERDICTS,
     Handler,
+    Inflow,
     ParameterServerError,
     Pending,
     ShardLostError,
+    Stream,
     Transport,
 )
 from distoptim.agn.transport.messages import (
@@ -79,7 +93,7 @@ from distoptim.agn.transport.messages import (
     Request,
     Welcome,
 )
-from distoptim.agn.transport.shm import Segment, layout_offsets
+from distoptim.agn.transport.shm import PROGRESS_SUPPORTED, Segment
 from distoptim.launch import import_dynamo_before_groups
 
 __all__ = ["DEFAULT_IDLE_TIMEOUT", "P2PTransport"]
@@ -104,27 +118,45 @@ def _seconds(deadline: float) -> timedelta:
 
 class _Pipe:
     """One end of a connection: a 2-rank gloo group, typed messages in both directions, and
-    (same machine) the shared segment the flat buffers travel in."""
+    (same machine) the shared segment the flat buffers travel in. ``replies``: this end sends
+    replies (the shard's end), so its buffers go to the segment's reply region."""
 
-    def __init__(self, pg: dist.ProcessGroup, peer: int) -> None:
+    def __init__(self, pg: dist.ProcessGroup, peer: int, replies: bool) -> None:
         self.pg = pg
         self.peer = peer
+        self.replies = replies
         self.segment: Segment | None = None
+        self.announced = 0  # chunks this end announced on its segment progress counter
 
-    def send(self, message: Any) -> list[Any]:
-        """Start sending ``message``; the returned works must be waited."""
-        flats = getattr(message, "flats", None) or {}
-        offsets = None
+    def place(self, flats: dict[str, torch.Tensor]) -> list[int] | None:
+        """Offsets of ``flats`` in the segment: where they already are, else in this end's
+        region (None: no segment, or they do not fit)."""
         seg = self.segment
-        if seg is not None and flats:
-            sizes = [t.numel() * t.element_size() for t in flats.values()]
-            placed, need = layout_offsets(sizes)
-            if need <= seg.nbytes:
-                for t, off in zip(flats.values(), placed):
-                    if not seg.holds(t, off):
-                        seg.view(off, t.dtype, t.numel()).copy_(t)
-                offsets = placed
-        header, extra, buffers = wire.encode(message, offsets)
+        if seg is None or not flats:
+            return None
+        placed = seg.place([t.numel() * t.element_size() for t in flats.values()], self.replies)
+        if placed is None:
+            return None
+        return [
+            where if (where := seg.offset_of(t)) is not None else at
+            for t, at in zip(flats.values(), placed)
+        ]
+
+    def send(
+        self, message: Any, stream: wire.StreamInfo | None = None, copy: bool = True
+    ) -> list[Any]:
+        """Start sending ``message``; the returned works must be waited. ``stream``: only the
+        header goes now (the buffers follow chunk by chunk); ``copy``: put buffers that are not
+        in the segment there now (else the caller does, chunk by chunk)."""
+        flats = getattr(message, "flats", None) or {}
+        offsets = self.place(flats)
+        if offsets is not None and copy:
+            seg = self.segment
+            assert seg is not None
+            for t, off in zip(flats.values(), offsets):
+                if not seg.holds(t, off):
+                    seg.view(off, t.dtype, t.numel()).copy_(t)
+        header, extra, buffers = wire.encode(message, offsets, stream)
         works = [self.pg.send([header], self.peer, 0)]
         if extra is not None:
             works.append(self.pg.send([extra], self.peer, 0))
@@ -137,10 +169,12 @@ class _Pipe:
         deadline: float,
         into: dict[str, torch.Tensor] | None = None,
         pool: dict[wire.BufferSpec, torch.Tensor] | None = None,
-    ) -> Any:
-        """Receive one message by ``deadline`` (``time.monotonic()``). Buffers in the shared
-        segment are views of it (valid until the next message); the others are received into
-        ``into`` where key, dtype and size match, else into ``pool``'s (reused), else new ones."""
+    ) -> tuple[Any, list[wire.BufferSpec], wire.StreamInfo | None]:
+        """Receive one message by ``deadline`` (``time.monotonic()``): ``(message, its buffer
+        specs, its stream info)``. Buffers in the shared segment are views of it (valid until
+        the next message); the others are received into ``into`` where key, dtype and size
+        match, else into ``pool``'s (reused), else new ones. A streamed message's ``flats`` are
+        where its chunks will arrive (nothing is received yet: see :class:`_PipeInflow`)."""
         header = torch.empty(wire.HEADER_BYTES, dtype=torch.uint8)
         self.pg.recv([header], self.peer, 0).wait(_seconds(deadline))
         n, meta = wire.decode_header(header)
@@ -148,9 +182,9 @@ class _Pipe:
             extra = torch.empty(n, dtype=torch.uint8)
             self.pg.recv([extra], self.peer, 0).wait(_seconds(deadline))
             meta = bytes(extra.numpy())
-        message, specs = wire.finish_decode(meta)
+        message, specs, stream = wire.finish_decode(meta)
         if not specs:
-            return message
+            return message, specs, stream
         flats: dict[str, torch.Tensor] = {}
         works = []
         for i, spec in enumerate(specs):
@@ -160,12 +194,13 @@ class _Pipe:
                 flats[spec.key] = self.segment.view(spec.offset, spec.dtype, spec.numel)
                 continue
             buf = self._buffer(spec, into, pool)
-            works.append(self.pg.recv([buf], self.peer, 1 + i))
+            if stream is None:
+                works.append(self.pg.recv([buf], self.peer, 1 + i))
             flats[spec.key] = buf
         for w in works:
             w.wait(_seconds(deadline))
         message.flats = flats
-        return message
+        return message, specs, stream
 
     @staticmethod
     def _buffer(
@@ -187,6 +222,108 @@ class _Pipe:
         self.segment = None
         with contextlib.suppress(Exception):
             self.pg.shutdown()
+
+
+def _views(
+    flats: dict[str, torch.Tensor], ranges: list[tuple[str, int, int]]
+) -> list[torch.Tensor]:
+    return [flats[key][a:b] for key, a, b in ranges]
+
+
+def _seg_views(seg: Segment, specs: list[wire.BufferSpec], reply: bool) -> dict[str, torch.Tensor]:
+    """The views of a message with ``specs`` laid out in a region of ``seg``."""
+    placed = seg.place([s.numel * s.dtype.itemsize for s in specs], reply)
+    if placed is None:
+        raise wire.WireError("a streamed message that does not fit the shared segment")
+    return {s.key: seg.view(o, s.dtype, s.numel) for s, o in zip(specs, placed)}
+
+
+class _PipeInflow(Inflow):
+    """The shard's end of a streamed commit on a connection (see the module docstring)."""
+
+    def __init__(
+        self,
+        pipe: _Pipe,
+        specs: list[wire.BufferSpec],
+        flats: dict[str, torch.Tensor],
+        info: wire.StreamInfo,
+        deadline: float,
+        probe: Any,
+    ) -> None:
+        self._pipe = pipe
+        self._deadline = deadline
+        self._probe = probe
+        self._ranges = chunk_ranges([(s.key, s.dtype, s.numel) for s in specs], info.chunk_bytes)
+        self._n = len(self._ranges)
+        self._payload = _views(flats, self._ranges)
+        self._base = info.base
+        self._waited = self._published = 0
+        self._verdict: str | None = None
+        self._sends: list[Any] = []
+        self._seg = pipe.segment if specs and specs[0].offset >= 0 else None
+        if self._seg is not None:
+            self.live = False
+            self._reply: dict[str, torch.Tensor] | None = _seg_views(self._seg, specs, True)
+            self._reply_views = _views(self._reply, self._ranges)
+            self._recvs: list[Any] = []
+        else:
+            self.live = True
+            self._reply = None
+            self._recvs = [pipe.pg.recv([v], pipe.peer, 1 + k) for k, v in enumerate(self._payload)]
+            self._code = torch.zeros(1, dtype=torch.int64)
+            self._recvs.append(pipe.pg.recv([self._code], pipe.peer, 1 + self._n))
+
+    def wait(self, chunk: int) -> None:
+        while self._waited <= chunk:
+            k = self._waited
+            if self._seg is not None:
+                self._seg.request_progress.wait(self._base + k + 1, self._deadline, self._probe)
+            else:
+                self._recvs[k].wait(_seconds(self._deadline))
+            self._waited += 1
+
+    def reply_buffers(self) -> dict[str, torch.Tensor] | None:
+        return self._reply
+
+    def publish(self, chunk: int, data: torch.Tensor) -> None:
+        if chunk != self._published:
+            raise RuntimeError(f"reply chunk {chunk} published out of order")
+        pipe = self._pipe
+        if self._seg is not None:
+            pipe.announced += 1
+            self._seg.reply_progress.publish(pipe.announced)
+        else:
+            self._sends.append(pipe.pg.send([data], pipe.peer, 1 + chunk))
+        self._published += 1
+
+    def verdict(self) -> str:
+        if self._verdict is None:
+            self.wait(self._n - 1)
+            if self._seg is not None:
+                self._seg.request_progress.wait(
+                    self._base + self._n + 1, self._deadline, self._probe
+                )
+                code = self._seg.verdict.value
+            else:
+                self._recvs[self._n].wait(_seconds(self._deadline))
+                code = int(self._code)
+            words = {c: w for w, c in wire.VERDICT_CODES.items()}
+            if code not in words:
+                raise wire.WireError(f"bad verdict code {code} on a streamed commit")
+            self._verdict = words[code]
+        return self._verdict
+
+    def finish(self) -> None:
+        """Take what the handler did not (an error): every chunk, the verdict, and publish the
+        remaining reply chunks, so the connection stays in step."""
+        self.wait(self._n - 1)
+        self.verdict()
+        source = self._reply_views if self._seg is not None else self._payload
+        for k in range(self._published, self._n):
+            self.publish(k, source[k])
+
+    def wait_sent(self, deadline: float) -> None:
+        _wait_all(self._sends, deadline)
 
 
 def _process_gone(pid: int, host: str) -> bool:
@@ -221,8 +358,14 @@ class _Channel:
     lock: threading.Lock
     pid: int = 0  # the shard's process (from Welcome)
     host: str = ""
+    chunk_bytes: int = 0  # the shard's chunk plan (from Welcome; 0: no streaming)
     broken: bool = False
     shm_refused: bool = False  # the shard could not map a segment (another machine)
+
+    def probe(self) -> None:
+        """Raise if the shard's process is known to have ended."""
+        if _process_gone(self.pid, self.host):
+            raise ShardLostError(self.shard, f"parameter server {self.shard}'s process ended")
 
 
 class _P2PPending(Pending):
@@ -252,12 +395,152 @@ class _P2PPending(Pending):
         deadline = self._started + self._timeout
         try:
             _wait_all(self._works, deadline)
-            return ch.pipe.recv(deadline, into=self._into)
+            return ch.pipe.recv(deadline, into=self._into)[0]
         except Exception as exc:
             ch.broken = True
             raise self._t._lost(ch, self._what, exc, time.monotonic() - self._started) from exc
         finally:
             ch.lock.release()
+
+
+class _P2PStream(Stream):
+    """A worker's streamed commit on one connection (see the module docstring); holds the
+    connection's lock from its start until :meth:`wait` or :meth:`abandon` returns."""
+
+    def __init__(
+        self,
+        transport: P2PTransport,
+        ch: _Channel,
+        request: Request,
+        chunks: list[Chunk],
+        into: dict[str, torch.Tensor] | None,
+        timeout: float,
+    ) -> None:
+        self._t = transport
+        self._ch = ch
+        self._started = time.monotonic()
+        self._timeout = timeout
+        self._deadline = self._started + timeout
+        self._what = type(request).__name__
+        pipe = ch.pipe
+        flats: dict[str, torch.Tensor] = request.flats  # type: ignore[attr-defined]
+        self._ranges = [(c.key, c.start, c.stop) for c in chunks]
+        self._n = len(chunks)
+        self._payload = _views(flats, self._ranges)
+        self._next_ready = self._next_arrived = 0
+        self._finished = False
+        self._closed = False
+        self._sends: list[Any] = []
+        specs = [wire.BufferSpec(k, t.dtype, t.numel()) for k, t in flats.items()]
+        offsets = pipe.place(flats) if PROGRESS_SUPPORTED else None
+        self._seg = pipe.segment if offsets is not None else None
+        if self._seg is not None:
+            seg = self._seg
+            region = _seg_views(seg, specs, False)
+            self._copy = [  # payload chunks that are not in the segment yet: copied when ready
+                None if seg.offset_of(flats[k]) is not None else region[k][a:b]
+                for k, a, b in self._ranges
+            ]
+            self.reply_flats = _seg_views(seg, specs, True)
+            self._reply_base = seg.reply_progress.value
+            info = wire.StreamInfo(ch.chunk_bytes, pipe.announced)
+            self._recvs: list[Any] = []
+        else:
+            self._copy = [None] * self._n
+            self.reply_flats = {s.key: pipe._buffer(s, into, None) for s in specs}
+            info = wire.StreamInfo(ch.chunk_bytes)
+        self._sends += pipe.send(request, info, copy=False)
+        if self._seg is None:
+            self._recvs = [
+                pipe.pg.recv([v], pipe.peer, 1 + k)
+                for k, v in enumerate(_views(self.reply_flats, self._ranges))
+            ]
+
+    def _fail(self, exc: BaseException) -> ParameterServerError:
+        self._ch.broken = True
+        self._release()
+        return self._t._lost(self._ch, self._what, exc, time.monotonic() - self._started)
+
+    def _release(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._ch.lock.release()
+
+    def ready(self, chunk: int) -> None:
+        if chunk != self._next_ready or self._closed:
+            raise RuntimeError(f"payload chunk {chunk} made ready out of order")
+        pipe = self._ch.pipe
+        try:
+            if self._seg is not None:
+                dst = self._copy[chunk]
+                if dst is not None:
+                    dst.copy_(self._payload[chunk])
+                pipe.announced += 1
+                self._seg.request_progress.publish(pipe.announced)
+            else:
+                self._sends.append(pipe.pg.send([self._payload[chunk]], pipe.peer, 1 + chunk))
+        except Exception as exc:
+            raise self._fail(exc) from exc
+        self._next_ready += 1
+
+    def finish(self, verdict: str) -> None:
+        if verdict not in VERDICTS or self._next_ready != self._n or self._finished:
+            raise RuntimeError(f"finish({verdict!r}) after {self._next_ready}/{self._n} chunks")
+        pipe = self._ch.pipe
+        code = wire.VERDICT_CODES[verdict]
+        try:
+            if self._seg is not None:
+                self._seg.verdict.value = code
+                pipe.announced += 1
+                self._seg.request_progress.publish(pipe.announced)
+            else:
+                word = torch.tensor([code], dtype=torch.int64)
+                self._sends.append(pipe.pg.send([word], pipe.peer, 1 + self._n))
+        except Exception as exc:
+            raise self._fail(exc) from exc
+        self._finished = True
+
+    def arrived(self, chunk: int) -> None:
+        try:
+            while self._next_arrived <= chunk:
+                k = self._next_arrived
+                if self._seg is not None:
+                    self._seg.reply_progress.wait(
+                        self._reply_base + k + 1, self._deadline, self._ch.probe
+                    )
+                else:
+                    self._recvs[k].wait(_seconds(self._deadline))
+                self._next_arrived += 1
+        except Exception as exc:
+            raise self._fail(exc) from exc
+
+    def wait(self) -> Reply:
+        if self._closed:
+            raise RuntimeError("a stream can be waited once")
+        if not self._finished:
+            raise RuntimeError("finish() a stream before waiting for its reply")
+        self.arrived(self._n - 1)
+        try:
+            _wait_all(self._sends, self._deadline)
+            reply = self._ch.pipe.recv(self._deadline, into=self.reply_flats)[0]
+        except Exception as exc:
+            raise self._fail(exc) from exc
+        self._release()
+        return reply
+
+    def abandon(self) -> None:
+        if self._closed:
+            return
+        try:
+            while self._next_ready < self._n:
+                self.ready(self._next_ready)
+            if not self._finished:
+                self.finish("abort")
+            self.wait()
+        except Exception:
+            self._ch.broken = True
+        finally:
+            self._release()
 
 
 class P2PTransport(Transport):
@@ -357,18 +640,26 @@ class P2PTransport(Transport):
             2,
             timedelta(seconds=wait_s),
         )
-        pipe = _Pipe(pg, 0)
+        pipe = _Pipe(pg, 0, replies=False)
         try:
             hello = Hello(self._task, os.getpid(), socket.gethostname())
             end = time.monotonic() + max(wait_s, self.timeout)
             _wait_all(pipe.send(hello), end)
-            reply = pipe.recv(end)
+            reply = pipe.recv(end)[0]
             if not isinstance(reply, Welcome):
                 raise ParameterServerError(f"parameter server {shard} answered hello with {reply}")
         except BaseException:
             pipe.close()
             raise
-        return _Channel(shard, reply.incarnation, pipe, threading.Lock(), reply.pid, reply.host)
+        return _Channel(
+            shard,
+            reply.incarnation,
+            pipe,
+            threading.Lock(),
+            reply.pid,
+            reply.host,
+            reply.chunk_bytes,
+        )
 
     def send(
         self,
@@ -392,6 +683,35 @@ class P2PTransport(Transport):
             raise self._lost(ch, what, exc, 0.0) from exc
         return _P2PPending(self, ch, works, into, timeout, what)
 
+    def chunk_bytes(self, shard: int) -> int:
+        ch = self._channels.get(shard)
+        return 0 if ch is None else ch.chunk_bytes
+
+    def stream(
+        self,
+        shard: int,
+        request: Request,
+        chunks: Sequence[Chunk],
+        timeout: float,
+        into: dict[str, torch.Tensor] | None = None,
+    ) -> Stream | None:
+        ch = self._channels.get(shard)
+        if ch is None:
+            raise RuntimeError(f"not connected to parameter server {shard} (connect() first)")
+        flats = getattr(request, "flats", None)
+        if not ch.chunk_bytes or not flats or not chunks:
+            return None
+        ch.lock.acquire()
+        if ch.broken:
+            ch.lock.release()
+            raise ShardLostError(shard, "the connection broke earlier")
+        try:
+            return _P2PStream(self, ch, request, list(chunks), into, timeout)
+        except Exception as exc:
+            ch.broken = True
+            ch.lock.release()
+            raise self._lost(ch, type(request).__name__, exc, 0.0) from exc
+
     def reserve(self, shard: int, nbytes: int) -> bool:
         """Make the connection to ``shard`` carry messages of up to ``nbytes`` of flat buffers
         in shared memory (when the shard is on this machine); returns whether it does."""
@@ -400,7 +720,7 @@ class P2PTransport(Transport):
         if ch is None or not self.shared_memory or ch.shm_refused:
             return False
         current = ch.pipe.segment
-        if current is not None and current.nbytes >= nbytes:
+        if current is not None and current.message_bytes >= nbytes:
             return True
         seg = Segment.create(nbytes)
         if seg is None:
@@ -421,8 +741,8 @@ class P2PTransport(Transport):
         seg = None if ch is None else ch.pipe.segment
         if seg is None:
             return None
-        offsets, need = layout_offsets(nbytes)
-        if need > seg.nbytes:
+        offsets = seg.place(nbytes, reply=False)
+        if offsets is None:
             return None
         return [seg.data[o : o + n] for o, n in zip(offsets, nbytes)]
 
@@ -500,17 +820,24 @@ class P2PTransport(Transport):
             )
         except Exception:
             return  # the worker went away before the connection was made
-        pipe = _Pipe(pg, 1)
+        pipe = _Pipe(pg, 1, replies=True)
         pool: dict[wire.BufferSpec, torch.Tensor] = {}
         try:
-            first = pipe.recv(time.monotonic() + self.timeout)
+            first = pipe.recv(time.monotonic() + self.timeout)[0]
             if not isinstance(first, Hello) or first.task != task:
                 return
             handled = handler.handle(first)
             _wait_all(pipe.send(handled.reply), time.monotonic() + self.timeout)
+
+            def probe() -> None:
+                if _process_gone(first.pid, first.host):
+                    raise ShardLostError(handler.shard, f"worker {task}'s process ended")
+
             while not self._stopping.is_set():
                 try:
-                    request = pipe.recv(time.monotonic() + self.idle_timeout, pool=pool)
+                    request, specs, info = pipe.recv(
+                        time.monotonic() + self.idle_timeout, pool=pool
+                    )
                 except Exception:
                     handler.connection_lost(task)
                     return
@@ -521,9 +848,18 @@ class P2PTransport(Transport):
                         time.monotonic() + self.timeout,
                     )
                     continue
-                handled = handler.handle(request, live_reply=True)
+                deadline = time.monotonic() + self.timeout
+                inflow = None
+                if info is not None:
+                    flats = request.flats  # type: ignore[attr-defined]
+                    inflow = _PipeInflow(pipe, specs, flats, info, deadline, probe)
+                handled = handler.handle(request, live_reply=True, inflow=inflow)
                 try:
-                    _wait_all(pipe.send(handled.reply), time.monotonic() + self.timeout)
+                    if inflow is not None:
+                        inflow.finish()
+                    _wait_all(pipe.send(handled.reply), deadline)
+                    if inflow is not None:
+                        inflow.wait_sent(deadline)
                 except Exception:
                     handler.connection_lost(task)
                     return

@@ -16,6 +16,14 @@ Owns: the byte layout of a message on a p2p connection, both directions. A messa
 The header and metadata use tag 0; gloo keeps their order on a pair. The receiver allocates
 (or reuses, or views in the segment) each buffer from its spec, so a message is self-describing
 and the receiver checks it against what it expects (the shard against the table's layout).
+
+A **streamed** message (a commit, :mod:`distoptim.agn.transport.base`) says so in its metadata
+(:class:`StreamInfo`: the chunk size of the plan, :func:`~distoptim.agn.flat.chunk_ranges` of
+its specs, and where the sender's progress counter starts). Its buffers then follow chunk by
+chunk: on the pair, chunk ``k`` is one ``send`` with tag ``1 + k`` (and the reply's chunk ``k``
+comes back with tag ``1 + k``), then the worker's verdict (one ``int64``, tag ``1 + n`` for
+``n`` chunks: :data:`VERDICT_CODES`); in the shared segment, each chunk is announced by the
+progress counter and the verdict is a word of the control page.
 """
 
 from __future__ import annotations
@@ -30,7 +38,9 @@ __all__ = [
     "HEADER_BYTES",
     "INLINE_META",
     "MAGIC",
+    "VERDICT_CODES",
     "BufferSpec",
+    "StreamInfo",
     "WireError",
     "decode_header",
     "encode",
@@ -41,6 +51,8 @@ HEADER_BYTES = 512
 _WORDS = 8
 INLINE_META = HEADER_BYTES - 8 * _WORDS
 MAGIC = 0x314E4741  # "AGN1"
+VERDICT_CODES = {"ok": 1, "refuse": 2, "abort": 3}
+"""How a verdict travels (0 never does: a word not written yet)."""
 
 
 class WireError(RuntimeError):
@@ -58,25 +70,36 @@ class BufferSpec:
     offset: int = -1
 
 
+@dataclass(frozen=True)
+class StreamInfo:
+    """A streamed message: its chunk plan's ``chunk_bytes``, and the sender's progress counter
+    before its first chunk (shared segment only; 0 on the pair)."""
+
+    chunk_bytes: int
+    base: int = 0
+
+
 @dataclass
 class _Envelope:
     message: Any  # the message, flats left out
     buffers: list[BufferSpec]
+    stream: StreamInfo | None = None
 
 
 def encode(
-    message: Any, offsets: list[int] | None = None
+    message: Any, offsets: list[int] | None = None, stream: StreamInfo | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
     """``(header, metadata or None, buffers to send on the pair)`` for ``message``.
 
     ``offsets``: where the caller placed each of ``message.flats`` in the shared segment (then
-    no buffer goes on the pair), or None.
+    no buffer goes on the pair), or None. ``stream``: the buffers follow chunk by chunk (none is
+    returned to send whole).
     """
     flats = getattr(message, "flats", None) or {}
     where = offsets if offsets is not None else [-1] * len(flats)
     specs = [BufferSpec(k, t.dtype, t.numel(), o) for (k, t), o in zip(flats.items(), where)]
     bare = replace(message, flats={}) if flats else message
-    meta = pickle.dumps(_Envelope(bare, specs), protocol=pickle.HIGHEST_PROTOCOL)
+    meta = pickle.dumps(_Envelope(bare, specs, stream), protocol=pickle.HIGHEST_PROTOCOL)
     header = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
     words = header[: 8 * _WORDS].view(torch.int64)
     words[0], words[1], words[2] = MAGIC, len(meta), len(specs)
@@ -91,7 +114,7 @@ def encode(
     for t in flats.values():
         if not t.is_contiguous() or t.dim() != 1:
             raise WireError("flat buffers must be contiguous 1-D tensors")
-        if offsets is None:
+        if offsets is None and stream is None:
             buffers.append(t)
     return header, extra, buffers
 
@@ -107,9 +130,10 @@ def decode_header(header: torch.Tensor) -> tuple[int, bytes | None]:
     return n, None
 
 
-def finish_decode(meta: bytes) -> tuple[Any, list[BufferSpec]]:
-    """The message (``flats`` still empty) and the specs of the buffers that follow."""
+def finish_decode(meta: bytes) -> tuple[Any, list[BufferSpec], StreamInfo | None]:
+    """The message (``flats`` still empty), the specs of the buffers that follow, and how they
+    are streamed (None: whole)."""
     envelope = pickle.loads(meta)
     if not isinstance(envelope, _Envelope):
         raise WireError(f"bad message metadata ({type(envelope).__name__})")
-    return envelope.message, envelope.buffers
+    return envelope.message, envelope.buffers, envelope.stream
