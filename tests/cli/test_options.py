@@ -119,8 +119,17 @@ def test_help_and_version_exit_0(capsys):
 
 
 def test_default_out_never_overwrites_and_out_refuses_old_results(tmp_path, monkeypatch, capsys):
+    import datetime
+
+    from distoptim.cli import options
     from distoptim.cli.options import build_parser, make_plan
 
+    class _SameSecond(datetime.datetime):  # both commands start in the same second
+        @classmethod
+        def now(cls, tz=None):
+            return cls(2024, 5, 1, 12, 0, 0)
+
+    monkeypatch.setattr(options._dt, "datetime", _SameSecond)
     monkeypatch.chdir(tmp_path)
     args = build_parser().parse_args(["compare", "--algos", "sync"])
     first, second = make_plan(args).out, make_plan(args).out

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed.rpc as rpc
 
+import distoptim
 from distoptim.cli import worker
 from distoptim.cli.config import RunConfig
 from distoptim.cli.datasets import Dataset
@@ -85,12 +86,17 @@ def test_a_straggler_waits_factor_minus_one_times_its_forward_backward_after_eac
     x, y = torch.rand(40, 4), torch.arange(40) % 2
     data = Dataset("tiny", x, y, x, y, 2)
     cfg = RunConfig("sync", 2, 1, 1, 5, "sgd", 0.1, 0, hidden=(3,), stragglers=((1, 3.0),))
-    for rank, expected in ((1, [0.02] * 4), (0, [])):  # 20 samples each: 4 steps of 5
+    for rank, expected in ((1, [0.04] * 4), (0, [])):  # 20 samples each: 4 steps of 5
         clock = _Clock()
         monkeypatch.setattr(worker, "time", clock)
         model = torch.nn.Linear(4, 2)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        steps = train_loop(model, opt, cfg, data, rank, Reporter(None, rank), None)
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt = distoptim.LocalSGD(inner, sync_every=2)  # a wrapper: only inner.step() is compute
+        steps = train_loop(model, opt, cfg, data, rank, Reporter(None, rank), None, inner)
         assert steps == 4
-        # forward + backward measured between two clock reads (10 ms), waited 2 x that
+        # forward + backward (10 ms between two clock reads) + the inner step (10 ms between
+        # its pre and post hooks): 20 ms of compute, waited 2 x that after each step
         assert clock.slept == pytest.approx(expected)
+        before = clock.now
+        inner.step()  # the hooks are gone: they would read the clock
+        assert clock.now == before

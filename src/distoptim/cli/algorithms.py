@@ -81,7 +81,7 @@ class Algorithm:
     * ``model(opt, model)``: the parameters that are the run's model (``collective`` family;
       default the model's own): what is evaluated during training and at the end.
     * ``check(cfg, model)``: raise ``ValueError`` if ``cfg`` cannot be built, before any
-      process starts (``model`` is a freshly built model of the run; default: nothing).
+      process starts (``model`` is a freshly built model of the run), or None.
     """
 
     name: str
@@ -97,7 +97,7 @@ class Algorithm:
     model: Callable[[Any, torch.nn.Module], Sequence[torch.Tensor]] = field(
         default=lambda opt, model: list(model.parameters())
     )
-    check: Callable[[RunConfig, torch.nn.Module], None] = field(default=lambda cfg, model: None)
+    check: Callable[[RunConfig, torch.nn.Module], None] | None = None
 
     @property
     def communication_kind(self) -> str:
@@ -152,10 +152,14 @@ def processes_of(cfg: RunConfig) -> int:
     return cfg.workers + (cfg.num_ps if get(cfg.algo).family == "server" else 0)
 
 
-def check(cfg: RunConfig, model: torch.nn.Module) -> None:
-    """``ValueError`` naming the run if ``cfg``'s algorithm cannot be built on ``model``."""
+def check(cfg: RunConfig, model: Callable[[], torch.nn.Module]) -> None:
+    """``ValueError`` naming the run if ``cfg``'s algorithm cannot be built on ``model()``
+    (called only for an algorithm that has a check)."""
+    test = get(cfg.algo).check
+    if test is None:
+        return
     try:
-        get(cfg.algo).check(cfg, model)
+        test(cfg, model())
     except ValueError as exc:
         raise ValueError(f"{label(cfg)}: {exc}") from None
 

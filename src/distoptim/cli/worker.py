@@ -12,12 +12,13 @@ epoch is the same samples for every algorithm.
 
 Stragglers (``--straggler W:FACTOR``): worker ``W``'s steps take ``FACTOR`` times as long. After
 each ``opt.step()`` -- at the step boundary -- that worker sleeps ``(FACTOR - 1)`` times the
-time its own forward and backward pass just took, so its step rate is ``1/FACTOR`` of what it
-would be while its arithmetic is unchanged. The sleep emulates compute time (a slower machine);
-it is not synchronization. ``opt.step()`` is not part of the measured time because for the
-synchronous algorithms it includes waiting for the other workers. On a machine with fewer cores
-than processes the others may use the sleeping worker's core meanwhile (a real slow machine
-would not give its core away).
+compute time of the step it just took: its forward and backward pass plus the inner torch
+optimizer's ``step()`` (timed with the optimizer's public step hooks), so its compute runs at
+``1/FACTOR`` of its own speed while its arithmetic is unchanged. Communication is not part of
+the measured time (a slower machine does not make the network slower, and for the synchronous
+algorithms it includes waiting for the other workers). The sleep emulates compute time; it is
+not synchronization. On a machine with fewer cores than processes the others may use the
+sleeping worker's core meanwhile (a real slow machine would not give its core away).
 """
 
 from __future__ import annotations
@@ -71,12 +72,14 @@ def train_loop(
     rank: int,
     reporter: Reporter,
     evaluator: Callable[[], tuple[float, float]] | None,
+    inner: torch.optim.Optimizer | None = None,
 ) -> int:
     """Run every local step; report progress; ``evaluator`` (on one worker) scores as it goes.
 
     The workers without an evaluator report a ``mark`` at the evaluation steps when their
     reporter counts bytes (``collective`` runs). A straggler (``cfg.stragglers``) waits after
-    each step (module doc). Returns the number of local steps taken.
+    each step (module doc); ``inner`` is the torch optimizer whose ``step()`` counts as its
+    compute (None: ``opt`` itself). Returns the number of local steps taken.
     """
     total = cfg.epochs * cfg.steps_per_epoch(int(data.x_train.shape[0]))
     eval_every = max(1, total // cfg.eval_points)
@@ -89,34 +92,61 @@ def train_loop(
         elif reporter.sent is not None:
             reporter.mark()
 
-    reporter.start()
-    score()
     step = 0
-    for xb, yb in _batches(cfg, data, rank):
-        began = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(model(xb), yb)
-        loss.backward()
-        compute = time.perf_counter() - began
-        opt.step()
-        if slow > 1:
-            time.sleep((slow - 1) * compute)  # emulated compute time, not synchronization
-        step += 1
-        reporter.step(int(xb.shape[0]), loss.item())
-        if step % tick_every == 0 or step == total:
-            reporter.tick()
-        if step % eval_every == 0 and step != total:
-            score()
-    reporter.finish()
+    with _timed_steps(inner if inner is not None else opt, slow > 1) as stepping:
+        reporter.start()
+        score()
+        for xb, yb in _batches(cfg, data, rank):
+            began = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(xb), yb)
+            loss.backward()
+            forward_backward = time.perf_counter() - began
+            stepping[0] = 0.0
+            opt.step()
+            if slow > 1:  # emulated compute time, not synchronization
+                time.sleep((slow - 1) * (forward_backward + stepping[0]))
+            step += 1
+            reporter.step(int(xb.shape[0]), loss.item())
+            if step % tick_every == 0 or step == total:
+                reporter.tick()
+            if step % eval_every == 0 and step != total:
+                score()
+        reporter.finish()
     return step
+
+
+@contextlib.contextmanager
+def _timed_steps(opt: torch.optim.Optimizer, on: bool) -> Iterator[list[float]]:
+    """While inside, ``[seconds]``: the time ``opt.step()`` took since the caller last set it to
+    0 (torch's public step pre/post hooks; nothing is hooked unless ``on``)."""
+    spent = [0.0]
+    if not on:
+        yield spent
+        return
+    began = [0.0]
+
+    def pre(*_: Any) -> None:
+        began[0] = time.perf_counter()
+
+    def post(*_: Any) -> None:
+        spent[0] += time.perf_counter() - began[0]
+
+    handles = [opt.register_step_pre_hook(pre), opt.register_step_post_hook(post)]
+    try:
+        yield spent
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _model_and_optimizer(
     cfg: RunConfig, data: Dataset, cluster: Any
-) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.optim.Optimizer]:
+    """The seeded model, the torch optimizer (inner) and the algorithm's optimizer around it."""
     model = build_model(data.num_features, data.num_classes, cfg.seed, cfg.hidden)
     inner = algorithms.make_torch_optimizer(cfg.optimizer, model.parameters(), cfg.lr)
-    return model, algorithms.get(cfg.algo).build(inner, cfg, cluster)
+    return model, inner, algorithms.get(cfg.algo).build(inner, cfg, cluster)
 
 
 def collective_rank(
@@ -130,7 +160,7 @@ def collective_rank(
     """
     import torch.distributed as dist
 
-    model, opt = _model_and_optimizer(cfg, data, None)  # same seed: same init on all ranks
+    model, inner, opt = _model_and_optimizer(cfg, data, None)  # same seed, same init everywhere
     algo = algorithms.get(cfg.algo)
     reporter = Reporter(sink, rank, run, sent=lambda: opt.comm_stats.bytes_sent)
     scratch = build_model(data.num_features, data.num_classes, cfg.seed, cfg.hidden)
@@ -140,7 +170,8 @@ def collective_rank(
         return evaluate(scratch, data.x_val, data.y_val)
 
     dist.barrier()  # the clock starts when every rank is ready
-    steps = train_loop(model, opt, cfg, data, rank, reporter, score if rank == 0 else None)
+    evaluator = score if rank == 0 else None
+    steps = train_loop(model, opt, cfg, data, rank, reporter, evaluator, inner)
     stats = opt.comm_stats
     final = [t.detach().clone() for t in algo.model(opt, model)] if rank == 0 else None
     return {
@@ -157,7 +188,7 @@ def _train_on_cluster(
     cluster: Any, cfg: RunConfig, data: Dataset, sink: Any, run: int | None
 ) -> list[dict[str, Any]]:
     """A worker of a ``server`` algorithm: seed or pull the center, train; return its events."""
-    model, opt = _model_and_optimizer(cfg, data, cluster)
+    model, inner, opt = _model_and_optimizer(cfg, data, cluster)
     hook = opt.make_session_run_hook(cluster.is_chief, cluster.task_index)
     hook.begin()
     hook.after_create_session()  # chief seeds the center; the others wait for it and pull
@@ -170,7 +201,7 @@ def _train_on_cluster(
             load_parameters(scratch, opt.center_variables())
             return evaluate(scratch, data.x_val, data.y_val)
 
-    train_loop(model, opt, cfg, data, cluster.task_index, reporter, evaluator)
+    train_loop(model, opt, cfg, data, cluster.task_index, reporter, evaluator, inner)
     return reporter.events
 
 
