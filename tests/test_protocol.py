@@ -179,3 +179,23 @@ def test_bad_input_raises_and_mutates_nothing(call, exc, match):
         assert torch.equal(p.detach(), p0)
     assert opt.iterations == 0 and not opt.wrapped.state
     assert all(p.grad is None for p in (w, b, unused))
+
+
+def test_the_package_namespace_is_the_public_api_and_lazy():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, distoptim\n"
+        "assert 'distoptim.agn' not in sys.modules, 'importing distoptim imported agn'\n"
+        "from distoptim.cross_shard_sharding import elementwise\n"
+        "assert distoptim.elementwise is elementwise\n"
+        "names = [n for n in dir(distoptim) if not n.startswith('_')]\n"
+        "assert set(distoptim.__all__) - {'__version__'} <= set(names), names\n"
+        "print(distoptim.__version__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    from distoptim._version import __version__
+
+    assert out.stdout.strip() == __version__

@@ -27,6 +27,7 @@ _EXPORTS: dict[str, str] = {
     "DiLoCo": "distoptim.outer.diloco",
     "LocalSGD": "distoptim.outer.localsgd",
     "WrappedOptimizer": "distoptim.protocol",
+    "elementwise": "distoptim.cross_shard_sharding",
     "TFOptimizerProtocol": "distoptim.protocol",
 }
 
@@ -58,6 +59,7 @@ __all__ = [
     "TFOptimizerProtocol",
     "WrappedOptimizer",
     "__version__",
+    "elementwise",
 ]
 
 if _typing.TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only

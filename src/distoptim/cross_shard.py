@@ -86,7 +86,7 @@ from distoptim.comm.stats import CommStats
 from distoptim.cross_shard_sharding import ShardedUpdate, State, check_elementwise
 from distoptim.protocol import GradsAndVars, WrappedOptimizer, run_closure, swapped_grads
 
-__all__ = ["CrossShardOptimizer", "DesyncError", "Reduction"]
+__all__ = ["CrossShardOptimizer", "DesyncError", "Reduction", "check_group_assignment"]
 
 _MIB = 1 << 20
 _FIRST_BUCKET_BYTES = 1 * _MIB  # DDP's dist._DEFAULT_FIRST_BUCKET_BYTES
@@ -118,7 +118,7 @@ def _is_sequence(value: object) -> bool:
     )
 
 
-def _check_group_assignment(value: object, world_size: int | None) -> list[list[int]] | None:
+def check_group_assignment(value: object, world_size: int | None) -> list[list[int]] | None:
     """Validate ``group_assignment`` (TF's ``tpu.cross_replica_sum`` rules: equal-size groups
     partitioning ``range(world_size)``); ``world_size=None``: form only.
 
@@ -289,7 +289,7 @@ class CrossShardOptimizer(WrappedOptimizer):
             check_elementwise(opt)
         distributed = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size() if distributed else 1
-        groups = _check_group_assignment(group_assignment, world if distributed else None)
+        groups = check_group_assignment(group_assignment, world if distributed else None)
 
         group: dist.ProcessGroup | None = None
         num_shards = world

@@ -508,7 +508,3 @@ def check_inner_state_dict(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> No
                 f"loaded state dict's parameter group {i} does not match the size of the "
                 f"wrapped {type(opt).__name__}'s group {i} ({len(mine['params'])} parameters)"
             )
-
-
-# The name before it was public; ``distoptim.outer.diloco`` still imports it.
-_check_inner_state_dict = check_inner_state_dict

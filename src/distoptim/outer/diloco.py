@@ -51,11 +51,11 @@ from distoptim.comm.fingerprint import digest
 from distoptim.comm.guard import GuardWords, RoundKind, plan_word
 from distoptim.comm.quantize import parse_wire
 from distoptim.comm.stats import CommStats
-from distoptim.cross_shard import _check_group_assignment
+from distoptim.cross_shard import check_group_assignment
 from distoptim.outer.agreement import SyncAgreement
 from distoptim.outer.exchange import FragmentExchange, InFlight
 from distoptim.outer.fragments import Fragment, FragmentSchedule
-from distoptim.protocol import WrappedOptimizer, _check_inner_state_dict, swapped_grads
+from distoptim.protocol import WrappedOptimizer, check_inner_state_dict, swapped_grads
 
 __all__ = ["DiLoCo"]
 
@@ -380,7 +380,7 @@ class DiLoCo(WrappedOptimizer):
         _check_tensors(f"{where}['global']", state["global"], [p for p in self._global])
         if not isinstance(state["outer"], dict):
             raise TypeError(f"{where}['outer'] must be a dict, got {type_name(state['outer'])}")
-        _check_inner_state_dict(self._outer, state["outer"])
+        check_inner_state_dict(self._outer, state["outer"])
         residuals = state["residuals"]
         if not isinstance(residuals, list) or len(residuals) != len(self._exchanges):
             raise ValueError(f"{where}['residuals'] must be a list of {len(self._exchanges)} lists")
@@ -512,7 +512,7 @@ def _check_group(
             "group is a group_assignment, which needs an initialized torch.distributed default "
             "group (init_process_group, torchrun or distoptim.launch.spawn)"
         )
-    return _check_group_assignment(group, dist.get_world_size()), None
+    return check_group_assignment(group, dist.get_world_size()), None
 
 
 def _check_tensors(where: str, saved: Any, mine: Sequence[torch.Tensor]) -> None:
