@@ -137,6 +137,17 @@ def _check_errors(rank, world, mesh, mesh2):
     assert torch.equal(p.full_tensor(), before[0]) and opt.iterations == 0
     assert torch.equal(opt.get_slot(p, "m").full_tensor(), before[1])
     assert len(opt._all_params()) == 1
+    # a DTensor gradient set on a plain parameter after steps that kept a plan: still refused
+    w = torch.zeros(4, 2, requires_grad=True)
+    plain = SGD([w], lr=0.1, momentum=0.9)
+    for _ in range(2):
+        w.grad = torch.ones(4, 2)
+        plain.step()
+    assert plain._plan is not None
+    w.grad = distribute_tensor(torch.ones(4, 2), mesh, [Replicate()])
+    with pytest.raises(TypeError, match="plain tensor"):
+        plain.step()
+    assert plain.iterations == 2 and torch.equal(w, torch.full((4, 2), -0.29))
     # layout-preserving variables
     r = opt.add_variable_from_reference(p, "extra", initial_value=torch.arange(8.0).reshape(4, 2))
     assert r.placements == p.placements and torch.equal(

@@ -24,12 +24,19 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["CompiledUpdate", "KernelParams", "fused_sgd_step", "fused_supported", "sgd_update"]
+__all__ = [
+    "CompiledUpdate",
+    "KernelParams",
+    "fused_sgd_step",
+    "fused_supported",
+    "sgd_update",
+    "strided_positions",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,18 +208,33 @@ def _dynamo_supported() -> bool:
 _IMPLS = {"single": _single, "foreach": _foreach, "fused": _fused}
 
 
+def strided_positions(*lists: Sequence[torch.Tensor] | None) -> list[int]:
+    """The positions ``i``, ascending, at which some list's tensor is not contiguous (``None``
+    lists are skipped; the others are equally long): the tensors the fused kernel must not see.
+    """
+    odd: set[int] = set()
+    for ts in lists:
+        if ts is not None:
+            odd.update(i for i, t in enumerate(ts) if not t.is_contiguous())
+    return sorted(odd)
+
+
 def sgd_update(
     ws: list[torch.Tensor],
     gs: list[torch.Tensor],
     bufs: list[torch.Tensor] | None,
     p: KernelParams,
     impl: str = "auto",
+    strided: Sequence[int] | None = None,
 ) -> None:
     """The rule in place on ``ws`` (and ``bufs``), reading ``gs``; all on one device and dtype.
 
     ``impl="auto"``: the fused kernel for every triple of contiguous tensors where it is
     trusted (:func:`fused_supported`), ``torch._foreach_*`` for the rest (other devices,
     strided tensors). ``"single"``, ``"foreach"``, ``"fused"`` force one implementation.
+    ``strided``: :func:`strided_positions` ``(ws, gs, bufs)`` when the caller knows it (it must
+    be exact: the fused kernel would read a strided tensor in the wrong order); ``None``: it is
+    computed here.
     """
     if impl != "auto":
         _IMPLS[impl](ws, gs, bufs, p)
@@ -222,15 +244,7 @@ def sgd_update(
     if not fused_supported(ws[0]):
         _foreach(ws, gs, bufs, p)
         return
-    odd = [
-        i
-        for i in range(len(ws))
-        if not (
-            ws[i].is_contiguous()
-            and gs[i].is_contiguous()
-            and (bufs is None or bufs[i].is_contiguous())
-        )
-    ]
+    odd = strided_positions(ws, gs, bufs) if strided is None else strided
     if not odd:
         _fused(ws, gs, bufs, p)
         return

@@ -30,12 +30,20 @@ One step, in order
    * w``; then ``iterations += 1``; when ``ema_overwrite_frequency`` divides ``iterations``,
    ``w = avg`` for those same variables.
 
+With plain tensors, the bookkeeping of steps 2 and 4 (slots, buckets, buffers, which tensors the
+fused kernel may take) is kept from one step to the next and reused while everything it depends
+on is unchanged -- checked every step, all tensors at once (``_StepPlan`` says what is checked
+and why the rest cannot change unseen). With many small tensors on a GPU, that Python work, not
+the kernel, is what a step costs.
+
 ``amsgrad`` has no meaning for SGD (it is an Adam variant); Keras accepted and ignored it, here
 ``amsgrad=True`` is a ``ValueError`` so that nobody believes it is active.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import operator
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -51,8 +59,8 @@ from distoptim.dtensor import momentum as _momentum
 from distoptim.dtensor import variables as _vars
 from distoptim.dtensor.clip import clip_local_gradients
 from distoptim.dtensor.config import check_bool, check_lr, check_momentum
-from distoptim.dtensor.kernels import CompiledUpdate, sgd_update
-from distoptim.dtensor.layout import layout_of, local_shard
+from distoptim.dtensor.kernels import CompiledUpdate, sgd_update, strided_positions
+from distoptim.dtensor.layout import Layout, layout_of, local_shard
 from distoptim.dtensor.options import EMAOption, GradientsClipOption
 from distoptim.protocol import (
     GradsAndVars,
@@ -67,6 +75,200 @@ __all__ = ["SGD"]
 _UNSET: Any = object()
 _MOMENTUM_SLOTS = ("m", "momentum")  # Keras 2 names the slot "m", Keras 3 "momentum"
 _INTERNAL = _momentum.INTERNAL_KEYS
+
+
+_NONE_TYPE = type(None)
+_CONTIGUOUS = torch.Tensor.is_contiguous
+_SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")
+_DEVICE = operator.attrgetter("device")
+
+
+@dataclasses.dataclass(eq=False)
+class _Bucket:
+    """The local shards one kernel call updates: one param group, momentum scale, dtype, device
+    and kind (DTensor shards or plain tensors).
+
+    ``idx``: their positions among the step's params with a gradient. With momentum in the
+    group, ``states`` are their optimizer states, every one with ``SCALE == scale``, and
+    ``bufs`` those states' local momentum buffers; without, ``states`` is empty and ``bufs``
+    None. ``strided``: the positions, in the bucket, of the weights or buffers that are not
+    contiguous (the fused kernel must not see them).
+    """
+
+    group: int
+    idx: list[int]
+    ws: list[torch.Tensor]
+    states: list[dict[str, Any]]
+    bufs: list[torch.Tensor] | None
+    scale: float | None
+    kind: tuple[torch.dtype, torch.device, bool]
+    strided: list[int]
+
+    @classmethod
+    def of(
+        cls,
+        group: int,
+        idx: list[int],
+        ws: list[torch.Tensor],
+        states: list[dict[str, Any]],
+        with_buffer: bool,
+        sharded: bool = False,
+    ) -> _Bucket:
+        """The bucket of local weights ``ws`` whose states are ``states`` (scales all equal)."""
+        bufs = [local_shard(st[_momentum.BUFFER]) for st in states] if with_buffer else None
+        return cls(
+            group=group,
+            idx=idx,
+            ws=ws,
+            states=states if with_buffer else [],
+            bufs=bufs,
+            scale=states[0].get(_momentum.SCALE),
+            kind=(ws[0].dtype, ws[0].device, sharded),
+            strided=strided_positions(ws, bufs),
+        )
+
+
+@dataclasses.dataclass(eq=False)
+class _StepPlan:
+    """What a step works out from its params before any arithmetic: their slots (created on
+    first need), local weights, buckets, momentum buffers, averages and layouts.
+
+    A step of plain tensors keeps its plan (``SGD._plan``) and reuses it while :meth:`fits`
+    holds, so that a training loop's step pays no per-parameter dict lookups or contiguity
+    checks of weights and buffers (on a GPU, with many small tensors, the step is bound by
+    exactly this Python work). A step with DTensors builds a fresh plan each time.
+
+    Why a kept plan is never stale:
+
+    * It holds its params, states and buffers (never a gradient), so ``is`` comparisons on
+      them cannot be fooled by a reused id.
+    * :class:`SGD` drops it whenever it changes slots or momentum scales outside a step:
+      ``_init_slots`` (hence ``add_param_group``, ``build``), ``add_variable_from_reference``,
+      ``update_step``, ``state_dict``, ``load_state_dict``; and after a step in which two
+      buckets' scales became equal (a fresh plan would merge them: :meth:`buckets_distinct`).
+    * A step moves each bucket's ``scale`` together with its states' scales.
+    * :meth:`fits` checks, every step, all that can change behind SGD's back: which params
+      have a gradient and in which group, whether each group's momentum is zero, the state
+      mapping (the same params mapped to the same dicts in the same order, so ``opt.state``
+      replaced, cleared or edited is seen), each weight's shape, dtype, device and contiguity
+      (``p.data = ...``), and that every gradient is a plain tensor of its weight's shape
+      (anything else takes the fully checked path and a fresh plan).
+
+    Not seen: hand edits of the internal entries of one parameter's state dict (its
+    ``momentum_buffer`` or ``momentum_scale``); those entries are SGD's own.
+    """
+
+    params: list[torch.Tensor]
+    ends: list[int]
+    with_buffer: tuple[bool, ...]
+    state_keys: list[torch.Tensor]
+    state_values: list[dict[str, Any]]
+    shapes: list[torch.Size]
+    dtypes: list[torch.dtype]
+    devices: list[torch.device]
+    contiguous: list[bool]
+    buckets: list[_Bucket]
+    averages: list[tuple[torch.Tensor, torch.Tensor]]
+    layouts: list[Layout]
+    sharded: bool
+
+    @property
+    def cacheable(self) -> bool:
+        """Whether the plan may serve later steps (no DTensor among its params)."""
+        return not self.sharded
+
+    @classmethod
+    def build(cls, opt: SGD, params: list[torch.Tensor], ends: list[int]) -> _StepPlan:
+        """The plan for ``params`` (those with a gradient, in group order; ``ends`` as in
+        ``SGD._with_grads``), creating the slots they lack (the only change it makes)."""
+        groups, state, ema = opt.param_groups, opt.state, opt._ema is not None
+        with_buffer = tuple(g["momentum"] != 0 for g in groups)
+        ws, states = [], []
+        keyed: dict[tuple[Any, ...], list[int]] = {}
+        gi = 0
+        for i, p in enumerate(params):
+            while i >= ends[gi]:
+                gi += 1
+            st = state[p]
+            if (with_buffer[gi] and _momentum.SCALE not in st) or (ema and "average" not in st):
+                opt._init_slots(p, groups[gi])  # new, or its group's momentum became > 0
+            w = local_shard(p)
+            key = (gi, st.get(_momentum.SCALE), w.dtype, w.device, isinstance(p, DTensor))
+            keyed.setdefault(key, []).append(i)
+            ws.append(w)
+            states.append(st)
+        buckets = [
+            _Bucket.of(
+                key[0],
+                idx,
+                [ws[i] for i in idx],
+                [states[i] for i in idx],
+                with_buffer[key[0]],
+                sharded=key[4],
+            )
+            for key, idx in keyed.items()
+        ]
+        return cls(
+            params=params,
+            ends=ends,
+            with_buffer=with_buffer,
+            state_keys=list(state),
+            state_values=list(state.values()),
+            shapes=list(map(_SHAPE, ws)),
+            dtypes=list(map(_DTYPE, ws)),
+            devices=list(map(_DEVICE, ws)),
+            contiguous=list(map(_CONTIGUOUS, ws)),
+            buckets=buckets,
+            averages=[(p, st["average"]) for p, st in zip(params, states) if "average" in st],
+            layouts=[layout_of(p) for p in params],
+            sharded=any(isinstance(p, DTensor) for p in params),
+        )
+
+    def fits(
+        self, opt: SGD, params: list[torch.Tensor], grads: list[torch.Tensor], ends: list[int]
+    ) -> bool:
+        """Whether this (kept) plan is what :meth:`build` would make now, and ``grads`` are
+        plain tensors of their weights' shapes: with sparse gradients ruled out by the caller
+        (a contiguous tensor is never sparse), the checks of ``check_grad`` for all gradients at
+        once. False changes nothing."""
+        state, n = opt.state, len(self.params)
+        return (
+            ends == self.ends
+            and len(params) == n
+            and all(map(operator.is_, params, self.params))
+            and tuple(g["momentum"] != 0 for g in opt.param_groups) == self.with_buffer
+            and len(state) == len(self.state_keys)
+            and all(map(operator.is_, state, self.state_keys))
+            and all(map(operator.is_, state.values(), self.state_values))
+            and list(map(_SHAPE, params)) == self.shapes
+            and list(map(_DTYPE, params)) == self.dtypes
+            and list(map(_DEVICE, params)) == self.devices
+            and list(map(_CONTIGUOUS, params)) == self.contiguous
+            and list(map(type, grads)).count(torch.Tensor) == n
+            and list(map(_SHAPE, grads)) == self.shapes
+        )
+
+    def local_grads(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The gradients as the kernels read them: a DTensor's redistributed to its param's
+        placements and reduced to the local shard, each in its weight's dtype."""
+        if self.sharded:
+            out = []
+            for p, g, dtype in zip(self.params, grads, self.dtypes):
+                if isinstance(p, DTensor):
+                    if g.placements != p.placements:  # type: ignore[attr-defined]
+                        g = g.redistribute(p.device_mesh, p.placements)  # type: ignore[attr-defined]
+                    g = local_shard(g)
+                out.append(g if g.dtype == dtype else g.to(dtype))
+            return out
+        if list(map(_DTYPE, grads)) == self.dtypes:
+            return grads
+        return [g if g.dtype == dtype else g.to(dtype) for g, dtype in zip(grads, self.dtypes)]
+
+    def buckets_distinct(self) -> bool:
+        """Whether no two buckets share their key (group, momentum scale, dtype, device, kind)."""
+        keys = {(b.group, b.scale, b.kind) for b in self.buckets}
+        return len(keys) == len(self.buckets)
 
 
 class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
@@ -184,6 +386,7 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
         self._compiled = CompiledUpdate() if jit_compile else None
         self._extra_variables: list[torch.Tensor] = []
         self.iterations = 0
+        self._plan: _StepPlan | None = None  # see _StepPlan: kept between steps
         if self._compiled is not None and self._compiled.failed:
             warnings.warn(
                 "jit_compile=True but torch.compile is not supported here; "
@@ -203,11 +406,13 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
         """torch's ``add_param_group``, validated, creating the new parameters' slots."""
         _vars.check_group(param_group, self._mesh)
         super().add_param_group(param_group)
+        self._plan = None
         group = self.param_groups[-1]
         for p in group["params"]:
             self._init_slots(p, group)
 
     def _init_slots(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
+        self._plan = None  # (the state may change)
         state = self.state[p]
         if group["momentum"] != 0 and _momentum.BUFFER not in state:
             state[_momentum.BUFFER] = _vars.make_slot(p)
@@ -319,6 +524,7 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
                 dtype=model_variable.dtype, device=model_variable.device
             )
         slot = _vars.make_slot(model_variable, initial_value)
+        self._plan = None
         self.state[model_variable][variable_name] = slot
         return slot
 
@@ -378,86 +584,87 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
             check_momentum(g["momentum"])
         return lr
 
+    def _with_grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
+        """The params that have a ``.grad`` (group order), those grads, and after each group
+        the number of such params so far."""
+        ps: list[torch.Tensor] = []
+        gs: list[torch.Tensor] = []
+        ends: list[int] = []
+        for group in self.param_groups:
+            params = group["params"]
+            grads = [p.grad for p in params]
+            if _NONE_TYPE in map(type, grads):
+                params = [p for p, g in zip(params, grads) if g is not None]
+                grads = [g for g in grads if g is not None]
+            ps += params
+            gs += grads
+            ends.append(len(ps))
+        return ps, gs, ends
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One update from the parameters' ``.grad`` (params without one are skipped)."""
         loss = run_closure(closure)
         scheduled = self._check_step_args()
-        items: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-        for gi, group in enumerate(self.param_groups):
-            for p in group["params"]:
-                g = p.grad
-                if g is not None:
-                    _vars.check_grad(len(items), g, p)
-                    items.append((gi, p, g))
+        ps, gs, ends = self._with_grads()
+        contiguous = all(map(_CONTIGUOUS, gs))
+        if not contiguous:  # a sparse gradient is never contiguous: check them one by one
+            _vars.check_grads(ps, gs)
+        plan = self._plan
+        if plan is None or not plan.fits(self, ps, gs, ends):
+            plan = None
+            if contiguous:
+                _vars.check_grads(ps, gs)
         # ---- nothing has changed so far; from here on the step happens --------------------
         if scheduled is not None:
             for g in self.param_groups:
                 g["lr"] = scheduled
-        if items:
-            self._update(items)
+        if ps:
+            if plan is None:
+                plan = _StepPlan.build(self, ps, ends)
+                self._plan = plan if plan.cacheable else None
+            self._update(plan, gs, contiguous)
         self.iterations += 1
-        if self._ema is not None:
-            stepped = self._averages(p for _, p, _ in items)
-            _ema.update_averages(stepped, self._ema.ema_momentum)
+        if self._ema is not None and ps:
+            _ema.update_averages(plan.averages, self._ema.ema_momentum)  # type: ignore[union-attr]
             every = self._ema.ema_overwrite_frequency
             if every is not None and self.iterations % every == 0:
-                _ema.overwrite_with_averages(stepped)
+                _ema.overwrite_with_averages(plan.averages)  # type: ignore[union-attr]
         return loss
 
     def _averages(self, params: Iterable[torch.Tensor]) -> list[tuple[torch.Tensor, Any]]:
         state = self.state
         return [(p, state[p]["average"]) for p in params if "average" in state.get(p, ())]
 
-    def _update(self, items: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
-        groups, state, ema = self.param_groups, self.state, self._ema is not None
-        with_buffer = [g["momentum"] != 0 for g in groups]
-        local_w, local_g, states = [], [], []
-        buckets: dict[tuple[Any, ...], list[int]] = {}
-        for i, (gi, p, g) in enumerate(items):
-            st = state[p]
-            if (with_buffer[gi] and _momentum.SCALE not in st) or (ema and "average" not in st):
-                self._init_slots(p, groups[gi])  # new, or its group's momentum became > 0
-            sharded = isinstance(p, DTensor)
-            if sharded:
-                if g.placements != p.placements:
-                    g = g.redistribute(p.device_mesh, p.placements)
-                w, g = local_shard(p), local_shard(g)
-            else:
-                w = p
-            local_w.append(w)
-            local_g.append(g if g.dtype == w.dtype else g.to(w.dtype))
-            states.append(st)
-            key = (gi, st.get(_momentum.SCALE), w.dtype, w.device, sharded)
-            bucket = buckets.get(key)
-            if bucket is None:
-                buckets[key] = [i]
-            else:
-                bucket.append(i)
+    def _update(self, plan: _StepPlan, gs: list[torch.Tensor], contiguous: bool) -> None:
+        """The update of ``plan.params`` from their (checked) gradients ``gs``; ``contiguous``:
+        whether every gradient is contiguous."""
+        local_g = plan.local_grads(gs)
+        contiguous = contiguous and not plan.sharded  # (a DTensor's local shard may not be)
         if self._clip is not None and self._clip.active:
-            layouts = [layout_of(p) for _, p, _ in items]
-            local_g = clip_local_gradients(local_g, layouts, self._clip)
+            local_g = clip_local_gradients(local_g, plan.layouts, self._clip)
+            contiguous = contiguous and all(map(_CONTIGUOUS, local_g))
         if type(self).update_step is not SGD.update_step:
-            self._custom_updates(items, local_g)
+            self._custom_updates(plan.params, local_g)
             return
-        for (gi, *_), idx in buckets.items():
-            group = groups[gi]
+        groups, buckets = self.param_groups, plan.buckets
+        for b in buckets:
+            group = groups[b.group]
             self._apply_rule(
-                [states[i] for i in idx] if with_buffer[gi] else [],
-                [local_w[i] for i in idx],
-                [local_g[i] for i in idx],
+                b,
+                local_g if len(buckets) == 1 else [local_g[i] for i in b.idx],
                 float(group["lr"]),
                 float(group["momentum"]),
                 bool(group["nesterov"]),
+                strided=b.strided if contiguous else None,
             )
+        if self._plan is plan and not plan.buckets_distinct():
+            self._plan = None  # two buckets' momentum scales met: a fresh plan merges them
 
-    def _custom_updates(
-        self, items: list[tuple[int, torch.Tensor, torch.Tensor]], local_g: list[torch.Tensor]
-    ) -> None:
+    def _custom_updates(self, params: list[torch.Tensor], local_g: list[torch.Tensor]) -> None:
         """A subclass' per-variable rule: ``update_step`` gets each clipped gradient in its
         variable's layout."""
-        for i, (_, p, _) in enumerate(items):
-            g = local_g[i]
+        for p, g in zip(params, local_g):
             if isinstance(p, DTensor):
                 g = DTensor.from_local(
                     g,
@@ -471,30 +678,28 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
 
     def _apply_rule(
         self,
-        states: list[dict[str, Any]],
-        ws: list[torch.Tensor],
+        bucket: _Bucket,
         gs: list[torch.Tensor],
         lr: float,
         momentum: float,
         nesterov: bool,
         impl: str = "auto",
+        strided: list[int] | None = None,
     ) -> None:
-        """Keras' step on local shards (of all DTensors or all plain tensors) whose momentum
-        buffers share one scale; ``states`` are their optimizer states (momentum > 0)."""
-        bufs = None
+        """Keras' step on one bucket's local shards, from their local gradients ``gs``; moves
+        the bucket's momentum scale (in the bucket and in every state of it)."""
         scale = new_scale = 0.0
         if momentum != 0.0:
-            scale = states[0][_momentum.SCALE]
+            scale = bucket.scale  # type: ignore[assignment]
             new_scale = _momentum.next_scale(scale, lr)
-            bufs = [st[_momentum.BUFFER] for st in states]
-            if isinstance(bufs[0], DTensor):
-                bufs = [local_shard(b) for b in bufs]
         kp = _momentum.keras_step(lr, momentum, nesterov, scale, new_scale)
+        ws, bufs = bucket.ws, bucket.bufs
         if impl != "auto" or self._compiled is None or not self._compiled(ws, gs, bufs, kp):
-            sgd_update(ws, gs, bufs, kp, impl)
+            sgd_update(ws, gs, bufs, kp, impl, strided)
         if new_scale != scale:
-            for st in states:
+            for st in bucket.states:
                 st[_momentum.SCALE] = new_scale
+            bucket.scale = new_scale
 
     def update_step(self, gradient: torch.Tensor, variable: torch.Tensor) -> None:
         """Apply the rule to one variable (no clipping, no EMA, ``iterations`` unchanged).
@@ -502,20 +707,30 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
         Public and overridable as in Keras: a subclass that overrides it gets it called once
         per variable (with the clipped gradient, in the variable's layout) from ``step``.
         """
-        group = next(
-            (g for g in self.param_groups if any(p is variable for p in g["params"])), None
+        gi = next(
+            (i for i, g in enumerate(self.param_groups) if any(p is variable for p in g["params"])),
+            None,
         )
-        if group is None:
+        if gi is None:
             raise ValueError("update_step: the variable is not owned by this optimizer")
+        group = self.param_groups[gi]
         _vars.check_grad(0, gradient, variable)
         lr = check_lr(self._schedule(self.iterations) if self._schedule else group["lr"])
         if isinstance(variable, DTensor) and gradient.placements != variable.placements:
             gradient = gradient.redistribute(variable.device_mesh, variable.placements)
-        self._init_slots(variable, group)
+        state = self._init_slots(variable, group)
+        self._plan = None  # the variable's momentum scale moves outside any plan
+        bucket = _Bucket.of(
+            gi,
+            [0],
+            [local_shard(variable)],
+            [state],
+            group["momentum"] != 0,
+            sharded=isinstance(variable, DTensor),
+        )
         with torch.no_grad():
             self._apply_rule(
-                [self.state[variable]],
-                [local_shard(variable)],
+                bucket,
                 [local_shard(gradient).to(variable.dtype)],
                 lr,
                 float(group["momentum"]),
@@ -596,6 +811,7 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
         nearest float), so that a run restored from this dict continues bit for bit like the
         run that saved it.
         """
+        self._plan = None  # the scales change
         with torch.no_grad():
             for state in self.state.values():
                 scale = state.get(_momentum.SCALE)
@@ -639,6 +855,7 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
                 entry[_momentum.SCALE] = -1.0
             internal[key] = entry
         # ---- checked (iterations: by the base class, before it loads anything) -------------
+        self._plan = None  # new state dicts and param groups
         super().load_state_dict({**state_dict, "state": internal})
 
     def __repr__(self) -> str:

@@ -31,6 +31,7 @@ from distoptim.dtensor.momentum import INTERNAL_KEYS
 __all__ = [
     "GROUP_KEYS",
     "check_grad",
+    "check_grads",
     "check_group",
     "check_saved_state",
     "check_vars",
@@ -119,6 +120,12 @@ def check_grad(i: int, g: Any, p: torch.Tensor) -> None:
         raise ValueError(
             f"gradient {i} is on mesh {g.device_mesh}, its variable on {p.device_mesh}"
         )
+
+
+def check_grads(params: Sequence[torch.Tensor], grads: Sequence[Any]) -> None:
+    """:func:`check_grad` for each ``(grads[i], params[i])``, numbered ``i``."""
+    for i, (p, g) in enumerate(zip(params, grads)):
+        check_grad(i, g, p)
 
 
 def check_saved_state(i: int, state: Any, p: torch.Tensor) -> None:
