@@ -175,11 +175,14 @@ def test_shard_killed_mid_run_is_restarted_from_its_checkpoint(tmp_path):
         checkpoint_dir=tmp_path,
         checkpoint_every=every,
         max_restarts=1,
+        # a fresh shard process imports torch and loads its checkpoint: on a loaded 2-core
+        # machine that took more than the default (rpc_timeout, 30 s) once
+        reconnect_timeout=90,
     )
     chief, other = result.worker_results
     assert result.stats.shard_restarts == 1
     assert chief["incarnation"] == 2 and other["incarnation"] == 2
-    assert chief["resume_s"] is not None and chief["resume_s"] < 60
+    assert chief["resume_s"] is not None and chief["resume_s"] < 90
     assert chief["lost_in_flight"] == other["lost_in_flight"] == 1  # the commit the death cut
     sent = 2 * steps
     rolled_back = sent - result.stats.global_step - result.stats.refused_commits - 2
