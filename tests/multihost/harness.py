@@ -23,7 +23,10 @@ A command on host ``i`` runs as::
 
 so it has its own network stack, its own hostname (torchrun decides by hostname whether a node
 hosts the c10d rendezvous store, and gloo/TensorPipe pick their address from it) and its own
-``/etc/hosts`` (the bind mount lives in the command's private mount namespace). How the
+``/etc/hosts`` (the bind mount lives in the command's private mount namespace). Every Python
+process of the command can dump its stacks on ``SIGUSR1`` (``_stacks/sitecustomize.py``): a
+command that outlives its timeout is asked for them before it is killed, and they are part of
+its :meth:`HostRun.describe` (so a hang says where it hangs). How the
 hostnames resolve is chosen per run (``resolve``):
 
 * ``"data"``: every ``h<i>`` resolves to its ``eth0`` address (a well-configured cluster);
@@ -70,6 +73,9 @@ _COUNTER = [0]
 _Cwd = str | os.PathLike[str] | Sequence[str | os.PathLike[str] | None] | None
 # what a command must not inherit from the test process (each run sets its own)
 _SCRUB = ENVIRONMENT
+_STACKS = Path(__file__).resolve().parent / "_stacks"  # its sitecustomize: stacks on SIGUSR1
+_STACKS_WAIT = 5.0  # seconds the processes get to write their stacks
+_PYSPY_TIMEOUT = 20.0  # seconds per process for py-spy's native stacks (when installed)
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -116,6 +122,50 @@ def _kill_namespace_processes(netns: str) -> None:
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and any(_pid_alive(p) for p in pids):
             time.sleep(0.05)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return "?"
+
+
+def _dump_stacks(netns: str, folder: Path) -> str:
+    """The Python stacks (every thread) of every live process on ``netns`` that registered a
+    stacks file in ``folder`` (``_stacks/sitecustomize.py``), asked for with ``SIGUSR1``; with
+    py-spy installed, also each one's native stacks (where a C++ wait hangs)."""
+    pids = [int(p) for p in _ip("netns", "pids", netns, check=False).stdout.split()]
+    asked = [p for p in sorted(pids) if (folder / f"{p}.txt").exists() and _pid_alive(p)]
+    names = {p: _cmdline(p) for p in asked}
+    for pid in asked:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR1)
+    deadline = time.monotonic() + _STACKS_WAIT
+    sizes: dict[int, int] = {}
+    while time.monotonic() < deadline:  # until every file is written and stopped growing
+        now = {p: (folder / f"{p}.txt").stat().st_size for p in asked}
+        if all(now.values()) and now == sizes:
+            break
+        sizes = now
+        time.sleep(0.2)
+    parts = []
+    pyspy = shutil.which("py-spy")
+    for pid in asked:
+        text = (folder / f"{pid}.txt").read_text(errors="replace").strip() or "(no answer)"
+        parts.append(f"--- pid {pid}: {names[pid]}\n{text}")
+        if pyspy is not None:
+            try:
+                native = subprocess.run(
+                    [pyspy, "dump", "--native", "--pid", str(pid)],
+                    capture_output=True, text=True, timeout=_PYSPY_TIMEOUT,
+                )  # fmt: skip
+                parts.append(f"--- pid {pid}, py-spy --native\n{native.stdout}{native.stderr}")
+            except subprocess.TimeoutExpired:
+                parts.append(f"--- pid {pid}, py-spy --native: no answer in {_PYSPY_TIMEOUT} s")
+    if not parts:
+        return f"(no Python process left on {netns})"
+    return "\n".join(parts)
 
 
 def _delete_namespace(netns: str) -> None:
@@ -181,7 +231,8 @@ class HostRun:
     came, ``timed_out``, or when the caller said to stop, ``stopped``), logs, seconds;
     ``killed``: its host was killed on purpose (:meth:`Running.kill_host`); ``cpu_seconds``:
     user + system CPU time of the command and the descendants it waited for (torchrun and its
-    workers), whatever the machine's load; processes killed with it are not counted."""
+    workers), whatever the machine's load; processes killed with it are not counted;
+    ``stacks``: for a command that timed out, the stacks of its processes still alive then."""
 
     host: Host
     argv: list[str]
@@ -193,15 +244,19 @@ class HostRun:
     killed: bool = False
     stopped: bool = False
     cpu_seconds: float = 0.0
+    stacks: str = ""
 
     def describe(self) -> str:
         """The run and its logs, for an assertion message."""
         how = f"exit {self.returncode}"
         how = "timed out" if self.timed_out else "stopped" if self.stopped else how
-        return (
+        text = (
             f"--- {self.host.hostname}: {how} after {self.seconds:.1f} s: {' '.join(self.argv)}\n"
             f"--- stdout\n{self.stdout[-6000:]}\n--- stderr\n{self.stderr[-6000:]}"
         )
+        if self.stacks:
+            text += f"\n--- stacks of its processes at the timeout\n{self.stacks}"
+        return text
 
 
 @dataclass
@@ -211,6 +266,7 @@ class _Proc:
     popen: subprocess.Popen[bytes]
     out: Path
     err: Path
+    stacks_dir: Path
     started: float
     ended: float | None = None
     killed: bool = False
@@ -292,6 +348,11 @@ class Running:
                 break
             time.sleep(0.1)
         cut = time.monotonic()
+        stacks = {}
+        if cut >= deadline:  # a hang: where each process of a command still running is
+            for p in self.procs:
+                if p.ended is None and p.poll() is None:
+                    stacks[id(p)] = _dump_stacks(p.host.netns, p.stacks_dir)
         self.stop()
         return [
             HostRun(
@@ -305,6 +366,7 @@ class Running:
                 killed=p.killed,
                 stopped=p.ended is None and cut < deadline,
                 cpu_seconds=p.cpu,
+                stacks=stacks.get(id(p), ""),
             )
             for p in self.procs
         ]
@@ -438,18 +500,22 @@ class Hosts:
                 h = self.hosts[i]
                 full = {k: v for k, v in os.environ.items() if k not in _SCRUB}
                 full.update({"PYTHONUNBUFFERED": "1", **(envs[i] or {})})
+                n = len(procs)
+                stacks_dir = self._tmp / f"run{id(run)}-{n}.stacks"
+                stacks_dir.mkdir()
+                path = [str(_STACKS), *filter(None, [full.get("PYTHONPATH")])]
+                full.update(PYTHONPATH=os.pathsep.join(path), DISTOPTIM_STACKS_DIR=str(stacks_dir))
                 wrapper = [
                     "ip", "netns", "exec", h.netns, "unshare", "--uts", "--mount", "--", "sh",
                     "-c", 'mount --bind "$1" /etc/hosts && hostname "$2" && shift 2 && exec "$@"',
                     "sh", str(self.hosts_file(i, resolve)), h.hostname, *argv,
                 ]  # fmt: skip
-                n = len(procs)
                 out, err = self._tmp / f"run{id(run)}-{n}.out", self._tmp / f"run{id(run)}-{n}.err"
                 with out.open("wb") as fo, err.open("wb") as fe:
                     popen = subprocess.Popen(
                         wrapper, stdout=fo, stderr=fe, env=full, cwd=cwds[i], start_new_session=True
                     )
-                procs.append(_Proc(h, list(argv), popen, out, err, time.monotonic()))
+                procs.append(_Proc(h, list(argv), popen, out, err, stacks_dir, time.monotonic()))
         except BaseException:
             run.stop()
             raise

@@ -75,6 +75,33 @@ def test_timeout_kills_everything_and_failure_inside_cleans_up() -> None:
     assert prefix is not None and leftovers(prefix) == []
 
 
+_HANG = r"""
+import subprocess, sys, threading, time
+def parked_in_a_thread():
+    threading.Event().wait()
+def parent_waits_for_its_child(child):
+    child.wait()
+threading.Thread(target=parked_in_a_thread, daemon=True).start()
+if sys.argv[1:] == ["child"]:
+    time.sleep(600)
+else:
+    parent_waits_for_its_child(subprocess.Popen([sys.executable, __file__, "child"]))
+"""
+
+
+def test_a_command_that_times_out_reports_every_process_stacks(tmp_path: Path) -> None:
+    script = tmp_path / "hang.py"
+    script.write_text(_HANG)
+    with Hosts(1) as hs:
+        (run,) = hs.start([[sys.executable, str(script)]], timeout=4.0).wait()
+    assert run.timed_out
+    text = run.describe()
+    assert text.count("--- pid ") >= 2, text  # the parent and its child (py-spy may add more)
+    for frame in ("parent_waits_for_its_child", "parked_in_a_thread", "in <module>"):
+        assert frame in run.stacks, text
+    assert f"{sys.executable} {script} child" in run.stacks, text
+
+
 def test_sweep_removes_leftovers_of_dead_runs_only() -> None:
     dead = subprocess.Popen(["true"])
     dead.wait()
