@@ -381,6 +381,29 @@ class _Touched:
             self.refusal = Refusal("abandoned")
 
 
+def _count_commit(
+    table: _Table,
+    task: int,
+    staleness: int,
+    refusal: Refusal | None,
+    payload: Mapping[str, torch.Tensor],
+) -> int:
+    """Count one finished commit in ``table``'s statistics (accepted: a new version, the
+    worker's commit and its staleness; refused for a reason other than being abandoned: a
+    refusal) and the bytes it moved; returns the table's version after it."""
+    with table.stats_lock:
+        if refusal is None:
+            table.version += 1
+            table.commits[task] += 1
+            table.staleness[staleness] += 1
+        elif refusal.reason != "abandoned":
+            table.refused += 1
+            table.refused_result += int(refusal.reason == "result")
+        table.bytes_in += nbytes(payload)
+        table.bytes_out += nbytes(table.flats)
+        return table.version
+
+
 def _restore_hparams(table: _Table, kept: list[dict[str, Any]]) -> None:
     assert table.optimizer is not None
     for group, old in zip(table.optimizer.param_groups, kept):
@@ -594,17 +617,7 @@ class ParameterServer:
                 if kept_hparams is not None:  # a refused commit's hyperparameters do not stick
                     _restore_hparams(table, kept_hparams)
             accepted = refusal is None
-            with table.stats_lock:
-                if accepted:
-                    table.version += 1
-                    table.commits[request.task] += 1
-                    table.staleness[staleness] += 1
-                elif refusal is not None and refusal.reason != "abandoned":
-                    table.refused += 1
-                    table.refused_result += int(refusal.reason == "result")
-                table.bytes_in += nbytes(payload)
-                table.bytes_out += nbytes(table.flats)
-                version = table.version
+            version = _count_commit(table, request.task, staleness, refusal, payload)
             every = self.checkpoint_every
             if accepted and every is not None and version % every == 0:
                 # on disk before this table accepts another commit: a restart loses at most
@@ -734,17 +747,7 @@ class ParameterServer:
         for chunk in chunks:
             self._publish(chunk, source, target, inflow)
         accepted = refusal is None
-        with table.stats_lock:
-            if accepted:
-                table.version += 1
-                table.commits[request.task] += 1
-                table.staleness[staleness] += 1
-            elif refusal is not None and refusal.reason != "abandoned":
-                table.refused += 1
-                table.refused_result += int(refusal.reason == "result")
-            table.bytes_in += nbytes(payload)
-            table.bytes_out += nbytes(table.flats)
-            version = table.version
+        version = _count_commit(table, request.task, staleness, refusal, payload)
         if inflow.streamed and chunks and accepted:
             reply_flats: dict[str, torch.Tensor] = {}
         elif target is not None and chunks:
