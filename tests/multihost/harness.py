@@ -336,15 +336,19 @@ class Running:
     def wait(self, until: Callable[[Running], bool] | None = None) -> list[HostRun]:
         """Wait for every command until the run's timeout, or until ``until(self)`` (polled)
         says the rest need not be waited for; kill what still runs; the outcomes in host
-        order (``returncode`` None for those: ``timed_out`` or ``stopped``)."""
+        order (``returncode`` None for those: ``timed_out`` or ``stopped``). A command that
+        ended before this call (e.g. while an earlier run of the same wave was waited for past
+        this one's deadline) is collected, never reported as timed out."""
         deadline = self.started + self.timeout
-        while time.monotonic() < deadline:
+        while True:  # polls at least once: a command may have ended before wait was called
             for p in self.procs:
                 if p.ended is None and p.poll() is not None:
                     p.ended = time.monotonic()
             if all(p.ended is not None for p in self.procs):
                 break
             if until is not None and until(self):
+                break
+            if time.monotonic() >= deadline:
                 break
             time.sleep(0.1)
         cut = time.monotonic()

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -87,6 +88,19 @@ if sys.argv[1:] == ["child"]:
 else:
     parent_waits_for_its_child(subprocess.Popen([sys.executable, __file__, "child"]))
 """
+
+
+def test_a_command_that_ended_before_wait_past_its_deadline_is_not_timed_out() -> None:
+    """Jobs of a wave are waited for one after the other: when an earlier one takes the whole
+    timeout, a later one that ended long before is waited for past its deadline."""
+    with Hosts(1) as hs:
+        running = hs.start([[sys.executable, "-c", "print('done')"]], timeout=1.0)
+        while running.running(0):
+            time.sleep(0.05)
+        time.sleep(1.5)  # past the deadline
+        (run,) = running.wait()
+    assert run.returncode == 0 and not run.timed_out, run.describe()
+    assert run.stdout == "done\n" and run.stacks == ""
 
 
 def test_a_command_that_times_out_reports_every_process_stacks(tmp_path: Path) -> None:
