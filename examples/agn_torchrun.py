@@ -137,6 +137,7 @@ def main() -> None:
             flush=True,
         )
         return
+    print(f"[worker {cluster.task_index}] connected to {cluster.num_ps} shard(s)", flush=True)
     if cluster.is_chief and not cluster.is_late and args.transport == "p2p":
         where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
         print(f"[worker 0] late workers may join with DISTOPTIM_AGN_JOIN={where}", flush=True)

@@ -37,12 +37,19 @@ def _algo(name: str):
 
 
 def _kill_node_1(job: Job, running: Running) -> None:
-    """Node 1 (workers 1 and 2) dies at the chief's first progress line (a fifth of its
-    steps: the others are mid-run too). Node 0's processes then finish, and its torchrun agent
-    waits in torch's exit barrier for the dead node's agent (300 s, not configurable from the
-    command line); :func:`run_jobs` stops it there."""
+    """Node 1 (workers 1 and 2) dies mid-run: once both its workers are connected to the
+    shard and the chief printed its first progress line (a fifth of its steps). Node 0's
+    processes then finish, and its torchrun agent waits in torch's exit barrier for the dead
+    node's agent (300 s, not configurable from the command line); :func:`run_jobs` stops it
+    there. (Waiting for node 1's workers matters under load: the chief can be a fifth through
+    while they still connect; a worker that dies connecting is declared dead only after its
+    start-up bound, twice the request timeout, which outlasts this test's timeout.)"""
     assert job.hosts is not None
     node0, node1 = job.hosts
+    for task in (1, 2):
+        assert running.wait_for(node1, rf"\[worker {task}\] connected", _TIMEOUT), running.log(
+            node1
+        )
     assert running.wait_for(node0, r"\[worker 0\] step", _TIMEOUT), running.log(node0)
     running.kill_host(node1)
 

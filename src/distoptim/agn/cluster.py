@@ -21,6 +21,8 @@ the whole job starts afresh; ``distoptim.agn/current`` names the namespace for l
 -----------------------------------------------------------------------------------------
 * ``config``: ``num_ps``, ``num_worker``, transport and placement strategy (for late joiners);
 * ``late``: a counter handing out late workers' task indices;
+* ``worker/<t>/starting``: worker ``t`` reached the cluster and starts connecting (set first
+  thing; from then on its start-up is bounded: it connects within its own bound or gives up);
 * ``worker/<t>/up``: worker ``t`` is connected to every shard (its start-up is over);
 * ``worker/<t>/end``: ``finished``, ``failed`` (it raised) or ``dead`` (set by the launcher when
   the process died); shards read it for workers they cannot see otherwise;
@@ -360,12 +362,14 @@ class Cluster:
         self.transport_name = kind
         self._closed = False
         self._server: ParameterServer | None = None
-        self._late_seen: dict[int, float] = {}  # late task -> when this shard first saw it
+        self._late_seen: dict[int, float] = {}  # task -> when this shard first saw it starting
         self.namespace = _namespace()
         self._root = dist.TCPStore(
             master_addr, master_port, is_master=False, timeout=timedelta(seconds=self.rpc_timeout)
         )
         self._store = dist.PrefixStore(self.namespace, self._root)
+        if self.is_worker:  # the shards time its start-up from here (Cluster._gone)
+            self._store.set(f"worker/{self.task_index}/starting", "1")
         self.transport: Transport
         if self.is_ps:
             self._server = ParameterServer(
@@ -597,9 +601,12 @@ class Cluster:
     def _gone(self, pending: list[int]) -> Mapping[int, str]:
         """Which pending workers are known to have ended, and how.
 
-        A late worker that reserved its task index but never came up within twice
-        ``rpc_timeout`` of this shard first seeing it (its own start-up bound) died joining:
-        nobody else would tell (a late job has no launcher watching it for the cluster).
+        A worker that started connecting (``worker/<t>/starting``; a late one: reserved its
+        task index) but did not come up within twice ``rpc_timeout`` of this shard first seeing
+        it so (its own start-up bound) died joining: nobody else would tell (a late job has no
+        launcher watching it for the cluster, and under torchrun a whole node can die: its
+        agent dies with it). Without this, a node that died while its workers were connecting
+        left the shards waiting for them forever.
         """
         news = {t: "dead" for t in self.transport.gone(pending)}
         now = time.monotonic()
@@ -607,7 +614,9 @@ class Cluster:
             key = f"worker/{t}/end"
             if self._store.check([key]):
                 news[t] = self._store.get(key).decode()
-            elif t >= self.num_worker and not self._store.check([f"worker/{t}/up"]):
+            elif not self._store.check([f"worker/{t}/up"]) and (
+                t >= self.num_worker or self._store.check([f"worker/{t}/starting"])
+            ):
                 first = self._late_seen.setdefault(t, now)
                 if now - first > 2 * self.rpc_timeout:
                     news[t] = "dead"
