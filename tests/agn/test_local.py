@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import math
 import threading
+import time
 
 import pytest
 import torch
@@ -535,3 +536,30 @@ def test_a_late_worker_that_never_comes_up_is_counted_dead_after_its_start_up_bo
     finally:
         cluster.shutdown()
     assert report.finished_workers == [0] and report.dead_workers == [1]
+
+
+def test_a_worker_that_dies_while_connecting_is_counted_dead_after_its_start_up_bound():
+    """An expected worker marked ``starting`` (its whole node died while it connected: no
+    launcher will mark its end) is dead after twice rpc_timeout, not waited for forever."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    cluster = Cluster(
+        rank=0,
+        world_size=3,
+        num_ps=1,
+        master_addr="127.0.0.1",
+        master_port=store.port,
+        rpc_timeout=0.2,
+        probe_period_s=0.05,
+    )
+    try:
+        cluster.store.set("worker/0/end", "finished")
+        cluster.store.set("worker/1/starting", "1")  # reached the cluster, never connected
+        t0 = time.monotonic()
+        report = cluster.serve(timeout=10)
+        waited = time.monotonic() - t0
+    finally:
+        cluster.shutdown()
+    assert report.finished_workers == [0] and report.dead_workers == [1]
+    assert waited < 5  # the 0.4 s bound, not serve's timeout
