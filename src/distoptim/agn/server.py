@@ -404,6 +404,28 @@ def _count_commit(
         return table.version
 
 
+def _commit_reply(
+    table: _Table,
+    version: int,
+    staleness: int,
+    flats: dict[str, torch.Tensor],
+    refusal: Refusal | None,
+    streamed: bool,
+) -> CommitReply:
+    """The reply to a finished commit (its bytes, the size of the center, go through the
+    emulated link): refused or not, the table's version after it, the reply buffers (empty when
+    the reply chunks were already streamed) and why it was refused."""
+    transmit(nbytes(table.flats))
+    return CommitReply(
+        refused=refusal is not None,
+        version=version,
+        staleness=staleness,
+        flats=flats,
+        reason="" if refusal is None else refusal.describe(),
+        streamed=streamed,
+    )
+
+
 def _restore_hparams(table: _Table, kept: list[dict[str, Any]]) -> None:
     assert table.optimizer is not None
     for group, old in zip(table.optimizer.param_groups, kept):
@@ -644,14 +666,8 @@ class ParameterServer:
             if release is not None:
                 release()
             raise
-        transmit(nbytes(table.flats))
-        reply = CommitReply(
-            refused=not accepted,
-            version=version,
-            staleness=staleness,
-            flats=reply_flats,
-            reason="" if refusal is None else refusal.describe(),
-            streamed=accepted and inflow.streamed,
+        reply = _commit_reply(
+            table, version, staleness, reply_flats, refusal, accepted and inflow.streamed
         )
         return Handled(reply, release)
 
@@ -754,16 +770,8 @@ class ParameterServer:
             reply_flats = dict(target)
         else:
             reply_flats = dict(source)
-        transmit(nbytes(table.flats))
-        reply = CommitReply(
-            refused=not accepted,
-            version=version,
-            staleness=staleness,
-            flats=reply_flats,
-            reason="" if refusal is None else refusal.describe(),
-            streamed=inflow.streamed and bool(chunks) and accepted,
-        )
-        return Handled(reply)
+        streamed = inflow.streamed and bool(chunks) and accepted
+        return Handled(_commit_reply(table, version, staleness, reply_flats, refusal, streamed))
 
     # ---- tables --------------------------------------------------------------------------------
     def _table(self, name: str, wait_s: float = 0.0) -> _Table:
