@@ -6,6 +6,8 @@ import copy
 import math
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -514,15 +516,16 @@ def test_shard_link_is_the_public_extension_point():
     assert link.reply_buffers() is link.reply_buffers()
 
 
-def test_a_late_worker_that_never_comes_up_is_counted_dead_after_its_start_up_bound():
-    """A shard in this process (p2p: no other process needed to serve): one expected worker
-    finishes, a late one reserves its index and never connects."""
+def _serve_with_store(world_size: int, prepare: Callable[[Any], None]) -> tuple[Any, float]:
+    """A shard in this process (p2p: no other process needed to serve) with a 0.2 s
+    ``rpc_timeout``: ``prepare(store)`` sets the workers' keys, then the shard serves until
+    every expected worker ended; its report and how long serving took."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     cluster = Cluster(
         rank=0,
-        world_size=2,
+        world_size=world_size,
         num_ps=1,
         master_addr="127.0.0.1",
         master_port=store.port,
@@ -530,36 +533,34 @@ def test_a_late_worker_that_never_comes_up_is_counted_dead_after_its_start_up_bo
         probe_period_s=0.05,
     )
     try:
-        cluster.store.set("worker/0/end", "finished")
-        assert cluster.store.add("late", 1) == 1  # task 1 reserved, never up
+        prepare(cluster.store)
+        t0 = time.monotonic()
         report = cluster.serve(timeout=10)
+        return report, time.monotonic() - t0
     finally:
         cluster.shutdown()
+
+
+def test_a_late_worker_that_never_comes_up_is_counted_dead_after_its_start_up_bound():
+    """One expected worker finishes, a late one reserves its index and never connects."""
+
+    def prepare(store: Any) -> None:
+        store.set("worker/0/end", "finished")
+        assert store.add("late", 1) == 1  # task 1 reserved, never up
+
+    report, waited = _serve_with_store(2, prepare)
     assert report.finished_workers == [0] and report.dead_workers == [1]
+    assert waited < 5  # the 0.4 s bound, not serve's timeout
 
 
 def test_a_worker_that_dies_while_connecting_is_counted_dead_after_its_start_up_bound():
     """An expected worker marked ``starting`` (its whole node died while it connected: no
     launcher will mark its end) is dead after twice rpc_timeout, not waited for forever."""
-    import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    cluster = Cluster(
-        rank=0,
-        world_size=3,
-        num_ps=1,
-        master_addr="127.0.0.1",
-        master_port=store.port,
-        rpc_timeout=0.2,
-        probe_period_s=0.05,
-    )
-    try:
-        cluster.store.set("worker/0/end", "finished")
-        cluster.store.set("worker/1/starting", "1")  # reached the cluster, never connected
-        t0 = time.monotonic()
-        report = cluster.serve(timeout=10)
-        waited = time.monotonic() - t0
-    finally:
-        cluster.shutdown()
+    def prepare(store: Any) -> None:
+        store.set("worker/0/end", "finished")
+        store.set("worker/1/starting", "1")  # reached the cluster, never connected
+
+    report, waited = _serve_with_store(3, prepare)
     assert report.finished_workers == [0] and report.dead_workers == [1]
     assert waited < 5  # the 0.4 s bound, not serve's timeout
