@@ -146,6 +146,9 @@ def _restart_worker(ctx, steps: int, kill_at: int) -> dict:
     killed_at = resumed_at = None
     for k in range(steps):
         if ctx.is_chief and k == kill_at:
+            # the other worker must be connected first: one still making its first connection
+            # when the shard dies waits for the dead incarnation (docs/agn.md, Shard restart)
+            ctx.store.wait([f"worker/{1 - ctx.task_index}/up"], timedelta(seconds=90))
             os.kill(ctx.request(0, Ping()).pid, signal.SIGKILL)
             killed_at = time.monotonic()
             ctx.store.set("test/killed", "1")
@@ -175,8 +178,7 @@ def test_shard_killed_mid_run_is_restarted_from_its_checkpoint(tmp_path):
         checkpoint_dir=tmp_path,
         checkpoint_every=every,
         max_restarts=1,
-        # a fresh shard process imports torch and loads its checkpoint: on a loaded 2-core
-        # machine that took more than the default (rpc_timeout, 30 s) once
+        # a fresh shard process imports torch and loads its checkpoint: slow on a loaded machine
         reconnect_timeout=90,
     )
     chief, other = result.worker_results
