@@ -7,6 +7,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -564,3 +565,48 @@ def test_a_worker_that_dies_while_connecting_is_counted_dead_after_its_start_up_
     report, waited = _serve_with_store(3, prepare)
     assert report.finished_workers == [0] and report.dead_workers == [1]
     assert waited < 5  # the 0.4 s bound, not serve's timeout
+
+
+def test_a_first_connection_moves_on_when_its_incarnation_died_before_serving_it():
+    """A worker that queued its first connection with an incarnation that died before serving
+    it (incarnation 1 here: nobody ever serves its queue) connects to the restarted shard
+    (incarnation 2) within a window, not after its whole start-up bound."""
+    import torch.distributed as dist
+
+    from distoptim.agn.transport.p2p import _FIRST_WINDOW_S, P2PTransport
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    namespace = "distoptim.agn/0"
+    ns = dist.PrefixStore(namespace, store)
+    assert ns.add("shard/0/incarnation", 1) == 1  # incarnation 1 started and died unseen
+    worker = P2PTransport("127.0.0.1", store.port, namespace, num_ps=1, timeout=60)
+    out: dict[str, Any] = {}
+
+    def connect() -> None:
+        t0 = time.monotonic()
+        try:
+            worker.connect(1, timeout=60)
+            out["incarnation"] = worker.incarnation(0)
+        except BaseException as exc:  # reported by the asserts below
+            out["error"] = exc
+        out["seconds"] = time.monotonic() - t0
+
+    thread = threading.Thread(target=connect)
+    thread.start()
+    ns.wait(["shard/0/1/next"], timedelta(seconds=30))  # it asked incarnation 1
+    shard = Cluster(
+        rank=0,
+        world_size=2,
+        num_ps=1,
+        master_addr="127.0.0.1",
+        master_port=store.port,
+        rpc_timeout=60,
+    )  # the restart: incarnation 2
+    try:
+        thread.join(60)
+    finally:
+        worker.close()
+        shard.shutdown()
+    assert "error" not in out, out
+    assert out["incarnation"] == 2
+    assert out["seconds"] < 3 * _FIRST_WINDOW_S  # one window on the dead one, not 60 s

@@ -104,6 +104,10 @@ DEFAULT_IDLE_TIMEOUT = 1800.0
 _STOP = b"stop"
 _FOREVER = timedelta(days=3650)
 _MAX_BACKOFF = 1.0
+_FIRST_WINDOW_S = 5.0
+"""A first connection waits this long for the incarnation it asked (doubling on each retry)
+before it reads the incarnation again: a shard that dies before serving it and is restarted
+serves the new incarnation's queue, never the old one's."""
 
 
 def _store(addr: str, port: int, namespace: str, timeout: float) -> dist.Store:
@@ -605,10 +609,11 @@ class P2PTransport(Transport):
         ``lost``: the connection that just broke. Its incarnation is tried again only while its
         process may be alive (a shard that dropped an idle worker, a transient error): briefly,
         with growing attempts; when that process is known gone (same host), only a newer
-        incarnation is awaited.
+        incarnation is awaited. A first connection (``lost`` None) tries the current incarnation
+        for :data:`_FIRST_WINDOW_S`, doubling, and reads the incarnation again between tries.
         """
         assert self._task is not None
-        backoff, attempt = 0.01, 1.0
+        backoff, attempt, window = 0.01, 1.0, _FIRST_WINDOW_S
         last_error: BaseException | None = None
         while True:
             inc = self.current_incarnation(shard)
@@ -616,6 +621,9 @@ class P2PTransport(Transport):
             if lost is not None and inc == lost.incarnation:
                 wait_s = 0.0 if _process_gone(lost.pid, lost.host) else min(wait_s, attempt)
                 attempt *= 2
+            elif lost is None:  # the incarnation may die before serving us: look again later
+                wait_s = min(wait_s, window)
+                window *= 2
             if inc >= 1 and wait_s > 0:
                 try:
                     return self._open_once(shard, inc, wait_s)
