@@ -676,19 +676,13 @@ class P2PTransport(Transport):
         timeout: float,
         into: dict[str, torch.Tensor] | None = None,
     ) -> Pending:
-        ch = self._channels.get(shard)
-        if ch is None:
-            raise RuntimeError(f"not connected to parameter server {shard} (connect() first)")
-        ch.lock.acquire()
+        ch = self._connected(shard)
         what = type(request).__name__
+        self._hold(ch)
         try:
-            if ch.broken:
-                raise ShardLostError(shard, "the connection broke earlier")
             works = ch.pipe.send(request)
         except Exception as exc:
-            ch.broken = True
-            ch.lock.release()
-            raise self._lost(ch, what, exc, 0.0) from exc
+            raise self._broke(ch, what, exc) from exc
         return _P2PPending(self, ch, works, into, timeout, what)
 
     def chunk_bytes(self, shard: int) -> int:
@@ -703,22 +697,15 @@ class P2PTransport(Transport):
         timeout: float,
         into: dict[str, torch.Tensor] | None = None,
     ) -> Stream | None:
-        ch = self._channels.get(shard)
-        if ch is None:
-            raise RuntimeError(f"not connected to parameter server {shard} (connect() first)")
+        ch = self._connected(shard)
         flats = getattr(request, "flats", None)
         if not ch.chunk_bytes or not flats or not chunks:
             return None
-        ch.lock.acquire()
-        if ch.broken:
-            ch.lock.release()
-            raise ShardLostError(shard, "the connection broke earlier")
+        self._hold(ch)
         try:
             return _P2PStream(self, ch, request, list(chunks), into, timeout)
         except Exception as exc:
-            ch.broken = True
-            ch.lock.release()
-            raise self._lost(ch, type(request).__name__, exc, 0.0) from exc
+            raise self._broke(ch, type(request).__name__, exc) from exc
 
     def reserve(self, shard: int, nbytes: int) -> bool:
         """Make the connection to ``shard`` carry messages of up to ``nbytes`` of flat buffers
@@ -753,6 +740,29 @@ class P2PTransport(Transport):
         if offsets is None:
             return None
         return [seg.data[o : o + n] for o, n in zip(offsets, nbytes)]
+
+    def _connected(self, shard: int) -> _Channel:
+        """This worker's connection to ``shard`` (``RuntimeError`` before :meth:`connect`)."""
+        ch = self._channels.get(shard)
+        if ch is None:
+            raise RuntimeError(f"not connected to parameter server {shard} (connect() first)")
+        return ch
+
+    @staticmethod
+    def _hold(ch: _Channel) -> None:
+        """Take ``ch`` for one exchange (its lock, released when the exchange ends), or raise
+        :class:`ShardLostError` if it broke earlier (the lock is not kept)."""
+        ch.lock.acquire()
+        if ch.broken:
+            ch.lock.release()
+            raise ShardLostError(ch.shard, "the connection broke earlier")
+
+    def _broke(self, ch: _Channel, what: str, exc: BaseException) -> ParameterServerError:
+        """Starting ``what`` on held ``ch`` failed: mark it broken, release it, and return the
+        error to raise."""
+        ch.broken = True
+        ch.lock.release()
+        return self._lost(ch, what, exc, 0.0)
 
     def _lost(
         self, ch: _Channel, what: str, exc: BaseException, elapsed: float
