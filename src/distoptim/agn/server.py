@@ -626,18 +626,20 @@ class ParameterServer:
             if refusal is None and request.hparams and table.optimizer is not None:
                 kept_hparams = _set_hparams(table, request.hparams)
             touched = _Touched()
-            try:
-                self._apply(table, payload, inflow, refusal is not None, touched)
-            except BaseException:  # the worker vanished mid-stream, or the rule raised
+
+            def undo() -> None:  # the center as it was; a commit's hyperparameters do not stick
                 table.restore(touched.units)
                 if kept_hparams is not None:
                     _restore_hparams(table, kept_hparams)
+
+            try:
+                self._apply(table, payload, inflow, refusal is not None, touched)
+            except BaseException:  # the worker vanished mid-stream, or the rule raised
+                undo()
                 raise
             refusal = refusal or touched.refusal
             if refusal is not None:
-                table.restore(touched.units)
-                if kept_hparams is not None:  # a refused commit's hyperparameters do not stick
-                    _restore_hparams(table, kept_hparams)
+                undo()
             accepted = refusal is None
             version = _count_commit(table, request.task, staleness, refusal, payload)
             every = self.checkpoint_every
@@ -703,14 +705,14 @@ class ParameterServer:
         for chunk in chunks:
             inflow.wait(chunk.index)
         verdict = inflow.verdict() if chunks else "ok"
-        if not refused and verdict == "ok":
-            for u in range(len(table.backup.units)):
+        applying = not refused and verdict == "ok"
+        every_unit = list(range(len(table.backup.units)))
+        if applying or table.spec.rule.reply_before_update:  # to restore from, or the reply
+            for u in every_unit:
                 table._fresh(u)
-            touched.units = list(range(len(table.backup.units)))
+        if applying:
+            touched.units = every_unit
             table.apply_whole(payload, storages)
-        elif table.spec.rule.reply_before_update:
-            for u in range(len(table.backup.units)):
-                table._fresh(u)
         for chunk in chunks:
             checked = touched.units and touched.refusal is None
             if checked and not finite_tensor(chunk.of(table.flats)):
