@@ -141,14 +141,15 @@ def test_late_worker_joins_one_leaves_guard_refuses_and_the_end_is_quiet(
 def _restart_worker(ctx, steps: int, kill_at: int) -> dict:
     model = _model()
     opt = _agn(ctx, model)
+    ctx.store.set(f"test/ready/{ctx.task_index}", "1")  # connected and initialized
     g = torch.Generator().manual_seed(ctx.task_index)
     versions = []
     killed_at = resumed_at = None
     for k in range(steps):
         if ctx.is_chief and k == kill_at:
-            # the other worker must be connected first: one still making its first connection
-            # when the shard dies waits for the dead incarnation (docs/agn.md, Shard restart)
-            ctx.store.wait([f"worker/{1 - ctx.task_index}/up"], timedelta(seconds=90))
+            # the other worker must be past its initialization (connect, shared-memory set-up,
+            # first pull): a shard death during it fails that worker (docs/agn.md, Shard restart)
+            ctx.store.wait([f"test/ready/{1 - ctx.task_index}"], timedelta(seconds=90))
             os.kill(ctx.request(0, Ping()).pid, signal.SIGKILL)
             killed_at = time.monotonic()
             ctx.store.set("test/killed", "1")
