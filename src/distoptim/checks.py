@@ -1,7 +1,8 @@
 """Argument checks every distoptim optimizer shares, and the words its error messages use.
 
-Owns: the rules for the values a user hands a constructor -- type names in messages, integer
-and positive-number arguments, and the hyperparameters of a wrapped ``torch.optim.Optimizer``
+Owns: the rules for the values a user hands a constructor -- type names in messages, integers,
+bools, strings and choices among strings, bounded real numbers, durations, paths, and the
+hyperparameters of a wrapped ``torch.optim.Optimizer``
 that torch itself accepts but that can only corrupt training (a NaN/Inf learning rate,
 momentum, weight decay, ...). Each check raises ``TypeError`` (wrong kind of value) or
 ``ValueError`` (right kind, impossible value), names the argument and says what is allowed, and
@@ -12,14 +13,23 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 __all__ = [
+    "check_bool",
+    "check_choice",
     "check_finite_hyperparameters",
     "check_int",
+    "check_optional_int",
+    "check_path",
     "check_positive",
+    "check_real",
+    "check_seconds",
+    "check_str",
     "type_name",
 ]
 
@@ -34,6 +44,99 @@ def check_int(name: str, value: Any, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < low:
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     return int(value)
+
+
+def check_optional_int(name: str, value: Any, low: int) -> int | None:
+    """``None``, or ``value`` as an ``int`` if it is an integer ``>= low`` (not a bool)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < low:
+        raise ValueError(f"{name} must be None or an int >= {low}, got {value!r}")
+    return int(value)
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """``value`` if it is ``True`` or ``False`` (not 0/1, not a numpy bool): ``TypeError``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def check_str(name: str, value: Any) -> str:
+    """``value`` if it is a ``str``; ``TypeError`` naming its type otherwise."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, got {type_name(value)}")
+    return value
+
+
+def check_choice(name: str, value: Any, allowed: Iterable[str], *, fold_case: bool = True) -> str:
+    """``value`` (lower-cased when ``fold_case``) if it is one of the strings ``allowed``.
+
+    ``TypeError`` for a non-string, ``ValueError`` for an unknown string; both list what is
+    allowed.
+    """
+    options = list(allowed)
+    listed = ", ".join(map(repr, options))
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be one of {listed}, got {type_name(value)} {value!r}")
+    key = value.lower() if fold_case else value
+    if key not in options:
+        raise ValueError(f"unknown {name} {value!r}: allowed values are {listed}")
+    return key
+
+
+def check_real(
+    name: str,
+    value: Any,
+    low: float | None = None,
+    high: float | None = None,
+    *,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> float:
+    """``value`` as a ``float`` if it is a finite real number in the given interval.
+
+    ``low``/``high`` bound it (``None``: unbounded on that side), closed unless ``low_open`` /
+    ``high_open``. Bools are refused (``True`` is not a number here); NaN and +-Inf always are.
+    """
+    ok = (
+        not isinstance(value, bool)
+        and isinstance(value, numbers.Real)
+        and math.isfinite(float(value))
+    )
+    if ok:
+        x = float(value)
+        ok = (low is None or (x > low if low_open else x >= low)) and (
+            high is None or (x < high if high_open else x <= high)
+        )
+    if ok:
+        return float(value)
+    if low is not None and high is not None:
+        where = f" in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    elif low is not None:
+        where = f" {'>' if low_open else '>='} {low:g}"
+    elif high is not None:
+        where = f" {'<' if high_open else '<='} {high:g}"
+    else:
+        where = ""
+    raise ValueError(f"{name} must be a finite number{where}, got {value!r}")
+
+
+def check_seconds(name: str, value: Any, *, allow_zero: bool = False) -> float:
+    """A duration in seconds: a finite number ``> 0`` (``>= 0`` with ``allow_zero``)."""
+    if allow_zero and value == 0 and not isinstance(value, bool):
+        return 0.0
+    return check_positive(name, value, "seconds")
+
+
+def check_path(name: str, value: Any, *, optional: bool = False) -> str | None:
+    """``value`` as a ``str`` path if it is a ``str`` or ``os.PathLike`` (or None if optional)."""
+    if value is None and optional:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        allowed = "a path (str or os.PathLike)" + (" or None" if optional else "")
+        raise TypeError(f"{name} must be {allowed}, got {type_name(value)}")
+    return os.fspath(value)  # type: ignore[return-value]
 
 
 def check_positive(name: str, value: Any, unit: str = "") -> float:
