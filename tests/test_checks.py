@@ -68,7 +68,5 @@ def test_check_seconds_and_path():
         checks.check_seconds("t", False, allow_zero=True)
     assert checks.check_path("p", pathlib.Path("/tmp/x")) == "/tmp/x"
     assert checks.check_path("p", None, optional=True) is None
-    with pytest.raises(
-        TypeError, match=r"p must be a path \(str or os.PathLike\) or None"
-    ):
+    with pytest.raises(TypeError, match=r"p must be a path \(str or os.PathLike\) or None"):
         checks.check_path("p", 3, optional=True)
