@@ -27,7 +27,7 @@ _EXPORTS: dict[str, str] = {
     "DiLoCo": "distoptim.outer.diloco",
     "LocalSGD": "distoptim.outer.localsgd",
     "WrappedOptimizer": "distoptim.protocol",
-    "elementwise": "distoptim.cross_shard_sharding",
+    "elementwise": "distoptim.elementwise_rule",
     "TFOptimizerProtocol": "distoptim.protocol",
 }
 
@@ -39,6 +39,7 @@ _SUBMODULES = (
     "comm",
     "cross_shard",
     "dtensor",
+    "elementwise_rule",
     "launch",
     "outer",
     "protocol",

@@ -35,11 +35,8 @@ segments and its ``state`` is the shard state; hyperparameters, LR schedulers, h
 element-wise subclass work unchanged. Outside the step its param groups list the real
 parameters again and its own ``state`` stays empty.
 
-Which optimizers: :data:`ELEMENTWISE_OPTIMIZERS` (SGD with momentum/Nesterov, Adam, AdamW,
-Adagrad, Adadelta, Adamax, ASGD, NAdam, RAdam, RMSprop, Rprop -- exactly those classes, not
-subclasses, which may override ``step``), and any class decorated with :func:`elementwise`.
-Anything else (LBFGS, Adafactor's factored moments, Muon's orthogonalisation, an update with a
-global-norm clip inside) is refused by :func:`check_elementwise`.
+Which optimizers: the element-wise ones of :mod:`distoptim.elementwise_rule` (its names are
+re-exported here for 0.2.0 code); anything else is refused by :func:`check_elementwise`.
 """
 
 from __future__ import annotations
@@ -48,15 +45,17 @@ import contextlib
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from distoptim import elementwise_rule as _elementwise
 from distoptim.comm.bucket import BucketPlan
 from distoptim.comm.shard import Piece, ShardLayout
 from distoptim.comm.shard_reducer import all_gather_shards
 from distoptim.comm.stats import CommStats
+from distoptim.elementwise_rule import ELEMENTWISE_OPTIMIZERS, elementwise, is_per_element
 
 __all__ = [
     "ELEMENTWISE_OPTIMIZERS",
@@ -65,75 +64,21 @@ __all__ = [
     "elementwise",
 ]
 
-ELEMENTWISE_OPTIMIZERS: frozenset[type[torch.optim.Optimizer]] = frozenset(
-    {
-        torch.optim.SGD,
-        torch.optim.Adam,
-        torch.optim.AdamW,
-        torch.optim.Adagrad,
-        torch.optim.Adadelta,
-        torch.optim.Adamax,
-        torch.optim.ASGD,
-        torch.optim.NAdam,
-        torch.optim.RAdam,
-        torch.optim.RMSprop,
-        torch.optim.Rprop,
-    }
-)
-"""torch optimizers whose update is element-wise (exactly these classes)."""
-
-_MARK = "_distoptim_elementwise_update"
-
 SEGMENT_ELEMENTS = 1 << 21
 """Largest segment (elements): 8 MB in float32, so Adam's temporaries stay under 16 MB."""
 
-# Per-tensor scalar state of torch's element-wise optimizers. Only needed to read a 0-dim
-# parameter's saved state, where a per-element value and a scalar have the same shape.
-_SCALAR_KEYS = frozenset({"step", "mu_product", "eta", "mu"})
-
-_Cls = TypeVar("_Cls", bound=type)
-
-
-def elementwise(cls: _Cls) -> _Cls:
-    """Class decorator: ``cls``'s update is element-wise, so its state may be sharded.
-
-    Promise: the new value of each parameter element depends only on that element's
-    parameter, gradient and per-element state, and on per-tensor scalars (0-dim tensors or
-    numbers in the state) that depend on the step count and hyperparameters only; ``step``
-    reads the parameters from ``self.param_groups`` and keeps state in ``self.state``, creating
-    it lazily. A Lion-style optimizer qualifies; one that clips by a global norm inside
-    ``step`` does not.
-    """
-    setattr(cls, _MARK, True)
-    return cls
-
 
 def check_elementwise(opt: torch.optim.Optimizer) -> None:
-    """Raise ``TypeError`` unless ``opt``'s update is known to be element-wise."""
-    cls = type(opt)
-    if cls in ELEMENTWISE_OPTIMIZERS or getattr(cls, _MARK, False) is True:
-        return
-    allowed = ", ".join(sorted(c.__name__ for c in ELEMENTWISE_OPTIMIZERS))
-    raise TypeError(
-        f"CrossShardOptimizer(shard_optimizer_state=True) runs the wrapped optimizer on each "
-        f"rank's flat slice of the parameters, which is exact only for an element-wise update; "
-        f"{cls.__module__}.{cls.__qualname__} is not known to be one (an update that couples "
-        f"elements -- a line search like LBFGS, factored or orthogonalised moments, a "
-        f"global-norm clip inside step() -- would change). Allowed: {allowed} (those classes, "
-        "not subclasses). For your own element-wise optimizer, decorate its class with "
-        "@distoptim.cross_shard_sharding.elementwise."
+    """Raise ``TypeError`` unless ``opt`` may be sharded (see :mod:`distoptim.elementwise_rule`)."""
+    _elementwise.check_elementwise(
+        opt,
+        "CrossShardOptimizer(shard_optimizer_state=True)",
+        "runs the wrapped optimizer on each rank's flat slice of the parameters",
     )
 
 
 # ---- per-piece state ------------------------------------------------------------------------
 State = dict[str, Any]
-
-
-def _per_element(key: str, value: Any, param: torch.Tensor) -> bool:
-    """Is ``value`` (saved per-parameter state) one value per element of ``param``?"""
-    if not isinstance(value, torch.Tensor) or value.shape != param.shape:
-        return False
-    return param.dim() > 0 or key not in _SCALAR_KEYS
 
 
 def _same_scalars(a: State, b: State) -> bool:
@@ -421,7 +366,7 @@ class ShardedUpdate:
             param = self.plan.params[piece.member]
             part: State = {}
             for key, value in full.get(piece.member, {}).items():
-                if _per_element(key, value, param):
+                if is_per_element(key, value, param.shape):
                     flat = value.detach().reshape(-1)[piece.first : piece.first + piece.numel]
                     part[key] = _Elements(flat.to(device=param.device))
                 else:

@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 
-from distoptim.cross_shard_sharding import elementwise
+from distoptim.elementwise_rule import elementwise
 
 __all__ = [
     "AddUpdate",

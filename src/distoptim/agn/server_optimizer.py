@@ -11,7 +11,7 @@ A commit is applied chunk by chunk (:mod:`distoptim.agn.flat`), while the rest o
 arriving. That is exact for an *element-wise* optimizer -- one whose new value of each element
 depends only on that element's parameter, gradient and state, plus per-tensor scalars that
 depend on the step count and hyperparameters alone
-(:func:`~distoptim.cross_shard_sharding.check_elementwise`: SGD, Adam, AdamW, Adagrad, ...,
+(:func:`~distoptim.elementwise_rule.is_elementwise`: SGD, Adam, AdamW, Adagrad, ...,
 and classes marked ``@elementwise``, e.g. :class:`~distoptim.agn.rules.DelayedNesterov`). Such an
 optimizer is built over the **pieces** of the table's chunk plan (1-D views of the center, one
 per variable and chunk, :class:`~distoptim.agn.flat.Piece`), in variable order, grouped as the
@@ -46,13 +46,12 @@ import torch
 
 from distoptim.agn.flat import Chunk
 from distoptim.agn.transport.messages import TableSpec
-from distoptim.cross_shard_sharding import check_elementwise
+from distoptim.elementwise_rule import is_elementwise, is_per_element
 
 __all__ = ["ServerOptimizer", "build_optimizer"]
 
 # per-tensor scalar state of torch's element-wise optimizers: for a 0-dim variable a per-element
 # value and a scalar have the same shape, so the key tells them apart
-_SCALAR_KEYS = frozenset({"step", "mu_product", "eta", "mu"})
 
 
 def build_optimizer(
@@ -80,14 +79,6 @@ def build_optimizer(
         ) from exc
 
 
-def _is_elementwise(optimizer: torch.optim.Optimizer) -> bool:
-    try:
-        check_elementwise(optimizer)
-    except TypeError:
-        return False
-    return True
-
-
 class ServerOptimizer:
     """The server optimizer of one table (see the module docstring).
 
@@ -110,7 +101,7 @@ class ServerOptimizer:
     ) -> None:
         group_vars = [list(pos) for _, _, pos in spec.groups]
         probe = build_optimizer(spec, [[variables[i] for i in pos] for pos in group_vars])
-        self.chunkwise = pieces and _is_elementwise(probe)
+        self.chunkwise = pieces and is_elementwise(probe)
         self._group_vars = group_vars
         self._shapes = [v.shape for v in variables]
         if not self.chunkwise:
@@ -225,12 +216,7 @@ class ServerOptimizer:
     def _slice(saved: dict[str, Any], shape: torch.Size, lo: int, hi: int) -> dict[str, Any]:
         part: dict[str, Any] = {}
         for key, value in saved.items():
-            per_element = (
-                isinstance(value, torch.Tensor)
-                and value.shape == shape
-                and (len(shape) > 0 or key not in _SCALAR_KEYS)
-            )
-            if per_element:
+            if is_per_element(key, value, shape):
                 part[key] = value.reshape(-1)[lo:hi].clone()
             else:
                 part[key] = value.clone() if isinstance(value, torch.Tensor) else value

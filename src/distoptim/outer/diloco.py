@@ -48,10 +48,10 @@ import torch.distributed as dist
 
 from distoptim.checks import check_finite_hyperparameters, check_int, check_positive, type_name
 from distoptim.comm.fingerprint import digest
+from distoptim.comm.groups import check_group_assignment, comm_device
 from distoptim.comm.guard import GuardWords, RoundKind, plan_word
 from distoptim.comm.quantize import parse_wire
 from distoptim.comm.stats import CommStats
-from distoptim.cross_shard import check_group_assignment
 from distoptim.outer.agreement import SyncAgreement
 from distoptim.outer.exchange import FragmentExchange, InFlight
 from distoptim.outer.fragments import Fragment, FragmentSchedule
@@ -207,7 +207,7 @@ class DiLoCo(WrappedOptimizer):
         ]
         self._agreement: SyncAgreement | None = None
         if group_size > 1:
-            device = _comm_device(group_obj)
+            device = comm_device(group_obj)
             self._agreement = SyncAgreement(group_obj, group_size, self._stats, device, name)
         # the parameters and options every header carries (the step then fixes the fragment)
         self._plan_word = plan_word(digest(params, self._config()))
@@ -524,10 +524,3 @@ def _check_tensors(where: str, saved: Any, mine: Sequence[torch.Tensor]) -> None
             raise ValueError(
                 f"{where}[{i}] must be a {ref.dtype} tensor of shape {tuple(ref.shape)}, got {got}"
             )
-
-
-def _comm_device(group: dist.ProcessGroup | None) -> torch.device:
-    """Where small control messages live: the current GPU under NCCL, else the CPU."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
