@@ -21,12 +21,16 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import warnings
 from typing import Any
 
 __all__ = [
     "TORCHFT_VERSION",
     "MissingExtraError",
     "is_healing",
+    "min_replica_size",
+    "quorum_id",
+    "quorum_timeout_seconds",
     "quorum_group",
     "quorum_rank_and_size",
     "quiet",
@@ -84,6 +88,8 @@ def quiet() -> None:
     """
     for name in ("torchft", "torchft.manager", "torchft_quorums", "torchft_commits"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
+    # a received checkpoint is read from a read-only buffer; torch warns once per process
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 
 def advertised_http_transport(host: str, timeout: Any) -> Any:
@@ -102,4 +108,22 @@ def advertised_http_transport(host: str, timeout: Any) -> Any:
             shown = f"[{host}]" if ":" in host else host
             return f"http://{shown}:{port}/checkpoint/"
 
-    return _Advertised(timeout=timeout, num_chunks=0)
+    transport = _Advertised(timeout=timeout, num_chunks=0)
+    # http.server logs every request (each heal's GET) to stderr: not the user's business
+    transport._server.RequestHandlerClass.log_message = lambda *args: None
+    return transport
+
+
+def min_replica_size(manager: Any) -> int:
+    """The per-step floor of participants the manager was built with."""
+    return int(manager._min_replica_size)
+
+
+def quorum_timeout_seconds(manager: Any) -> float:
+    """The manager's quorum timeout, in seconds."""
+    return float(manager._quorum_timeout.total_seconds())
+
+
+def quorum_id(manager: Any) -> int:
+    """The id of the manager's current quorum (changes when membership changes)."""
+    return int(manager._quorum_id)
