@@ -133,12 +133,27 @@ def _settled_then_restored() -> bool:
     return torch.equal(direct, via_slot) and torch.equal(res_a.local, res_b.local)
 
 
+HUGE = 0.75 * torch.finfo(torch.float32).max  # finite, above FLT_MAX / 2
+
+
+def _huge_mean(wire: str) -> torch.Tensor:
+    """The mean of float32 values above FLT_MAX / n: finite, as a float32 all-reduce of x / n."""
+    qm = QuantizedMean(codec_for(wire), None, 2, CommStats(), error_feedback=True)
+    x = torch.full((NUMEL,), HUGE, dtype=torch.float32)
+    x[1::2] *= -1
+    residuals = qm.new_residuals(qm.layout(NUMEL), x)
+    out = torch.empty_like(x)
+    qm.finish(qm.launch(x, residuals, None), out, residuals)
+    return out
+
+
 def _two_ranks(rank: int, world: int) -> dict:
     out = {}
     for wire in ("bf16", "int8"):
         for ef in (True, False):
             out[wire, ef] = _mean_once(wire, ef, ROUNDS)
     out["restored"] = _settled_then_restored()
+    out["huge"] = {wire: _huge_mean(wire) for wire in ("bf16", "int8")}
     return out
 
 
@@ -191,3 +206,11 @@ def test_error_feedback_keeps_the_summed_error_bounded(two_ranks, wire):
 
 def test_settled_phase_one_finishes_identically(two_ranks):
     assert two_ranks[0]["restored"] and two_ranks[1]["restored"]
+
+
+@pytest.mark.parametrize("wire", ["bf16", "int8"])
+def test_the_mean_of_huge_finite_values_is_finite(two_ranks, wire):
+    # both ranks send +-0.75 FLT_MAX: summing the decoded copies before dividing overflows
+    got = two_ranks[0]["huge"][wire]
+    assert torch.isfinite(got).all(), got[:4]
+    torch.testing.assert_close(got.abs(), torch.full_like(got, HUGE), rtol=2**-8, atol=0)

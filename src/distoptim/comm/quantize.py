@@ -9,7 +9,8 @@ the way a ring all-reduce is a reduce-scatter followed by an all-gather:
 1. *scatter*: every rank encodes its whole buffer ``x_r`` (padded to ``n`` equal shards) and an
    ``all_to_all`` hands shard ``j`` of every rank to rank ``j``;
 2. rank ``j`` decodes the ``n`` copies of its shard, averages them in full precision
-   (``m_j = (1/n) Σ_r D(Q(x_r))_j``) and encodes ``m_j`` once more;
+   (``m_j = Σ_r D(Q(x_r))_j / n``, each copy divided by ``n`` before the sum, so finite copies
+   give a finite mean) and encodes ``m_j`` once more;
 3. *gather*: an ``all_gather`` gives every rank every encoded ``m_j``; all decode the same codes,
    so the result is bit-identical on every rank.
 
@@ -284,7 +285,7 @@ class QuantizedMean:
         return PendingMean(layout, values.dtype, received, work)
 
     def settle(self, pending: PendingMean, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Wait for phase 1; this rank's shard mean ``(1/n) Σ_r D(Q(x_r))_j`` (idempotent).
+        """Wait for phase 1; this rank's shard mean ``Σ_r (D(Q(x_r))_j / n)`` (idempotent).
 
         The mean is written into ``out`` (``layout.shard`` values) when given.
         """
@@ -294,7 +295,9 @@ class QuantizedMean:
             pending.work.wait()
             acc = torch.promote_types(pending.dtype, torch.float32)
             copies = self.codec.decode(pending.received, acc, pending.layout)
-            mean = copies.sum(dim=0).div_(self.group_size)
+            # divide before summing: n finite copies of at most FLT_MAX / n each cannot
+            # overflow, while their sum (divided afterwards) could
+            mean = copies.div_(self.group_size).sum(dim=0)
             if out is None:
                 out = torch.empty(pending.layout.shard, dtype=pending.dtype, device=mean.device)
             out.copy_(mean)
