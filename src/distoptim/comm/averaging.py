@@ -39,7 +39,7 @@ import torch.distributed as dist
 from distoptim.comm.compression import WireFormat
 from distoptim.comm.stats import CommStats, ring_allreduce_bytes
 
-__all__ = ["Mean", "MeanBuffers", "Pending", "PendingSum", "SumMean"]
+__all__ = ["Mean", "MeanBuffers", "Pending", "PendingSum", "SumMean", "all_gather_single"]
 
 
 @dataclass
@@ -152,3 +152,8 @@ class SumMean(Mean):
     def restore(self, payload: torch.Tensor, buffers: MeanBuffers) -> PendingSum:
         slot = payload if buffers.slot is None else buffers.slot
         return PendingSum(slot, slot, None)
+
+
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+"""``all_gather_single(out, tensor, group=, async_op=)``: every rank's ``tensor`` concatenated
+into ``out`` (torch >= 2.13's name; ``all_gather_into_tensor`` before, deprecated after)."""

@@ -24,7 +24,7 @@ import abc
 
 import torch
 
-from distoptim.comm.codecs import Codec
+from distoptim.comm.codecs import Codec, LayoutT
 
 __all__ = ["ErrorFeedback", "Feedback", "NoFeedback", "feedback_for"]
 
@@ -44,7 +44,9 @@ class Feedback(abc.ABC):
         """
 
     @abc.abstractmethod
-    def encode(self, codec: Codec, x: torch.Tensor, out: torch.Tensor, layout: object) -> None:
+    def encode(
+        self, codec: Codec[LayoutT], x: torch.Tensor, out: torch.Tensor, layout: LayoutT
+    ) -> None:
         """Write ``Q(x)`` into ``out``; with error feedback ``x`` then holds ``x - D(Q(x))``."""
 
 
@@ -57,9 +59,11 @@ class ErrorFeedback(Feedback):
         into[: values.numel()].add_(values)
         return into
 
-    def encode(self, codec: Codec, x: torch.Tensor, out: torch.Tensor, layout: object) -> None:
-        codec.encode(x, out, layout)  # type: ignore[arg-type]  # the codec's own layout
-        codec.subtract_decoded(x, out, layout)  # type: ignore[arg-type]
+    def encode(
+        self, codec: Codec[LayoutT], x: torch.Tensor, out: torch.Tensor, layout: LayoutT
+    ) -> None:
+        codec.encode(x, out, layout)
+        codec.subtract_decoded(x, out, layout)
 
 
 class NoFeedback(Feedback):
@@ -72,8 +76,10 @@ class NoFeedback(Feedback):
             into[: values.numel()].copy_(values)
         return into
 
-    def encode(self, codec: Codec, x: torch.Tensor, out: torch.Tensor, layout: object) -> None:
-        codec.encode(x, out, layout)  # type: ignore[arg-type]
+    def encode(
+        self, codec: Codec[LayoutT], x: torch.Tensor, out: torch.Tensor, layout: LayoutT
+    ) -> None:
+        codec.encode(x, out, layout)
 
 
 def feedback_for(error_feedback: bool) -> Feedback:

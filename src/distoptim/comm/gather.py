@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from distoptim.comm.averaging import Mean, MeanBuffers, Pending
+from distoptim.comm.averaging import Mean, MeanBuffers, Pending, all_gather_single
 from distoptim.comm.codecs import SparseLayout, TopKCodec
 from distoptim.comm.feedback import feedback_for
 from distoptim.comm.stats import CommStats
@@ -138,8 +138,4 @@ class GatheredMean(Mean):
         This rank sends its ``layout.width`` bytes to each of the ``n - 1`` others.
         """
         self.stats.send((self.group_size - 1) * sent.numel() * sent.element_size())
-        return _all_gather_single(received, sent, group=self.group, async_op=True)
-
-
-# torch >= 2.13 names it all_gather_single; all_gather_into_tensor before (deprecated after)
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return all_gather_single(received, sent, group=self.group, async_op=True)

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distoptim.comm.averaging import Mean, MeanBuffers, Pending
+from distoptim.comm.averaging import Mean, MeanBuffers, Pending, all_gather_single
 from distoptim.comm.codecs import DenseCodec, ShardLayout
 from distoptim.comm.feedback import feedback_for
 from distoptim.comm.stats import CommStats
@@ -169,11 +169,7 @@ class QuantizedMean(Mean):
         self.stats.send((self.group_size - 1) * sent[0].numel() * sent.element_size())
         if phase == 1:
             return dist.all_to_all_single(received, sent, group=self.group, async_op=True)
-        return _all_gather_single(received, sent, group=self.group, async_op=True)
-
-
-# torch >= 2.13 names it all_gather_single; all_gather_into_tensor before (deprecated after)
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return all_gather_single(received, sent, group=self.group, async_op=True)
 
 
 def __getattr__(name: str) -> Any:
