@@ -1,27 +1,33 @@
-"""The step plan of the mesh-aware SGD: what a step works out from its params before any arithmetic.
+"""The step plan of the mesh-aware SGD: what a step works out from its params before the math.
 
-Owns: :class:`_StepPlan` (the params with a gradient, their slots, local weights, buckets,
-momentum buffers, averages and layouts) and :class:`_Bucket` (the local shards one kernel call
-updates). :class:`~distoptim.dtensor.sgd.SGD` keeps a plan between steps of plain tensors;
-:class:`_StepPlan` says what is checked every step and why the rest cannot change unseen.
+Owns: :func:`params_with_grads` (which params a step updates), :class:`StepPlan` (their
+slots, local weights, buckets, momentum buffers, averages and layouts) and :class:`Bucket`
+(the local shards one kernel call updates, and Keras' step on them: :meth:`Bucket.apply`).
+:class:`~distoptim.dtensor.sgd.SGD` keeps a plan between steps of plain tensors;
+:class:`StepPlan` says what is checked every step and why the rest cannot change unseen.
+
+The rule a bucket applies is step 4 of :mod:`~distoptim.dtensor.sgd`'s order (Keras' momentum
+kept as a torch buffer times the bucket's scale: :mod:`~distoptim.dtensor.momentum`); the
+kernels are :mod:`~distoptim.dtensor.kernels`'.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from distoptim.dtensor import momentum as _momentum
-from distoptim.dtensor.kernels import strided_positions
+from distoptim.dtensor.kernels import CompiledUpdate, sgd_update, strided_positions
 from distoptim.dtensor.layout import Layout, layout_of, local_shard
 
-if TYPE_CHECKING:
-    from distoptim.dtensor.sgd import SGD
+__all__ = ["Bucket", "StepPlan", "params_with_grads"]
 
+_NONE_TYPE = type(None)
 _NONE_TYPE = type(None)
 _CONTIGUOUS = torch.Tensor.is_contiguous
 _SHAPE = operator.attrgetter("shape")
@@ -29,8 +35,29 @@ _DTYPE = operator.attrgetter("dtype")
 _DEVICE = operator.attrgetter("device")
 
 
+def params_with_grads(
+    groups: list[dict[str, Any]],
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
+    """The params of ``groups`` that have a ``.grad`` (group order), those grads, and after
+    each group the number of such params so far (``ends``: group ``i``'s params with a gradient
+    are ``params[ends[i-1]:ends[i]]``)."""
+    ps: list[torch.Tensor] = []
+    gs: list[torch.Tensor] = []
+    ends: list[int] = []
+    for group in groups:
+        params = group["params"]
+        grads = [p.grad for p in params]
+        if _NONE_TYPE in map(type, grads):
+            params = [p for p, g in zip(params, grads) if g is not None]
+            grads = [g for g in grads if g is not None]
+        ps += params
+        gs += grads
+        ends.append(len(ps))
+    return ps, gs, ends
+
+
 @dataclasses.dataclass(eq=False)
-class _Bucket:
+class Bucket:
     """The local shards one kernel call updates: one param group, momentum scale, dtype, device
     and kind (DTensor shards or plain tensors).
 
@@ -59,7 +86,7 @@ class _Bucket:
         states: list[dict[str, Any]],
         with_buffer: bool,
         sharded: bool = False,
-    ) -> _Bucket:
+    ) -> Bucket:
         """The bucket of local weights ``ws`` whose states are ``states`` (scales all equal)."""
         bufs = [local_shard(st[_momentum.BUFFER]) for st in states] if with_buffer else None
         return cls(
@@ -73,9 +100,38 @@ class _Bucket:
             strided=strided_positions(ws, bufs),
         )
 
+    def apply(
+        self,
+        gs: list[torch.Tensor],
+        lr: float,
+        momentum: float,
+        nesterov: bool,
+        compiled: CompiledUpdate | None = None,
+        impl: str = "auto",
+        strided: list[int] | None = None,
+    ) -> None:
+        """Keras' step on the bucket's local shards, from their local gradients ``gs``; moves
+        the bucket's momentum scale (here and in every state of the bucket).
+
+        ``compiled``: the ``torch.compile``'d update to try first (``jit_compile``); ``impl``
+        and ``strided``: as in :func:`~distoptim.dtensor.kernels.sgd_update`.
+        """
+        scale = new_scale = 0.0
+        if momentum != 0.0:
+            scale = self.scale  # type: ignore[assignment]
+            new_scale = _momentum.next_scale(scale, lr)
+        kp = _momentum.keras_step(lr, momentum, nesterov, scale, new_scale)
+        ws, bufs = self.ws, self.bufs
+        if impl != "auto" or compiled is None or not compiled(ws, gs, bufs, kp):
+            sgd_update(ws, gs, bufs, kp, impl, strided)
+        if new_scale != scale:
+            for st in self.states:
+                st[_momentum.SCALE] = new_scale
+            self.scale = new_scale
+
 
 @dataclasses.dataclass(eq=False)
-class _StepPlan:
+class StepPlan:
     """What a step works out from its params before any arithmetic: their slots (created on
     first need), local weights, buckets, momentum buffers, averages and layouts.
 
@@ -88,7 +144,7 @@ class _StepPlan:
 
     * It holds its params, states and buffers (never a gradient), so ``is`` comparisons on
       them cannot be fooled by a reused id.
-    * :class:`SGD` drops it whenever it changes slots or momentum scales outside a step:
+    * ``SGD`` drops it whenever it changes slots or momentum scales outside a step:
       ``_init_slots`` (hence ``add_param_group``, ``build``), ``add_variable_from_reference``,
       ``update_step``, ``state_dict``, ``load_state_dict``; and after a step in which two
       buckets' scales became equal (a fresh plan would merge them: :meth:`buckets_distinct`).
@@ -113,7 +169,7 @@ class _StepPlan:
     dtypes: list[torch.dtype]
     devices: list[torch.device]
     contiguous: list[bool]
-    buckets: list[_Bucket]
+    buckets: list[Bucket]
     averages: list[tuple[torch.Tensor, torch.Tensor]]
     layouts: list[Layout]
     sharded: bool
@@ -124,10 +180,19 @@ class _StepPlan:
         return not self.sharded
 
     @classmethod
-    def build(cls, opt: SGD, params: list[torch.Tensor], ends: list[int]) -> _StepPlan:
-        """The plan for ``params`` (those with a gradient, in group order; ``ends`` as in
-        ``SGD._with_grads``), creating the slots they lack (the only change it makes)."""
-        groups, state, ema = opt.param_groups, opt.state, opt._ema is not None
+    def build(
+        cls,
+        params: list[torch.Tensor],
+        ends: list[int],
+        groups: list[dict[str, Any]],
+        state: dict[torch.Tensor, dict[str, Any]],
+        init_slots: Callable[[torch.Tensor, dict[str, Any]], Any],
+        ema: bool,
+    ) -> StepPlan:
+        """The plan for ``params`` (those of ``groups`` with a gradient, in group order;
+        ``ends`` as :func:`params_with_grads` gives them), whose optimizer states ``state``
+        holds. ``init_slots(p, group)`` creates the slots ``p`` lacks (a momentum buffer where
+        the group has momentum, an ``"average"`` when ``ema``): the only change it makes."""
         with_buffer = tuple(g["momentum"] != 0 for g in groups)
         ws, states = [], []
         keyed: dict[tuple[Any, ...], list[int]] = {}
@@ -137,14 +202,14 @@ class _StepPlan:
                 gi += 1
             st = state[p]
             if (with_buffer[gi] and _momentum.SCALE not in st) or (ema and "average" not in st):
-                opt._init_slots(p, groups[gi])  # new, or its group's momentum became > 0
+                init_slots(p, groups[gi])  # new, or its group's momentum became > 0
             w = local_shard(p)
             key = (gi, st.get(_momentum.SCALE), w.dtype, w.device, isinstance(p, DTensor))
             keyed.setdefault(key, []).append(i)
             ws.append(w)
             states.append(st)
         buckets = [
-            _Bucket.of(
+            Bucket.of(
                 key[0],
                 idx,
                 [ws[i] for i in idx],
@@ -171,18 +236,23 @@ class _StepPlan:
         )
 
     def fits(
-        self, opt: SGD, params: list[torch.Tensor], grads: list[torch.Tensor], ends: list[int]
+        self,
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        ends: list[int],
+        groups: list[dict[str, Any]],
+        state: dict[torch.Tensor, dict[str, Any]],
     ) -> bool:
         """Whether this (kept) plan is what :meth:`build` would make now, and ``grads`` are
         plain tensors of their weights' shapes: with sparse gradients ruled out by the caller
         (a contiguous tensor is never sparse), the checks of ``check_grad`` for all gradients at
         once. False changes nothing."""
-        state, n = opt.state, len(self.params)
+        n = len(self.params)
         return (
             ends == self.ends
             and len(params) == n
             and all(map(operator.is_, params, self.params))
-            and tuple(g["momentum"] != 0 for g in opt.param_groups) == self.with_buffer
+            and tuple(g["momentum"] != 0 for g in groups) == self.with_buffer
             and len(state) == len(self.state_keys)
             and all(map(operator.is_, state, self.state_keys))
             and all(map(operator.is_, state.values(), self.state_values))

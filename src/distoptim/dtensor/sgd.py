@@ -32,9 +32,9 @@ One step, in order
 
 With plain tensors, the bookkeeping of steps 2 and 4 (slots, buckets, buffers, which tensors the
 fused kernel may take) is kept from one step to the next and reused while everything it depends
-on is unchanged -- checked every step, all tensors at once (``_StepPlan`` says what is checked
-and why the rest cannot change unseen). With many small tensors on a GPU, that Python work, not
-the kernel, is what a step costs.
+on is unchanged -- checked every step, all tensors at once (:mod:`~distoptim.dtensor.plan` says
+what is checked and why the rest cannot change unseen). With many small tensors on a GPU, that
+Python work, not the kernel, is what a step costs.
 
 ``amsgrad`` has no meaning for SGD (it is an Adam variant); Keras accepted and ignored it, here
 ``amsgrad=True`` is a ``ValueError`` so that nobody believes it is active.
@@ -57,10 +57,10 @@ from distoptim.dtensor import momentum as _momentum
 from distoptim.dtensor import variables as _vars
 from distoptim.dtensor.clip import clip_local_gradients
 from distoptim.dtensor.config import check_bool, check_lr, check_momentum
-from distoptim.dtensor.kernels import CompiledUpdate, sgd_update
+from distoptim.dtensor.kernels import CompiledUpdate
 from distoptim.dtensor.layout import local_shard
 from distoptim.dtensor.options import EMAOption, GradientsClipOption
-from distoptim.dtensor.plan import _Bucket, _StepPlan
+from distoptim.dtensor.plan import Bucket, StepPlan, params_with_grads
 from distoptim.protocol import (
     GradsAndVars,
     TFOptimizerProtocol,
@@ -74,7 +74,6 @@ __all__ = ["SGD"]
 _UNSET: Any = object()
 _MOMENTUM_SLOTS = ("m", "momentum")  # Keras 2 names the slot "m", Keras 3 "momentum"
 _INTERNAL = _momentum.INTERNAL_KEYS
-_NONE_TYPE = type(None)
 _CONTIGUOUS = torch.Tensor.is_contiguous
 
 
@@ -193,7 +192,7 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
         self._compiled = CompiledUpdate() if jit_compile else None
         self._extra_variables: list[torch.Tensor] = []
         self.iterations = 0
-        self._plan: _StepPlan | None = None  # see _StepPlan: kept between steps
+        self._plan: StepPlan | None = None  # kept between steps: see StepPlan
         if self._compiled is not None and self._compiled.failed:
             warnings.warn(
                 "jit_compile=True but torch.compile is not supported here; "
@@ -391,34 +390,17 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
             check_momentum(g["momentum"])
         return lr
 
-    def _with_grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
-        """The params that have a ``.grad`` (group order), those grads, and after each group
-        the number of such params so far."""
-        ps: list[torch.Tensor] = []
-        gs: list[torch.Tensor] = []
-        ends: list[int] = []
-        for group in self.param_groups:
-            params = group["params"]
-            grads = [p.grad for p in params]
-            if _NONE_TYPE in map(type, grads):
-                params = [p for p, g in zip(params, grads) if g is not None]
-                grads = [g for g in grads if g is not None]
-            ps += params
-            gs += grads
-            ends.append(len(ps))
-        return ps, gs, ends
-
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One update from the parameters' ``.grad`` (params without one are skipped)."""
         loss = run_closure(closure)
         scheduled = self._check_step_args()
-        ps, gs, ends = self._with_grads()
+        ps, gs, ends = params_with_grads(self.param_groups)
         contiguous = all(map(_CONTIGUOUS, gs))
         if not contiguous:  # a sparse gradient is never contiguous: check them one by one
             _vars.check_grads(ps, gs)
         plan = self._plan
-        if plan is None or not plan.fits(self, ps, gs, ends):
+        if plan is None or not plan.fits(ps, gs, ends, self.param_groups, self.state):
             plan = None
             if contiguous:
                 _vars.check_grads(ps, gs)
@@ -428,7 +410,9 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
                 g["lr"] = scheduled
         if ps:
             if plan is None:
-                plan = _StepPlan.build(self, ps, ends)
+                plan = StepPlan.build(
+                    ps, ends, self.param_groups, self.state, self._init_slots, self._ema is not None
+                )
                 self._plan = plan if plan.cacheable else None
             self._update(plan, gs, contiguous)
         self.iterations += 1
@@ -443,7 +427,7 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
         state = self.state
         return [(p, state[p]["average"]) for p in params if "average" in state.get(p, ())]
 
-    def _update(self, plan: _StepPlan, gs: list[torch.Tensor], contiguous: bool) -> None:
+    def _update(self, plan: StepPlan, gs: list[torch.Tensor], contiguous: bool) -> None:
         """The update of ``plan.params`` from their (checked) gradients ``gs``; ``contiguous``:
         whether every gradient is contiguous."""
         local_g = plan.local_grads(gs)
@@ -457,12 +441,12 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
         groups, buckets = self.param_groups, plan.buckets
         for b in buckets:
             group = groups[b.group]
-            self._apply_rule(
-                b,
+            b.apply(
                 local_g if len(buckets) == 1 else [local_g[i] for i in b.idx],
                 float(group["lr"]),
                 float(group["momentum"]),
                 bool(group["nesterov"]),
+                self._compiled,
                 strided=b.strided if contiguous else None,
             )
         if self._plan is plan and not plan.buckets_distinct():
@@ -483,31 +467,6 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
                 )
             self.update_step(g, p)
 
-    def _apply_rule(
-        self,
-        bucket: _Bucket,
-        gs: list[torch.Tensor],
-        lr: float,
-        momentum: float,
-        nesterov: bool,
-        impl: str = "auto",
-        strided: list[int] | None = None,
-    ) -> None:
-        """Keras' step on one bucket's local shards, from their local gradients ``gs``; moves
-        the bucket's momentum scale (in the bucket and in every state of it)."""
-        scale = new_scale = 0.0
-        if momentum != 0.0:
-            scale = bucket.scale  # type: ignore[assignment]
-            new_scale = _momentum.next_scale(scale, lr)
-        kp = _momentum.keras_step(lr, momentum, nesterov, scale, new_scale)
-        ws, bufs = bucket.ws, bucket.bufs
-        if impl != "auto" or self._compiled is None or not self._compiled(ws, gs, bufs, kp):
-            sgd_update(ws, gs, bufs, kp, impl, strided)
-        if new_scale != scale:
-            for st in bucket.states:
-                st[_momentum.SCALE] = new_scale
-            bucket.scale = new_scale
-
     def update_step(self, gradient: torch.Tensor, variable: torch.Tensor) -> None:
         """Apply the rule to one variable (no clipping, no EMA, ``iterations`` unchanged).
 
@@ -527,7 +486,7 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
             gradient = gradient.redistribute(variable.device_mesh, variable.placements)
         state = self._init_slots(variable, group)
         self._plan = None  # the variable's momentum scale moves outside any plan
-        bucket = _Bucket.of(
+        bucket = Bucket.of(
             gi,
             [0],
             [local_shard(variable)],
@@ -536,8 +495,7 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
             sharded=isinstance(variable, DTensor),
         )
         with torch.no_grad():
-            self._apply_rule(
-                bucket,
+            bucket.apply(
                 [local_shard(gradient).to(variable.dtype)],
                 lr,
                 float(group["momentum"]),
