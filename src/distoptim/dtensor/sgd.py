@@ -48,12 +48,12 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from distoptim.checks import type_name
 from distoptim.dtensor import config as _config
 from distoptim.dtensor import ema as _ema
-from distoptim.dtensor import momentum as _momentum
+from distoptim.dtensor import slots as _slots
 from distoptim.dtensor import variables as _vars
 from distoptim.dtensor.clip import clip_local_gradients
 from distoptim.dtensor.config import check_bool, check_lr, check_momentum
@@ -72,8 +72,6 @@ from distoptim.protocol import (
 __all__ = ["SGD"]
 
 _UNSET: Any = object()
-_MOMENTUM_SLOTS = ("m", "momentum")  # Keras 2 names the slot "m", Keras 3 "momentum"
-_INTERNAL = _momentum.INTERNAL_KEYS
 _CONTIGUOUS = torch.Tensor.is_contiguous
 
 
@@ -219,13 +217,7 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
 
     def _init_slots(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         self._plan = None  # (the state may change)
-        state = self.state[p]
-        if group["momentum"] != 0 and _momentum.BUFFER not in state:
-            state[_momentum.BUFFER] = _vars.make_slot(p)
-            state[_momentum.SCALE] = 0.0  # a buffer never stepped: v = 0
-        if self._ema is not None and "average" not in state:
-            state["average"] = _vars.make_slot(p, p)
-        return state
+        return _slots.add_missing(self.state[p], p, group["momentum"] != 0, self._ema is not None)
 
     def build(self, var_list: Iterable[torch.Tensor]) -> None:
         """Adopt the variables not yet owned (into the first group) and create their slots.
@@ -258,34 +250,7 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
         """A new optimizer variable (kept in :meth:`variables`): ``initializer`` is ``"zeros"``,
         ``"ones"``, a number, or ``fn(shape, dtype) -> tensor``. With ``mesh`` set it is a
         DTensor replicated on the mesh."""
-        if isinstance(shape, torch.Size):
-            shape = tuple(shape)
-        if not isinstance(shape, (list, tuple)) or any(
-            isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in shape
-        ):
-            raise TypeError(f"shape must be a sequence of ints >= 0, got {shape!r}")
-        dtype = torch.get_default_dtype() if dtype is None else dtype
-        if not isinstance(dtype, torch.dtype):
-            raise TypeError(f"dtype must be a torch.dtype or None, got {type_name(dtype)}")
-        if name is not None and not isinstance(name, str):
-            raise TypeError(f"name must be a str or None, got {type_name(name)}")
-        if initializer == "zeros":
-            value = torch.zeros(shape, dtype=dtype)
-        elif initializer == "ones":
-            value = torch.ones(shape, dtype=dtype)
-        elif isinstance(initializer, (int, float)) and not isinstance(initializer, bool):
-            value = torch.full(shape, float(initializer), dtype=dtype)
-        elif callable(initializer):
-            value = initializer(tuple(shape), dtype)
-            if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(shape):
-                raise ValueError(f"initializer must return a tensor of shape {tuple(shape)}")
-        else:
-            raise ValueError(
-                f"initializer must be 'zeros', 'ones', a number or a callable, got {initializer!r}"
-            )
-        if self._mesh is not None:
-            device = torch.device(self._mesh.device_type)
-            value = distribute_tensor(value.to(device), self._mesh, [Replicate()] * self._mesh.ndim)
+        value = _slots.new_variable(shape, dtype, initializer, name, self._mesh)
         self._extra_variables.append(value)
         return value
 
@@ -297,70 +262,26 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
     ) -> torch.Tensor:
         """A slot ``variable_name`` for ``model_variable``: same shape, dtype, device and layout
         (mesh and placements), zeros or a copy of ``initial_value``; ``get_slot`` finds it."""
-        if not isinstance(model_variable, torch.Tensor):
-            raise TypeError(f"model_variable must be a tensor, got {type_name(model_variable)}")
-        if not isinstance(variable_name, str) or not variable_name:
-            raise TypeError("variable_name must be a non-empty str")
-        if variable_name in _INTERNAL:
-            raise ValueError(f"slot name {variable_name!r} is reserved by SGD")
-        if variable_name in self._slot_names(self.state.get(model_variable, {})):
-            raise ValueError(f"slot {variable_name!r} already exists for this variable")
-        if initial_value is not None:
-            if not isinstance(initial_value, torch.Tensor):
-                raise TypeError(
-                    f"initial_value must be a tensor or None, got {type_name(initial_value)}"
-                )
-            if tuple(initial_value.shape) != tuple(model_variable.shape):
-                raise ValueError(
-                    f"initial_value has shape {tuple(initial_value.shape)}, the variable "
-                    f"{tuple(model_variable.shape)}"
-                )
-            if isinstance(model_variable, DTensor):
-                if isinstance(initial_value, DTensor):
-                    initial_value = initial_value.redistribute(
-                        model_variable.device_mesh, model_variable.placements
-                    )
-                else:
-                    initial_value = distribute_tensor(
-                        initial_value.to(model_variable.device),
-                        model_variable.device_mesh,
-                        model_variable.placements,
-                    )
-            initial_value = initial_value.to(
-                dtype=model_variable.dtype, device=model_variable.device
-            )
-        slot = _vars.make_slot(model_variable, initial_value)
+        slot = _slots.slot_from_reference(self.state, model_variable, variable_name, initial_value)
         self._plan = None
         self.state[model_variable][variable_name] = slot
         return slot
 
-    @staticmethod
-    def _slot_names(state: dict[str, Any]) -> list[str]:
-        """The public slot names of one variable's state (the buffer shows as ``"m"``)."""
-        names = {k for k, v in state.items() if isinstance(v, torch.Tensor) and k not in _INTERNAL}
-        if _momentum.BUFFER in state:
-            names.add("m")
-        return sorted(names)
-
     def get_slot(self, var: torch.Tensor, name: str) -> torch.Tensor | None:
         """The slot ``name`` of ``var`` or None. ``"m"`` (alias ``"momentum"``) is Keras' ``v``,
         returned as a new tensor: writing into it does not change the optimizer."""
-        state = self.state.get(var, {})
-        if name in _MOMENTUM_SLOTS and _momentum.BUFFER in state:
-            return _momentum.velocity(state[_momentum.BUFFER], state[_momentum.SCALE])
-        value = state.get(name) if name not in _INTERNAL else None
-        return value if isinstance(value, torch.Tensor) else None
+        return _slots.read_slot(self.state.get(var, {}), name)
 
     def get_slot_names(self) -> list[str]:
         """Sorted names of the slots kept for at least one variable (``"m"``, ``"average"``,
         and any added with :meth:`add_variable_from_reference`)."""
-        return sorted({n for st in self.state.values() for n in self._slot_names(st)})
+        return sorted({n for st in self.state.values() for n in _slots.slot_names(st)})
 
     def variables(self) -> list[torch.Tensor]:
         """Every slot (parameter order, then slot-name order), then ``add_variable`` ones."""
         out = []
         for p in self._all_params():
-            out.extend(self.get_slot(p, n) for n in self._slot_names(self.state.get(p, {})))
+            out.extend(self.get_slot(p, n) for n in _slots.slot_names(self.state.get(p, {})))
         return out + list(self._extra_variables)  # type: ignore[arg-type]
 
     # ---- TF protocol hooks --------------------------------------------------------------------
@@ -577,20 +498,9 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
         run that saved it.
         """
         self._plan = None  # the scales change
-        with torch.no_grad():
-            for state in self.state.values():
-                scale = state.get(_momentum.SCALE)
-                if scale is not None and scale != -1.0:
-                    local_shard(state[_momentum.BUFFER]).mul_(-scale)
-                    state[_momentum.SCALE] = -1.0
+        _slots.to_keras_units(self.state.values())
         sd = super().state_dict()
-        public = {}
-        for key, state in sd["state"].items():
-            entry = {k: v for k, v in state.items() if k not in _INTERNAL}
-            if _momentum.BUFFER in state:
-                entry["m"] = torch.neg(state[_momentum.BUFFER])  # v = -1 * buffer
-            public[key] = entry
-        sd["state"] = public
+        sd["state"] = _slots.saved_entries(sd["state"])
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -599,26 +509,12 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
             raise TypeError(f"state_dict must be a dict, got {type_name(state_dict)}")
         sd = {k: v for k, v in state_dict.items() if k != "iterations"}
         check_inner_state_dict(self, sd)
-        params = self._all_params()
         for i, group in enumerate(sd["param_groups"]):
             try:
                 _vars.check_group({**group, "params": []}, None)
             except (TypeError, ValueError) as exc:
                 raise type(exc)(f"state_dict param group {i}: {exc}") from None
-        internal = {}
-        for key, state in sd["state"].items():
-            if isinstance(key, bool) or not isinstance(key, int) or not 0 <= key < len(params):
-                raise ValueError(
-                    f"state_dict['state'] key {key!r} is not a parameter index in "
-                    f"[0, {len(params)})"
-                )
-            _vars.check_saved_state(key, state, params[key])
-            entry = {k: v for k, v in state.items() if k not in _MOMENTUM_SLOTS}
-            v = state.get("m", state.get("momentum"))
-            if v is not None:
-                entry[_momentum.BUFFER] = torch.neg(v)  # v = -1 * buffer
-                entry[_momentum.SCALE] = -1.0
-            internal[key] = entry
+        internal = _slots.loaded_entries(sd["state"], self._all_params())
         # ---- checked (iterations: by the base class, before it loads anything) -------------
         self._plan = None  # new state dicts and param groups
         super().load_state_dict({**state_dict, "state": internal})
