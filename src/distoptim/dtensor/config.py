@@ -1,10 +1,10 @@
 """What a valid mesh-aware SGD configuration is, and its (de)serialization, Keras' included.
 
-Owns: the checks of SGD's hyperparameters (``learning_rate``, ``momentum``, booleans), the
-JSON form of a configuration (:func:`to_config`), and the parsing of a configuration dict into
-constructor arguments (:func:`parse_config`) -- from distoptim's own form or from a Keras 2
-``tf.keras.optimizers.SGD(...).get_config()`` dict -- with the learning-rate schedules and the
-device mesh they carry.
+Owns: the checks of SGD's hyperparameters (``learning_rate``, ``momentum``; the generic rules
+are :mod:`distoptim.checks`'), the JSON form of a configuration (:func:`to_config`), and the
+parsing of a configuration dict into constructor arguments (:func:`parse_config`) -- from
+distoptim's own form or from a Keras 2 ``tf.keras.optimizers.SGD(...).get_config()`` dict --
+with the learning-rate schedules and the device mesh they carry.
 
 distoptim's form (``SGD.get_config()``)::
 
@@ -35,7 +35,6 @@ adds (``{"class_name": "SGD", "config": {...}, ...}``) is accepted too.
 from __future__ import annotations
 
 import importlib
-import math
 import numbers
 from collections.abc import Callable
 from typing import Any
@@ -43,14 +42,13 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from distoptim.checks import type_name
+from distoptim.checks import check_bool, check_real, check_type, type_name
 from distoptim.dtensor.options import EMAOption, GradientsClipOption
 from distoptim.dtensor.schedules import ExponentialDecay, PiecewiseConstantDecay
 
 __all__ = [
     "CONFIG_KEYS",
     "KERAS_KEYS",
-    "check_bool",
     "check_lr",
     "check_momentum",
     "parse_config",
@@ -97,32 +95,17 @@ def _real(value: Any) -> bool:
 
 
 def check_lr(value: Any, what: str = "learning_rate") -> float:
-    """``value`` as a float if it is a finite number >= 0 (numpy scalars too)."""
-    if not _real(value):
-        raise TypeError(
-            f"{what} must be a number >= 0 or a callable schedule of iterations, "
-            f"got {type_name(value)}"
-        )
-    value = float(value)
-    if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"{what} must be a finite number >= 0, got {value!r}")
-    return value
+    """``value`` as a float if it is a finite number >= 0 (numpy scalars too): ``TypeError``
+    for anything but a number (the message mentions schedules, which the constructor and the
+    ``learning_rate`` setter also take), ``ValueError`` for NaN, +-Inf or a negative rate."""
+    check_type(what, value, numbers.Real, "a number >= 0 or a callable schedule of iterations")
+    return check_real(what, float(value), 0.0)
 
 
 def check_momentum(value: Any) -> float:
-    """``value`` as a float if it is a number in [0, 1]."""
-    if not _real(value):
-        raise TypeError(f"momentum must be a number in [0, 1], got {type_name(value)}")
-    if not 0.0 <= float(value) <= 1.0:  # also rejects NaN
-        raise ValueError(f"momentum must be in [0, 1], got {value!r}")
-    return float(value)
-
-
-def check_bool(name: str, value: Any) -> bool:
-    """``value`` if it is a bool (not 0/1)."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type_name(value)}")
-    return value
+    """``value`` as a float if it is a number in [0, 1] (Keras' range for ``momentum``)."""
+    check_type("momentum", value, numbers.Real, "a number in [0, 1]")
+    return check_real("momentum", value, 0.0, 1.0)
 
 
 # ---- to JSON ------------------------------------------------------------------------------------

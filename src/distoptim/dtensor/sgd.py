@@ -50,13 +50,13 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from distoptim.checks import type_name
+from distoptim.checks import check_bool, check_str, check_type, type_name
 from distoptim.dtensor import config as _config
 from distoptim.dtensor import ema as _ema
 from distoptim.dtensor import slots as _slots
 from distoptim.dtensor import variables as _vars
 from distoptim.dtensor.clip import clip_local_gradients
-from distoptim.dtensor.config import check_bool, check_lr, check_momentum
+from distoptim.dtensor.config import check_lr, check_momentum
 from distoptim.dtensor.kernels import CompiledUpdate
 from distoptim.dtensor.layout import local_shard
 from distoptim.dtensor.options import EMAOption, GradientsClipOption
@@ -139,24 +139,19 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
             )
         if isinstance(gradients_clip_option, dict):
             gradients_clip_option = GradientsClipOption.from_config(gradients_clip_option)
-        if gradients_clip_option is not None and not isinstance(
-            gradients_clip_option, GradientsClipOption
-        ):
-            raise TypeError(
-                "gradients_clip_option must be a GradientsClipOption, a dict or None, got "
-                f"{type_name(gradients_clip_option)}"
-            )
+        check_type(
+            "gradients_clip_option",
+            gradients_clip_option,
+            GradientsClipOption,
+            "a GradientsClipOption, a dict",
+            optional=True,
+        )
         if isinstance(ema_option, dict):
             ema_option = EMAOption.from_config(ema_option)
-        if ema_option is not None and not isinstance(ema_option, EMAOption):
-            raise TypeError(
-                f"ema_option must be an EMAOption, a dict or None, got {type_name(ema_option)}"
-            )
+        check_type("ema_option", ema_option, EMAOption, "an EMAOption, a dict", optional=True)
         jit_compile = check_bool("jit_compile", jit_compile)
-        if not isinstance(name, str):
-            raise TypeError(f"name must be a str, got {type_name(name)}")
-        if mesh is not None and not isinstance(mesh, DeviceMesh):
-            raise TypeError(f"mesh must be a DeviceMesh or None, got {type_name(mesh)}")
+        check_str("name", name)
+        check_type("mesh", mesh, DeviceMesh, "a DeviceMesh", optional=True)
         if isinstance(params, torch.Tensor):
             raise TypeError(
                 "params must be an iterable of tensors or param-group dicts, not a single tensor"

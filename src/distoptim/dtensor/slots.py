@@ -28,7 +28,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
-from distoptim.checks import type_name
+from distoptim.checks import check_int, check_type
 from distoptim.dtensor import momentum as _momentum
 from distoptim.dtensor import variables as _vars
 from distoptim.dtensor.layout import local_shard
@@ -91,17 +91,11 @@ def new_variable(
     """A new optimizer variable of ``shape`` and ``dtype`` (None: torch's default dtype):
     ``initializer`` is ``"zeros"``, ``"ones"``, a number, or ``fn(shape, dtype) -> tensor``.
     With a ``mesh`` it is a DTensor replicated on the mesh. ``name`` is only checked."""
-    if isinstance(shape, torch.Size):
-        shape = tuple(shape)
-    if not isinstance(shape, (list, tuple)) or any(
-        isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in shape
-    ):
-        raise TypeError(f"shape must be a sequence of ints >= 0, got {shape!r}")
+    check_type("shape", shape, (list, tuple, torch.Size), "a sequence of ints >= 0")
+    shape = tuple(check_int(f"shape[{i}]", s, 0) for i, s in enumerate(shape))
+    check_type("dtype", dtype, torch.dtype, "a torch.dtype", optional=True)
     dtype = torch.get_default_dtype() if dtype is None else dtype
-    if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype must be a torch.dtype or None, got {type_name(dtype)}")
-    if name is not None and not isinstance(name, str):
-        raise TypeError(f"name must be a str or None, got {type_name(name)}")
+    check_type("name", name, str, "a str", optional=True)
     if initializer == "zeros":
         value = torch.zeros(shape, dtype=dtype)
     elif initializer == "ones":
@@ -132,19 +126,15 @@ def slot_from_reference(
     the name must be free there): same shape, dtype, device and layout (mesh and placements)
     as the variable, zeros or a copy of ``initial_value`` (redistributed or distributed to
     the variable's layout). The caller stores it; nothing is changed here."""
-    if not isinstance(model_variable, torch.Tensor):
-        raise TypeError(f"model_variable must be a tensor, got {type_name(model_variable)}")
+    check_type("model_variable", model_variable, torch.Tensor, "a tensor")
     if not isinstance(variable_name, str) or not variable_name:
         raise TypeError("variable_name must be a non-empty str")
     if variable_name in _INTERNAL:
         raise ValueError(f"slot name {variable_name!r} is reserved by SGD")
     if variable_name in slot_names(states.get(model_variable, {})):
         raise ValueError(f"slot {variable_name!r} already exists for this variable")
+    check_type("initial_value", initial_value, torch.Tensor, "a tensor", optional=True)
     if initial_value is not None:
-        if not isinstance(initial_value, torch.Tensor):
-            raise TypeError(
-                f"initial_value must be a tensor or None, got {type_name(initial_value)}"
-            )
         if tuple(initial_value.shape) != tuple(model_variable.shape):
             raise ValueError(
                 f"initial_value has shape {tuple(initial_value.shape)}, the variable "

@@ -24,8 +24,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial
 
-from distoptim.checks import type_name
-from distoptim.dtensor.config import check_bool, check_lr, check_momentum
+from distoptim.checks import check_bool, type_name
+from distoptim.dtensor.config import check_lr, check_momentum
 from distoptim.dtensor.momentum import INTERNAL_KEYS
 
 __all__ = [
