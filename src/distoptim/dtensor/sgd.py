@@ -1,9 +1,12 @@
 """Mesh-aware SGD: Keras' ``SGD`` (momentum, Nesterov, clipping, EMA) on tensors and DTensors.
 
-Owns: the optimizer object -- its variables and slots (Keras' ``build``, ``add_variable``,
-``add_variable_from_reference``, ``get_slot``, ``variables``), the order of one step, its state
-(``state_dict``/``load_state_dict``) and its config. The math lives next door: the update
-kernels in :mod:`~distoptim.dtensor.kernels`, Keras' momentum in torch's buffer units in
+Owns: the optimizer object -- its public face (Keras' ``build``, ``add_variable``,
+``add_variable_from_reference``, ``get_slot``, ``variables``; torch's ``step``,
+``state_dict``/``load_state_dict``; ``get_config``/``from_config``) and the order of one step.
+The rest lives next door: the constructor's checks in :mod:`~distoptim.dtensor.arguments`, what
+a step plans (params, buckets, the kept plan) in :mod:`~distoptim.dtensor.plan`, slots and their
+saved form in :mod:`~distoptim.dtensor.slots`, the update kernels in
+:mod:`~distoptim.dtensor.kernels`, Keras' momentum in torch's buffer units in
 :mod:`~distoptim.dtensor.momentum`, clipping in :mod:`~distoptim.dtensor.clip`, the weight
 averages in :mod:`~distoptim.dtensor.ema`, hyperparameter checks and (de)serialization (Keras'
 configs too) in :mod:`~distoptim.dtensor.config`. ``docs/mesh_sgd.md`` has the whole picture.
@@ -50,11 +53,12 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from distoptim.checks import check_bool, check_str, check_type, type_name
+from distoptim.checks import type_name
 from distoptim.dtensor import config as _config
 from distoptim.dtensor import ema as _ema
 from distoptim.dtensor import slots as _slots
 from distoptim.dtensor import variables as _vars
+from distoptim.dtensor.arguments import UNSET, check_arguments
 from distoptim.dtensor.clip import clip_local_gradients
 from distoptim.dtensor.config import check_lr, check_momentum
 from distoptim.dtensor.kernels import CompiledUpdate
@@ -71,7 +75,6 @@ from distoptim.protocol import (
 
 __all__ = ["SGD"]
 
-_UNSET: Any = object()
 _CONTIGUOUS = torch.Tensor.is_contiguous
 
 
@@ -105,7 +108,7 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
     def __init__(
         self,
         params: Iterable[Any] | None = None,
-        learning_rate: float | Callable[[int], float] = _UNSET,
+        learning_rate: float | Callable[[int], float] = UNSET,
         momentum: float = 0.0,
         nesterov: bool = False,
         amsgrad: bool = False,
@@ -117,72 +120,38 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
         *,
         lr: float | Callable[[int], float] | None = None,
     ) -> None:
-        # ---- validate everything first --------------------------------------------------------
-        if lr is not None and learning_rate is not _UNSET:
-            raise ValueError("give learning_rate or its alias lr, not both")
-        if learning_rate is _UNSET:
-            learning_rate = lr if lr is not None else _config.DEFAULT_LR
-        schedule: Callable[[int], float] | None = None
-        if callable(learning_rate) and not isinstance(learning_rate, torch.Tensor):
-            schedule = learning_rate
-            lr0 = check_lr(schedule(0), "learning_rate schedule(0)")
-        else:
-            lr0 = check_lr(learning_rate)
-            learning_rate = lr0
-        momentum = check_momentum(momentum)
-        nesterov = check_bool("nesterov", nesterov)
-        if check_bool("amsgrad", amsgrad):
-            raise ValueError(
-                "amsgrad=True has no meaning for SGD (AMSGrad is a variant of Adam's second "
-                "moment, which SGD does not keep); use torch.optim.Adam(amsgrad=True), or leave "
-                "amsgrad=False"
-            )
-        if isinstance(gradients_clip_option, dict):
-            gradients_clip_option = GradientsClipOption.from_config(gradients_clip_option)
-        check_type(
-            "gradients_clip_option",
+        args = check_arguments(
+            params,
+            learning_rate,
+            momentum,
+            nesterov,
+            amsgrad,
             gradients_clip_option,
-            GradientsClipOption,
-            "a GradientsClipOption, a dict",
-            optional=True,
-        )
-        if isinstance(ema_option, dict):
-            ema_option = EMAOption.from_config(ema_option)
-        check_type("ema_option", ema_option, EMAOption, "an EMAOption, a dict", optional=True)
-        jit_compile = check_bool("jit_compile", jit_compile)
-        check_str("name", name)
-        check_type("mesh", mesh, DeviceMesh, "a DeviceMesh", optional=True)
-        if isinstance(params, torch.Tensor):
-            raise TypeError(
-                "params must be an iterable of tensors or param-group dicts, not a single tensor"
-            )
-        defaults = {"lr": lr0, "momentum": momentum, "nesterov": nesterov}
-        groups = [] if params is None else list(params)
-        if not groups:  # Keras style: one empty group that build() fills
-            groups = [{"params": []}]
-        elif not isinstance(groups[0], dict):
-            groups = [{"params": groups}]
-        for g in groups:  # every group before torch.optim.Optimizer builds anything
-            _vars.check_group(g, mesh)
-
-        if gradients_clip_option is not None and gradients_clip_option.ignored:
-            ignored = " and ".join(gradients_clip_option.ignored)
+            ema_option,
+            jit_compile,
+            name,
+            mesh,
+            lr,
+        )  # everything is checked before anything is built
+        clip = args.clip
+        if clip is not None and clip.ignored:
+            ignored = " and ".join(clip.ignored)
             warnings.warn(
-                f"gradients_clip_option sets {gradients_clip_option.rule} and {ignored}: as in "
-                f"Keras only the first of clipnorm, global_clipnorm, clipvalue applies, so "
-                f"{ignored} will be ignored",
+                f"gradients_clip_option sets {clip.rule} and {ignored}: as in Keras only the "
+                f"first of clipnorm, global_clipnorm, clipvalue applies, so {ignored} will be "
+                "ignored",
                 UserWarning,
                 stacklevel=2,
             )
-        self._name = name
-        self._schedule = schedule
-        self._learning_rate = learning_rate
-        self._clip = gradients_clip_option
-        self._ema = ema_option if ema_option is not None and ema_option.use_ema else None
-        self._ema_option = ema_option
-        self._mesh = mesh
-        self._jit = jit_compile
-        self._compiled = CompiledUpdate() if jit_compile else None
+        self._name = args.name
+        self._schedule = args.schedule
+        self._learning_rate = args.learning_rate
+        self._clip = clip
+        self._ema_option = ema = args.ema_option
+        self._ema = ema if ema is not None and ema.use_ema else None
+        self._mesh = args.mesh
+        self._jit = args.jit_compile
+        self._compiled = CompiledUpdate() if args.jit_compile else None
         self._extra_variables: list[torch.Tensor] = []
         self.iterations = 0
         self._plan: StepPlan | None = None  # kept between steps: see StepPlan
@@ -193,7 +162,7 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
                 RuntimeWarning,
                 stacklevel=2,
             )
-        torch.optim.Optimizer.__init__(self, groups, defaults)
+        torch.optim.Optimizer.__init__(self, args.groups, args.defaults)
 
     @property
     def _jit_failed(self) -> bool:
