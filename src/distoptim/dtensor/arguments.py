@@ -4,7 +4,7 @@ Owns: :func:`check_arguments`, which checks all of ``SGD(...)``'s arguments befo
 built (each error names the argument and what is allowed; nothing is created or changed by a
 call that raises) and returns them normalized as :class:`Arguments`: the learning rate as a
 float or a schedule, the option records built from config dicts, the param groups in torch's
-form.
+form; and :data:`DEFAULT_LEARNING_RATE`, the constructor's default rate.
 
 * ``learning_rate`` (alias ``lr=``, never both): a number >= 0, or a callable
   ``schedule(iterations) -> float`` whose ``schedule(0)`` is one.
@@ -29,11 +29,20 @@ from distoptim.dtensor import variables as _vars
 from distoptim.dtensor.config import DEFAULT_LR, check_lr, check_momentum
 from distoptim.dtensor.options import EMAOption, GradientsClipOption
 
-__all__ = ["UNSET", "Arguments", "check_arguments"]
+__all__ = ["DEFAULT_LEARNING_RATE", "Arguments", "check_arguments"]
 
 
-UNSET: Any = object()
-"""The default of ``SGD(learning_rate=...)``: not given (then ``lr=``, else 0.01)."""
+class _DefaultRate(float):
+    """The float ``0.01`` that :data:`DEFAULT_LEARNING_RATE` is: it reads as ``0.01`` in
+    ``help()``, IDEs and arithmetic, and is recognised by identity, so that the constructor
+    tells "``learning_rate`` not given" (``lr=`` may stand in) from any rate a caller gives,
+    ``0.01`` included. Never stored: the checked rate is a plain float."""
+
+    __slots__ = ()
+
+
+DEFAULT_LEARNING_RATE: float = _DefaultRate(DEFAULT_LR)
+"""The default of ``SGD(learning_rate=...)``: 0.01, as in Keras (``lr=`` replaces it)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,9 +81,9 @@ def check_arguments(
 ) -> Arguments:
     """``SGD(...)``'s arguments (same names), checked and normalized; raises ``TypeError`` or
     ``ValueError`` naming the first wrong one. Only a schedule is called (``schedule(0)``)."""
-    if lr is not None and learning_rate is not UNSET:
+    if lr is not None and learning_rate is not DEFAULT_LEARNING_RATE:
         raise ValueError("give learning_rate or its alias lr, not both")
-    if learning_rate is UNSET:
+    if learning_rate is DEFAULT_LEARNING_RATE:
         learning_rate = lr if lr is not None else DEFAULT_LR
     schedule: Callable[[int], float] | None = None
     if callable(learning_rate) and not isinstance(learning_rate, torch.Tensor):

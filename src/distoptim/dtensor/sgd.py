@@ -58,7 +58,7 @@ from distoptim.dtensor import config as _config
 from distoptim.dtensor import ema as _ema
 from distoptim.dtensor import slots as _slots
 from distoptim.dtensor import variables as _vars
-from distoptim.dtensor.arguments import UNSET, check_arguments
+from distoptim.dtensor.arguments import DEFAULT_LEARNING_RATE, check_arguments
 from distoptim.dtensor.clip import clip_local_gradients
 from distoptim.dtensor.config import check_lr, check_momentum
 from distoptim.dtensor.kernels import CompiledUpdate
@@ -108,7 +108,7 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
     def __init__(
         self,
         params: Iterable[Any] | None = None,
-        learning_rate: float | Callable[[int], float] = UNSET,
+        learning_rate: float | Callable[[int], float] = DEFAULT_LEARNING_RATE,
         momentum: float = 0.0,
         nesterov: bool = False,
         amsgrad: bool = False,
