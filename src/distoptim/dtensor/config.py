@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from distoptim.checks import check_bool, check_real, check_type, type_name
+from distoptim.checks import check_bool, check_real, check_type
 from distoptim.dtensor.options import EMAOption, GradientsClipOption
 from distoptim.dtensor.schedules import ExponentialDecay, PiecewiseConstantDecay
 
@@ -162,12 +162,9 @@ def parse_config(config: Any) -> dict[str, Any]:
     Raises ``TypeError``/``ValueError`` naming the offending key; builds nothing but the
     schedule and the mesh.
     """
-    if not isinstance(config, dict):
-        raise TypeError(f"config must be a dict, got {type_name(config)}")
+    check_type("config", config, dict, "a dict")
     if _is_keras_serialized_optimizer(config):
-        config = config["config"]
-        if not isinstance(config, dict):
-            raise TypeError(f"config['config'] must be a dict, got {type_name(config)}")
+        config = check_type("config['config']", config["config"], dict, "a dict")
     if "decay" in config:
         raise ValueError(
             "this looks like a config of the legacy tf.keras.optimizers.legacy.SGD (it has "
@@ -180,8 +177,8 @@ def parse_config(config: Any) -> dict[str, Any]:
     mesh = kwargs.get("mesh")
     if isinstance(mesh, dict):
         kwargs["mesh"] = _mesh_from_config(mesh)
-    elif mesh is not None and not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"config['mesh'] must be a dict or None, got {type_name(mesh)}")
+    else:
+        check_type("config['mesh']", mesh, DeviceMesh, "a dict", optional=True)
     return kwargs
 
 
@@ -273,13 +270,9 @@ def _keras_schedule_from_config(spec: dict[str, Any]) -> Callable[[int], float]:
             f"Keras schedule {name!r} is not supported; supported: {sorted(_KERAS_SCHEDULES)} "
             "(or pass any callable step -> learning rate as learning_rate)"
         )
-    cfg = spec["config"]
-    if not isinstance(cfg, dict):
-        raise TypeError(f"the config of Keras schedule {name!r} must be a dict")
-    cfg = dict(cfg)
+    cfg = dict(check_type(f"the config of Keras schedule {name!r}", spec["config"], dict, "a dict"))
     label = cfg.pop("name", None)  # Keras' name scope: no meaning here
-    if label is not None and not isinstance(label, str):
-        raise TypeError(f"Keras schedule {name!r}: name must be a str or None")
+    check_type(f"Keras schedule {name!r}: name", label, str, "a str", optional=True)
     return cls.from_config(cfg)
 
 

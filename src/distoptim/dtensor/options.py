@@ -18,7 +18,6 @@ from distoptim.checks import (
     check_positive,
     check_real,
     check_type,
-    type_name,
 )
 
 __all__ = ["EMAOption", "GradientsClipOption"]
@@ -27,8 +26,7 @@ _CLIP_ORDER = ("clipnorm", "global_clipnorm", "clipvalue")
 
 
 def _check_keys(cls: type, config: Any) -> dict[str, Any]:
-    if not isinstance(config, dict):
-        raise TypeError(f"{cls.__name__}.from_config needs a dict, got {type_name(config)}")
+    check_type(f"{cls.__name__}.from_config's config", config, dict, "a dict")
     allowed = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(config) - allowed)
     if unknown:

@@ -14,14 +14,13 @@ import itertools
 import numbers
 from typing import Any
 
-from distoptim.checks import check_bool, check_int, check_real, check_type, type_name
+from distoptim.checks import check_bool, check_int, check_real, check_type
 
 __all__ = ["ExponentialDecay", "PiecewiseConstantDecay"]
 
 
 def _from_config(cls: type, config: Any) -> Any:
-    if not isinstance(config, dict):
-        raise TypeError(f"{cls.__name__}.from_config needs a dict, got {type_name(config)}")
+    check_type(f"{cls.__name__}.from_config's config", config, dict, "a dict")
     allowed = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(config) - allowed)
     if unknown:

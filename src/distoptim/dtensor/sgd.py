@@ -53,7 +53,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from distoptim.checks import type_name
+from distoptim.checks import check_type
 from distoptim.dtensor import config as _config
 from distoptim.dtensor import ema as _ema
 from distoptim.dtensor import slots as _slots
@@ -469,8 +469,7 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load :meth:`state_dict`'s dict. Everything is checked before anything changes."""
-        if not isinstance(state_dict, dict):
-            raise TypeError(f"state_dict must be a dict, got {type_name(state_dict)}")
+        check_type("state_dict", state_dict, dict, "a dict")
         sd = {k: v for k, v in state_dict.items() if k != "iterations"}
         check_inner_state_dict(self, sd)
         for i, group in enumerate(sd["param_groups"]):
