@@ -35,6 +35,7 @@ adds (``{"class_name": "SGD", "config": {...}, ...}``) is accepted too.
 from __future__ import annotations
 
 import importlib
+import math
 import numbers
 from collections.abc import Callable
 from typing import Any
@@ -98,12 +99,16 @@ def check_lr(value: Any, what: str = "learning_rate") -> float:
     """``value`` as a float if it is a finite number >= 0 (numpy scalars too): ``TypeError``
     for anything but a number (the message mentions schedules, which the constructor and the
     ``learning_rate`` setter also take), ``ValueError`` for NaN, +-Inf or a negative rate."""
+    if type(value) is float and 0.0 <= value < math.inf:  # every step, per group: quickly
+        return value
     check_type(what, value, numbers.Real, "a number >= 0 or a callable schedule of iterations")
     return check_real(what, float(value), 0.0)
 
 
 def check_momentum(value: Any) -> float:
     """``value`` as a float if it is a number in [0, 1] (Keras' range for ``momentum``)."""
+    if type(value) is float and 0.0 <= value <= 1.0:  # every step, per group (NaN fails)
+        return value
     check_type("momentum", value, numbers.Real, "a number in [0, 1]")
     return check_real("momentum", value, 0.0, 1.0)
 
