@@ -55,11 +55,12 @@ def _resolve_loss(loss: Loss) -> torch.Tensor:
     """Evaluate a callable loss and check that the result is a differentiable scalar."""
     if callable(loss) and not isinstance(loss, torch.Tensor):
         loss = run_closure(loss)
-    if not isinstance(loss, torch.Tensor):
-        raise TypeError(
-            "loss must be a scalar torch.Tensor or a zero-argument callable returning one, "
-            f"got {_type_name(loss)}"
-        )
+    check_type(
+        "loss",
+        loss,
+        torch.Tensor,
+        "a scalar torch.Tensor or a zero-argument callable returning one",
+    )
     if loss.numel() != 1:
         raise ValueError(
             f"loss must be a scalar (one element), got a tensor of shape {tuple(loss.shape)}; "
