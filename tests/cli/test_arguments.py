@@ -121,15 +121,15 @@ def test_help_and_version_exit_0(capsys):
 def test_default_out_never_overwrites_and_out_refuses_old_results(tmp_path, monkeypatch, capsys):
     import datetime
 
-    from distoptim.cli import options
-    from distoptim.cli.options import build_parser, make_plan
+    from distoptim.cli import arguments
+    from distoptim.cli.arguments import build_parser, make_plan
 
     class _SameSecond(datetime.datetime):  # both commands start in the same second
         @classmethod
         def now(cls, tz=None):
             return cls(2024, 5, 1, 12, 0, 0)
 
-    monkeypatch.setattr(options._dt, "datetime", _SameSecond)
+    monkeypatch.setattr(arguments._dt, "datetime", _SameSecond)
     monkeypatch.chdir(tmp_path)
     args = build_parser().parse_args(["compare", "--algos", "sync"])
     first, second = make_plan(args).out, make_plan(args).out
@@ -173,7 +173,7 @@ def test_text_file_as_dataset_says_it_is_not_an_npz(tmp_path, capsys):
 
 
 def test_outer_family_options_stragglers_and_targets_reach_every_run(monkeypatch, tmp_path):
-    from distoptim.cli.options import build_parser, make_plan
+    from distoptim.cli.arguments import build_parser, make_plan
 
     argv = ["compare", "--algos", "sync,diloco,streaming-diloco,agn", "--workers", "2,4"]
     argv += ["--sync-every", "20", "--straggler", "1:3", "--straggler", "3:2", "--wire", "bf16"]
@@ -199,7 +199,7 @@ def test_outer_family_options_stragglers_and_targets_reach_every_run(monkeypatch
 
 
 def test_oversubscription_up_to_two_workers_per_core_is_recorded_not_warned(monkeypatch, tmp_path):
-    from distoptim.cli.options import build_parser, make_plan
+    from distoptim.cli.arguments import build_parser, make_plan
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     argv = ["compare", "--out", str(tmp_path / "o")]  # the default: 4 workers + 1 PS on 2 cores

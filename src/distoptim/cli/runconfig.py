@@ -133,7 +133,7 @@ class RunConfig:
     by :attr:`delayed_nesterov`) and ``dylu`` (Dynamic Local Updates) to asynchronous DiLoCo;
     ``transport`` to the parameter-server algorithms. ``stragglers``: ``(worker, factor)``
     pairs, each such worker's steps take ``factor`` times as long (emulated,
-    :mod:`distoptim.cli.worker`).
+    :mod:`distoptim.cli.training`).
     """
 
     algo: str

@@ -26,7 +26,15 @@ from typing import Any, NoReturn
 from distoptim._version import __version__
 from distoptim.cli import algorithms
 from distoptim.cli.algorithms import ALGORITHMS
-from distoptim.cli.config import (
+from distoptim.cli.datasets import (
+    DIGITS,
+    Dataset,
+    DatasetError,
+    load_dataset,
+    required_modules,
+    shard_size,
+)
+from distoptim.cli.runconfig import (
     AGN_RULES,
     DEFAULT_LR,
     DEFAULTS,
@@ -36,14 +44,6 @@ from distoptim.cli.config import (
     RunConfig,
     delayed_nesterov,
     easgd_alpha,
-)
-from distoptim.cli.datasets import (
-    DIGITS,
-    Dataset,
-    DatasetError,
-    load_dataset,
-    required_modules,
-    shard_size,
 )
 
 __all__ = ["RESULTS_JSON", "Plan", "UsageError", "build_parser", "make_plan"]
