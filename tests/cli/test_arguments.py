@@ -222,3 +222,30 @@ def test_oversubscription_up_to_two_workers_per_core_is_recorded_not_warned(monk
     argv = ["compare", "--algos", "sync", "-n", "5", "--out", str(tmp_path / "r")]
     plan = make_plan(build_parser().parse_args(argv))
     assert [n for n in plan.notes if n.startswith("warning: oversubscribed")]
+
+
+def test_the_parser_is_the_option_table(capsys, tmp_path):
+    """Each command takes exactly its rows of OPTIONS, under each row's dest; a sweeping
+    command shows the comma-list form of a grid axis, the other takes one value of it."""
+    import argparse
+
+    from distoptim.cli.arguments import COMMANDS, OPTIONS, build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert list(sub.choices) == list(COMMANDS)
+    for name, command in COMMANDS.items():
+        actions = {a.dest: a for a in sub.choices[name]._actions if a.dest != "help"}
+        rows = [o for o in OPTIONS if name in o.commands]
+        assert list(actions) == [o.dest for o in rows]
+        for option in rows:
+            action = actions[option.dest]
+            assert tuple(action.option_strings) == option.flags
+            assert "{sweep}" not in action.help
+            if option.sweep is not None and command.sweeps:
+                assert action.metavar.endswith(option.sweep.metavar), action.metavar
+                assert option.sweep.note in action.help
+    swept = [o.flags[0] for o in OPTIONS if o.sweep is not None]
+    assert swept == ["--workers", "--communication-period", "--agn-rule"]
+    for flag, values in zip(swept, ("2,4", "5,10", "tf,paper")):
+        assert main(["train", "--algo", "agn", flag, values, "--out", str(tmp_path)]) == 2
+        assert f"train takes one value for {flag};" in capsys.readouterr().err
