@@ -57,6 +57,11 @@ from distoptim.cli.main import main
         ),
         (["compare", "--wire", "fp8"], "invalid choice: 'fp8'"),
         (["compare", "--outer-momentum", "1"], "outer_momentum must be in [0, 1)"),
+        (["compare", "--fragment-alpha", "2"], "fragment_alpha must be in [0, 1], got 2.0"),
+        (
+            ["compare", "--fragment-sync-delay", "-1"],
+            "fragment_sync_delay must be an integer >= 0, got -1",
+        ),
         (["compare", "--outer-lr", "0"], "must be a finite number > 0"),
         (["compare", "--target-acc", "1.5"], "give a validation accuracy in (0, 1]"),
         (["compare", "--transport", "mpi"], "invalid choice: 'mpi'"),
