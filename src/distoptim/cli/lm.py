@@ -29,7 +29,7 @@ steps of the next (``epochs = 0.05`` is a smoke run).
 **Scores.** The validation subset is :data:`VAL_WINDOWS` (256) windows spread evenly over the
 validation text (start ``round(j * (M - context - 1) / 255)`` for ``j = 0..255``, ``M``
 validation tokens): the same windows for every run, seed and algorithm with the same context
-(256 x 128 = 32,768 scored characters at the default context). The loss is the mean
+(256 x 64 = 16,384 scored characters at the default context of 64). The loss is the mean
 next-token cross-entropy over every position of every window, in nats; bits per character are
 ``loss / ln 2``; perplexity is ``exp(loss)``.
 
