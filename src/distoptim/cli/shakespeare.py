@@ -43,7 +43,8 @@ ASCII characters; every one of them occurs in the training text, twelve only the
 digits, ``"`` and ``$``), so validation never asks for a character training has not shown.
 Tokens are ``uint8`` (:func:`encode` refuses a vocabulary of more than 256).
 The same package version gives the same tokens on every machine; nothing is cached on disk
-(the corpus is re-read once per process, in under a second, and kept in memory).
+(the corpus is read and cleaned once per process, about a second of one idle core, and kept
+in memory).
 """
 
 from __future__ import annotations
