@@ -112,8 +112,10 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=250)
     parser.add_argument("--quick", action="store_true", help="20 steps of the default only")
     parser.add_argument("--seed", type=int, default=0, help="shuffles the order in each round")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, default=None, help=f"default {RESULTS}")
     args = parser.parse_args()
+    if args.out is None:  # a quick run never overwrites the shipped figures
+        args.out = RESULTS.parent / "quick" / RESULTS.name if args.quick else RESULTS
     torch.set_num_threads(1)
     contenders = dict(list(CONTENDERS.items())[:1]) if args.quick else CONTENDERS
     steps, every = (20, 10) if args.quick else (args.steps, args.eval_every)

@@ -113,12 +113,21 @@ def _agn(r: dict[str, Any]) -> None:
     assert {"1ps", "2ps"} <= r["round_trip"].keys()
 
 
+def _lm_size(r: dict[str, Any]) -> None:
+    assert {"machine", "corpus", "unigram", "summary", "runs"} <= r.keys()
+    assert r["corpus"]["val_plays"] and r["corpus"]["vocab_size"] > 0
+    assert _positive(r["unigram"]["val_loss"])
+    for row in r["summary"].values():
+        assert _positive(row["median_step_ms"]) and _positive(row["final"]["loss"])
+
+
 CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
     "agn.py": _agn,
     "cross_shard.py": _cross_shard,
     "diloco.py": _diloco,
     "gpu_cross_shard.py": _gpu_cross_shard,
     "gpu_mesh_sgd.py": _gpu_mesh_sgd,
+    "lm_size.py": _lm_size,
     "mesh_sgd.py": _mesh_sgd,
     "zero.py": _zero,
 }
