@@ -58,8 +58,8 @@ from torch import nn
 
 import distoptim
 from distoptim.agn import Cluster, LocalCluster, WorkerStartupError, spawn
+from distoptim.agn.center_guard import Backup, finite
 from distoptim.agn.flat import FlatLayout
-from distoptim.agn.rules import Backup, finite
 from distoptim.agn.transport.messages import Echo, EchoReply, Ping
 from distoptim.agn.transport.rpc import RpcTransport
 from distoptim.launch import RankFailedError, run_processes, torchrun_env

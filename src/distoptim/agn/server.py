@@ -40,7 +40,7 @@ connection's shared segment while in cache; the write lock is then downgraded to
 held until the reply's bytes are out. Readers (replies, pulls) proceed together; a commit waits
 for them (writers first, so commits are not starved). With ``use_locking=False`` additive rules
 run without the lock (Hogwild!-style: a concurrent pull may see a partly applied update, as with
-TF's ``use_locking=False``), whole, guarded by a bound (:func:`~distoptim.agn.rules.
+TF's ``use_locking=False``), whole, guarded by a bound (:func:`~distoptim.agn.center_guard.
 apply_unlocked`). Counters are always exact (their own lock).
 
 Between requests (:meth:`ParameterServer.idle`) a shard takes the backups of its tables' current
@@ -80,8 +80,7 @@ from typing import Any
 
 import torch
 
-from distoptim.agn.flat import DEFAULT_CHUNK_BYTES, Chunk, nbytes
-from distoptim.agn.rules import (
+from distoptim.agn.center_guard import (
     Backup,
     BackupUnit,
     Bound,
@@ -90,6 +89,7 @@ from distoptim.agn.rules import (
     finite_tensor,
     unalias_state,
 )
+from distoptim.agn.flat import DEFAULT_CHUNK_BYTES, Chunk, nbytes
 from distoptim.agn.server_optimizer import ServerOptimizer
 from distoptim.agn.transport.base import Arrived, Handled, Inflow
 from distoptim.agn.transport.messages import (
@@ -529,7 +529,7 @@ class ParameterServer:
 
     def idle(self, interrupted: Callable[[], bool] = lambda: False) -> None:
         """Between requests: copy ahead what the next commit would copy on its critical path
-        (each locked table's backup, :class:`~distoptim.agn.rules.Backup`), chunk by chunk,
+        (each locked table's backup, :class:`~distoptim.agn.center_guard.Backup`), chunk by chunk,
         stopping as soon as ``interrupted()`` (a request arrived) or a commit waits. A transport
         calls this after a reply is out, while the worker is busy with its next steps."""
         with self._cond:

@@ -28,8 +28,8 @@ chunk by chunk once it is back.
 Refused commits: with several shards the worker checks its payload as it writes it (a ``sum`` of
 each chunk while in cache) and, if any value is NaN/Inf, tells every shard to refuse it
 (verdict ``refuse``, or an empty "refused" commit when not streaming) so that *no* shard applies
-a part of it; a shard also refuses a commit whose *result* would not be finite (the center guard
-of :mod:`distoptim.agn.rules`). Either way that shard's center is untouched, it counts a
+a part of it; a shard also refuses a commit whose *result* would not be finite
+(:mod:`distoptim.agn.center_guard`). Either way that shard's center is untouched, it counts a
 refusal, and the worker warns (``RuntimeWarning``, with the reason) and takes the center as its
 local copy.
 
@@ -49,11 +49,12 @@ from typing import Any
 
 import torch
 
+from distoptim.agn.center_guard import finite, finite_tensor
 from distoptim.agn.cluster import Cluster, current_cluster
 from distoptim.agn.flat import Chunk, FlatLayout, nbytes
 from distoptim.agn.getter import AGNCustomGetter
 from distoptim.agn.link import ShardLink
-from distoptim.agn.rules import ServerRule, finite, finite_tensor
+from distoptim.agn.rules import ServerRule
 from distoptim.agn.transport.base import Pending, ShardLostError, Stream
 from distoptim.agn.transport.messages import (
     Commit,
