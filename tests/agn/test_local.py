@@ -17,7 +17,7 @@ import distoptim
 from distoptim.agn import AGNCustomGetter, Cluster, ParameterServer, ShardLink, spawn
 from distoptim.agn.flat import FlatLayout
 from distoptim.agn.rules import AddUpdate, ApplyOptimizer, ElasticUpdate
-from distoptim.agn.transport import wire
+from distoptim.agn.transport import framing
 from distoptim.agn.transport.messages import (
     Commit,
     ErrorReply,
@@ -478,17 +478,17 @@ def test_reply_buffer_reuse_never_touches_optimizer_state_or_live_center():
     assert torch.equal(r.flats["float32"], torch.ones(4)) and r.version == 1
 
 
-# ---- the p2p wire format and the extension point -----------------------------------------------
-def test_wire_roundtrip_inline_and_large_metadata():
+# ---- the p2p framing and the extension point -----------------------------------------------
+def test_framing_roundtrip_inline_and_large_metadata():
     flats = {"float32": torch.arange(5.0), "float64": torch.ones(2, dtype=torch.float64)}
     for hparams in (None, {0: {f"k{i}": float(i) for i in range(100)}}):  # fits / does not fit
         msg = Commit("opt", 3, 7, flats, hparams, False)
-        header, extra, buffers = wire.encode(msg)
-        assert header.numel() == wire.HEADER_BYTES and (extra is None) == (hparams is None)
-        n, meta = wire.decode_header(header)
+        header, extra, buffers = framing.encode(msg)
+        assert header.numel() == framing.HEADER_BYTES and (extra is None) == (hparams is None)
+        n, meta = framing.decode_header(header)
         meta = meta if meta is not None else bytes(extra.numpy())
         assert len(meta) == n
-        bare, specs, stream = wire.finish_decode(meta)
+        bare, specs, stream = framing.finish_decode(meta)
         assert stream is None
         assert bare.flats == {} and bare.hparams == hparams and bare.pulled_version == 7
         assert [(b.key, b.dtype, b.numel) for b in specs] == [
@@ -497,14 +497,14 @@ def test_wire_roundtrip_inline_and_large_metadata():
         ]
         assert [b.data_ptr() for b in buffers] == [t.data_ptr() for t in flats.values()]
     # a streamed message: no buffer goes whole, the plan travels in the metadata
-    header, extra, buffers = wire.encode(msg, stream=wire.StreamInfo(16, 40))
-    _, meta = wire.decode_header(header)
+    header, extra, buffers = framing.encode(msg, stream=framing.StreamInfo(16, 40))
+    _, meta = framing.decode_header(header)
     if meta is None:
         meta = bytes(extra.numpy())
-    assert buffers == [] and wire.finish_decode(meta)[2] == wire.StreamInfo(16, 40)
-    bad = torch.zeros(wire.HEADER_BYTES, dtype=torch.uint8)
-    with pytest.raises(wire.WireError, match="bad message header"):
-        wire.decode_header(bad)
+    assert buffers == [] and framing.finish_decode(meta)[2] == framing.StreamInfo(16, 40)
+    bad = torch.zeros(framing.HEADER_BYTES, dtype=torch.uint8)
+    with pytest.raises(framing.FramingError, match="bad message header"):
+        framing.decode_header(bad)
 
 
 def test_shard_link_is_the_public_extension_point():

@@ -12,7 +12,7 @@ Owns nothing itself; the public names of the package:
   (:mod:`~distoptim.agn.downpour`), :class:`ElasticAverageOptimizer`
   (:mod:`~distoptim.agn.easgd`), :class:`AsyncDiLoCoOptimizer`
   (:mod:`~distoptim.agn.async_diloco`) -- the algorithms, all on :mod:`distoptim.agn.worker`;
-* :class:`ShardLink` (:mod:`~distoptim.agn.link`) and the server rules
+* :class:`ShardLink` (:mod:`~distoptim.agn.shard_link`) and the server rules
   (:mod:`~distoptim.agn.rules`) -- the extension point for new algorithms;
 * :class:`AGNCustomGetter` (:mod:`~distoptim.agn.getter`) -- placement of center variables;
 * :class:`ParameterServer` (:mod:`~distoptim.agn.server`) -- a shard.
@@ -26,7 +26,6 @@ from distoptim.agn.cluster import TRANSPORTS, Cluster, ClusterStats, ShardReport
 from distoptim.agn.downpour import DownpourOptimizer
 from distoptim.agn.easgd import ElasticAverageOptimizer
 from distoptim.agn.getter import AGNCustomGetter
-from distoptim.agn.link import ShardLink
 from distoptim.agn.local_cluster import ClusterResult, LocalCluster, WorkerStartupError, spawn
 from distoptim.agn.rules import (
     AddUpdate,
@@ -36,6 +35,7 @@ from distoptim.agn.rules import (
     ServerRule,
 )
 from distoptim.agn.server import ParameterServer
+from distoptim.agn.shard_link import ShardLink
 from distoptim.agn.transport import ParameterServerError, ShardLostError
 
 __all__ = [

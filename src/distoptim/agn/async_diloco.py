@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 from distoptim.agn.flat import Chunk
 from distoptim.agn.getter import AGNCustomGetter
-from distoptim.agn.link import ShardLink
 from distoptim.agn.rules import ApplyOptimizer, DelayedNesterov, ServerRule
+from distoptim.agn.shard_link import ShardLink
 from distoptim.agn.transport.messages import TableSpec
 from distoptim.agn.worker import AsyncWorkerOptimizer
 from distoptim.checks import check_finite_hyperparameters, check_int, type_name

@@ -7,8 +7,9 @@ the cluster of its process, places each parameter's center variable on a shard
 and, every ``communication_period`` (λ) steps, sends **one request per shard** carrying one
 flat buffer per dtype and receives that shard's center in the same round trip. The algorithms
 (:mod:`~distoptim.agn.agn`, :mod:`~distoptim.agn.downpour`, :mod:`~distoptim.agn.easgd`)
-differ only in three small pieces a subclass provides, per :class:`~distoptim.agn.link.ShardLink`
-and per chunk of its plan (the extension point, documented there):
+differ only in three small pieces a subclass provides, per
+:class:`~distoptim.agn.shard_link.ShardLink` and per chunk of its plan (the extension point,
+documented there):
 
 * ``_payload_part(link, chunk, dst)``: what it commits (e.g. ``a/λ``, ``θ - θ_pulled``, ``θ``);
 * ``_absorb_part(link, chunk, reply)``: what the local copy becomes (default: the center);
@@ -53,8 +54,8 @@ from distoptim.agn.center_guard import finite, finite_tensor
 from distoptim.agn.cluster import Cluster, current_cluster
 from distoptim.agn.flat import Chunk, FlatLayout, nbytes
 from distoptim.agn.getter import AGNCustomGetter
-from distoptim.agn.link import ShardLink
 from distoptim.agn.rules import ServerRule
+from distoptim.agn.shard_link import ShardLink
 from distoptim.agn.transport.base import Pending, ShardLostError, Stream
 from distoptim.agn.transport.messages import (
     Commit,
