@@ -2,7 +2,8 @@
 
 Owns: everything one PS process keeps and does, independent of the transport. A shard holds
 one *table* per distributed optimizer (keyed by the optimizer's ``name``, so one cluster can
-serve several optimizers, e.g. a generator and a discriminator). A table is
+serve several optimizers, e.g. a generator and a discriminator). A table
+(:class:`~distoptim.agn.table.Table`) is
 
 * the **center variables** of the parameters placed on this shard (``AGNCustomGetter``), stored
   as one flat buffer per dtype (:class:`~distoptim.agn.flat.FlatLayout`), in parameter order;
@@ -66,14 +67,12 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import io
 import math
 import os
 import socket
 import tempfile
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,16 +80,12 @@ from typing import Any
 import torch
 
 from distoptim.agn.center_guard import (
-    Backup,
-    BackupUnit,
-    Bound,
     Refusal,
     apply_unlocked,
     finite_tensor,
-    unalias_state,
 )
 from distoptim.agn.flat import DEFAULT_CHUNK_BYTES, Chunk, nbytes
-from distoptim.agn.server_optimizer import ServerOptimizer
+from distoptim.agn.table import Table
 from distoptim.agn.transport.base import Arrived, Handled, Inflow
 from distoptim.agn.transport.messages import (
     Ack,
@@ -133,231 +128,6 @@ def _chunk_bytes_from_env() -> int:
     return value
 
 
-class _ReadWriteLock:
-    """Many readers or one writer; a waiting writer blocks new readers (no writer starvation).
-
-    ``downgrade()`` turns the caller's write lock into a read lock atomically.
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._readers = 0
-        self._writer = False
-        self._writers_waiting = 0
-
-    def acquire_read(self) -> None:
-        with self._cond:
-            while self._writer or self._writers_waiting:
-                self._cond.wait()
-            self._readers += 1
-
-    def release_read(self) -> None:
-        with self._cond:
-            self._readers -= 1
-            if self._readers == 0:
-                self._cond.notify_all()
-
-    def acquire_write(self) -> None:
-        with self._cond:
-            self._writers_waiting += 1
-            try:
-                while self._writer or self._readers:
-                    self._cond.wait()
-            finally:
-                self._writers_waiting -= 1
-            self._writer = True
-
-    def release_write(self) -> None:
-        with self._cond:
-            self._writer = False
-            self._cond.notify_all()
-
-    def downgrade(self) -> None:
-        with self._cond:
-            self._writer = False
-            self._readers += 1
-            self._cond.notify_all()
-
-    @property
-    def writers_waiting(self) -> bool:
-        """Whether a writer waits (a reader doing optional work should make way)."""
-        return self._writers_waiting > 0
-
-
-class _Table:
-    def __init__(
-        self, name: str, spec: TableSpec, flats: Mapping[str, torch.Tensor], chunk_bytes: int
-    ) -> None:
-        self.name = name
-        self.spec = spec
-        self.layout = spec.layout()
-        self.flats = {k: v.detach().clone().contiguous() for k, v in flats.items()}
-        self.views = self.layout.views(self.flats)
-        self.chunks = self.layout.chunks(chunk_bytes)
-        rule = spec.rule
-        self.server_opt = (
-            ServerOptimizer(spec, self.views, self.chunks, self.flats, rule.elementwise)
-            if rule.uses_optimizer
-            else None
-        )
-        self.optimizer = None if self.server_opt is None else self.server_opt.optimizer
-        self.chunkwise = rule.elementwise and (self.server_opt is None or self.server_opt.chunkwise)
-        self.backup: Backup | None = None
-        if self.locking:
-            units = [
-                BackupUnit(
-                    [(c.key, c.start, c.stop)],
-                    self.server_opt.chunk_params[c.index]
-                    if self.server_opt is not None and self.chunkwise
-                    else [],
-                )
-                for c in self.chunks
-            ]
-            if self.server_opt is not None and not self.chunkwise:
-                units.append(BackupUnit([], list(self.server_opt.params)))
-            self.backup = Backup(self.flats, units, self.optimizer)
-        self.bound = Bound()
-        self.saved_state: dict[str, Any] | None = None  # as of its latest checkpoint
-        self.refreshing = threading.Lock()
-        self.rw = _ReadWriteLock()
-        self.stats_lock = threading.Lock()
-        self.version = 0
-        self.commits: Counter[int] = Counter()
-        self.refused = 0
-        self.refused_result = 0
-        self.staleness: Counter[int] = Counter()
-        self.bytes_in = 0
-        self.bytes_out = 0
-
-    @property
-    def locking(self) -> bool:
-        """Whether commits take the write lock (see the module docstring)."""
-        return self.spec.use_locking or self.spec.rule.uses_optimizer
-
-    def refresh_backup(self, interrupted: Callable[[], bool] = lambda: False) -> None:
-        """Take the backup units that are not current now, unit by unit, until ``interrupted()``
-        or a commit waits for the lock (unless another thread is taking them already)."""
-        backup = self.backup
-        if backup is None or not self.refreshing.acquire(blocking=False):
-            return
-        try:
-            self.rw.acquire_read()
-            try:
-                for u in range(len(backup.units)):
-                    if self.rw.writers_waiting or interrupted():
-                        return
-                    if backup.versions[u] != self.version:
-                        backup.take(u, self.flats, self.version)
-            finally:
-                self.rw.release_read()
-        finally:
-            self.refreshing.release()
-
-    def _fresh(self, unit: int) -> None:
-        """Backup unit ``unit`` shows the current version (the caller holds the write lock)."""
-        assert self.backup is not None
-        if self.backup.versions[unit] != self.version:
-            self.backup.take(unit, self.flats, self.version)
-
-    def apply_chunk(
-        self, chunk: Chunk, payload: Mapping[str, torch.Tensor], storages: set[int]
-    ) -> Refusal | None:
-        """Update chunk ``chunk`` of the center with the payload's, checked (write lock held;
-        its backup unit is current)."""
-        rule = self.spec.rule
-        if self.server_opt is not None:
-            with self.server_opt.only(chunk.index) as params:
-                rule.apply(params, chunk.piece_views(payload), self.server_opt.optimizer)
-            unalias_state(self.server_opt.optimizer, params, storages)
-        else:
-            rule.apply([chunk.of(self.flats)], [chunk.of(payload)], None)
-        return None if finite_tensor(chunk.of(self.flats)) else Refusal("result")
-
-    def apply_whole(self, payload: Mapping[str, torch.Tensor], storages: set[int]) -> None:
-        """Update the whole center at once (a rule or optimizer that is not element-wise; the
-        backup is current)."""
-        rule = self.spec.rule
-        update = self.layout.views(payload)
-        if self.server_opt is not None:
-            order = self.server_opt.params
-            by_id = {id(v): g for v, g in zip(self.views, update)}
-            rule.apply(order, [by_id[id(p)] for p in order], self.server_opt.optimizer)
-            unalias_state(self.server_opt.optimizer, order, storages)
-        else:
-            rule.apply(self.views, update, None)
-
-    def restore(self, units: list[int]) -> None:
-        assert self.backup is not None
-        for u in units:
-            self.backup.restore(u, self.flats)
-
-    def snapshot(self) -> dict[str, torch.Tensor]:
-        return {k: v.clone() for k, v in self.flats.items()}
-
-    def check_worker(self, algorithm: str, signature: tuple, task: int) -> None:
-        if algorithm != self.spec.algorithm:
-            raise ValueError(
-                f"worker {task} runs {algorithm} but optimizer {self.name!r} was seeded by the "
-                f"chief as {self.spec.algorithm}: every worker must wrap the same algorithm"
-            )
-        if signature != self.layout.signature():
-            raise ValueError(
-                f"worker {task}'s parameters for optimizer {self.name!r} on this shard are "
-                f"{list(signature)}, the chief seeded {list(self.layout.signature())}: every "
-                "worker must build the same model (same parameter order, shapes and dtypes)"
-            )
-
-    def counters(self) -> dict[str, Any]:
-        with self.stats_lock:
-            return {
-                "version": self.version,
-                "commits": dict(self.commits),
-                "refused": self.refused,
-                "refused_result": self.refused_result,
-                "staleness": dict(self.staleness),
-                "bytes_in": self.bytes_in,
-                "bytes_out": self.bytes_out,
-            }
-
-    def load_counters(self, c: dict[str, Any]) -> None:
-        self.version = int(c["version"])
-        self.commits = Counter({int(k): int(v) for k, v in c["commits"].items()})
-        self.refused = int(c["refused"])
-        self.refused_result = int(c.get("refused_result", 0))
-        self.staleness = Counter({int(k): int(v) for k, v in c["staleness"].items()})
-        self.bytes_in = int(c["bytes_in"])
-        self.bytes_out = int(c["bytes_out"])
-
-    def state(self, locked: bool = False) -> dict[str, Any]:
-        """Everything a checkpoint keeps, consistent: taken under the read lock, or under the
-        write lock the caller holds (``locked``)."""
-        if not locked:
-            self.rw.acquire_read()
-        try:
-            opt_state = None
-            if self.server_opt is not None:
-                buf = io.BytesIO()  # deep copy of the state, detached from live tensors
-                torch.save(self.server_opt.state_dict(), buf)
-                opt_state = buf.getvalue()
-            return {
-                "spec": self.spec,
-                "flats": self.snapshot(),
-                "optimizer": opt_state,
-                "counters": self.counters(),
-            }
-        finally:
-            if not locked:
-                self.rw.release_read()
-
-    @classmethod
-    def from_state(cls, name: str, state: dict[str, Any], chunk_bytes: int) -> _Table:
-        t = cls(name, state["spec"], state["flats"], chunk_bytes)
-        if t.server_opt is not None and state["optimizer"] is not None:
-            t.server_opt.load_state_dict(torch.load(io.BytesIO(state["optimizer"])))
-        t.load_counters(state["counters"])
-        return t
-
-
 @dataclass
 class _Touched:
     """What a commit's application changed: the backup units it updated, and its refusal."""
@@ -382,7 +152,7 @@ class _Touched:
 
 
 def _count_commit(
-    table: _Table,
+    table: Table,
     task: int,
     staleness: int,
     refusal: Refusal | None,
@@ -405,7 +175,7 @@ def _count_commit(
 
 
 def _commit_reply(
-    table: _Table,
+    table: Table,
     version: int,
     staleness: int,
     flats: dict[str, torch.Tensor],
@@ -426,13 +196,13 @@ def _commit_reply(
     )
 
 
-def _restore_hparams(table: _Table, kept: list[dict[str, Any]]) -> None:
+def _restore_hparams(table: Table, kept: list[dict[str, Any]]) -> None:
     assert table.optimizer is not None
     for group, old in zip(table.optimizer.param_groups, kept):
         group.update(old)
 
 
-def _set_hparams(table: _Table, hparams: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+def _set_hparams(table: Table, hparams: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
     """Follow the workers' hyperparameters (LR schedules) on the server optimizer's groups;
     returns the previous values (to restore if the commit is refused)."""
     assert table.optimizer is not None
@@ -480,7 +250,7 @@ class ParameterServer:
             raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes!r}")
         self.checkpoint_dir = None if checkpoint_dir is None else os.fspath(checkpoint_dir)
         self.checkpoint_every = checkpoint_every
-        self._tables: dict[str, _Table] = {}
+        self._tables: dict[str, Table] = {}
         self._resumed: set[str] = set()
         self._cond = threading.Condition()
         self._finished: set[int] = set()
@@ -559,7 +329,7 @@ class ParameterServer:
         with self._cond:
             table = self._tables.get(request.table)
             if table is None:
-                table = _Table(request.table, spec, flats, self.chunk_bytes)
+                table = Table(request.table, spec, flats, self.chunk_bytes)
                 table.saved_state = table.state() if self.checkpoint_dir is not None else None
                 self._tables[request.table] = table
                 self._cond.notify_all()
@@ -675,7 +445,7 @@ class ParameterServer:
 
     def _apply(
         self,
-        table: _Table,
+        table: Table,
         payload: Mapping[str, torch.Tensor],
         inflow: Inflow,
         refused: bool,
@@ -735,7 +505,7 @@ class ParameterServer:
             data = out
         inflow.publish(chunk.index, data)
 
-    def _commit_unlocked(self, table: _Table, request: Commit, inflow: Inflow) -> Handled:
+    def _commit_unlocked(self, table: Table, request: Commit, inflow: Inflow) -> Handled:
         """A commit to a table without the lock (``use_locking=False``, bounded rules):
         applied whole once it arrived, guarded by a bound; the reply is the center as it is."""
         payload = request.flats
@@ -776,7 +546,7 @@ class ParameterServer:
         return Handled(_commit_reply(table, version, staleness, reply_flats, refusal, streamed))
 
     # ---- tables --------------------------------------------------------------------------------
-    def _table(self, name: str, wait_s: float = 0.0) -> _Table:
+    def _table(self, name: str, wait_s: float = 0.0) -> Table:
         deadline = time.monotonic() + wait_s
         with self._cond:
             while name not in self._tables:
@@ -821,11 +591,11 @@ class ParameterServer:
                 "with the same number of parameter servers or use another checkpoint_dir"
             )
         for name, state in blob["tables"].items():
-            self._tables[name] = _Table.from_state(name, state, self.chunk_bytes)
+            self._tables[name] = Table.from_state(name, state, self.chunk_bytes)
             self._tables[name].saved_state = state
             self._resumed.add(name)
 
-    def checkpoint(self, held: _Table | None = None) -> str | None:
+    def checkpoint(self, held: Table | None = None) -> str | None:
         """Write every table to ``ps{shard}.pt`` atomically (temp file + rename).
 
         Each table is written as it is now, except while a commit of table ``held`` (whose
