@@ -4,8 +4,8 @@ Owns: how a parameter-server shard refuses a commit whose *result* would not be 
 that the center (and the server optimizer's state) stay exactly as they were; the refusal is
 counted and reported to the worker with its reason (:class:`Refusal`).
 
-* **Under the table's lock** (``use_locking=True``, and always with a server optimizer): the
-  shard applies a commit chunk by chunk (:mod:`distoptim.agn.server`). Before a chunk is
+* **Under the table's lock** (``use_locking=True``, and always with a server optimizer):
+  :class:`GuardedCommit` applies a commit chunk by chunk as it arrives. Before a chunk is
   updated its :class:`Backup` unit -- that range of the center and the server-optimizer state of
   its pieces -- is current: taken ahead, between requests, while the shard is idle, or else
   copied just before the update while the chunk is in the cache. After the update the chunk is
@@ -28,14 +28,19 @@ from typing import Any
 
 import torch
 
+from distoptim.agn.flat import Chunk, FlatLayout
 from distoptim.agn.rules import ServerRule
+from distoptim.agn.server_optimizer import ServerOptimizer
+from distoptim.agn.transport.base import Inflow
 
 __all__ = [
     "Backup",
     "BackupUnit",
     "Bound",
+    "GuardedCommit",
     "Refusal",
     "apply_unlocked",
+    "backup_for",
     "finite",
     "finite_tensor",
     "unalias_state",
@@ -189,6 +194,182 @@ def unalias_state(
         for name, value in list(state.items()):
             if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in storages:
                 state[name] = value.clone()
+
+
+def backup_for(
+    flats: Mapping[str, torch.Tensor],
+    chunks: list[Chunk],
+    server_opt: ServerOptimizer | None,
+    chunkwise: bool,
+) -> Backup:
+    """The backup of a table whose center is ``flats`` in the chunk plan ``chunks``: one unit per
+    chunk (with the server-optimizer state of the chunk's pieces when ``chunkwise``), plus one
+    unit holding all of a server optimizer stepped whole."""
+    units = [
+        BackupUnit(
+            [(c.key, c.start, c.stop)],
+            server_opt.chunk_params[c.index] if server_opt is not None and chunkwise else [],
+        )
+        for c in chunks
+    ]
+    if server_opt is not None and not chunkwise:
+        units.append(BackupUnit([], list(server_opt.params)))
+    return Backup(flats, units, None if server_opt is None else server_opt.optimizer)
+
+
+class GuardedCommit:
+    """One commit applied to a table's center under its write lock, guarded (module docstring).
+
+    :meth:`run` applies it as its chunks arrive and publishes each reply chunk as soon as it is
+    final: a chunkwise table (``ServerRule.elementwise``, and an element-wise server optimizer)
+    updates and checks chunk ``k`` while chunk ``k + 1`` is still arriving; any other table
+    waits for the whole payload, updates it whole, then checks and publishes chunk by chunk.
+    ``source`` is where the reply's chunks are read: the center, or its backup (the center as it
+    was) for a rule with ``reply_before_update``.
+
+    Invariant: once :meth:`run` returned a refusal -- or raised (the worker vanished mid-stream,
+    or the rule raised) -- the center, the server optimizer's state and its hyperparameters are
+    exactly what they were before the commit.
+    """
+
+    def __init__(
+        self,
+        rule: ServerRule,
+        center: Mapping[str, torch.Tensor],
+        views: list[torch.Tensor],
+        layout: FlatLayout,
+        chunks: list[Chunk],
+        backup: Backup,
+        version: int,
+        server_opt: ServerOptimizer | None,
+        payload: Mapping[str, torch.Tensor],
+        refused_by_worker: bool = False,
+        hparams: dict[int, dict[str, Any]] | None = None,
+    ) -> None:
+        self.rule = rule
+        self.center = center
+        self.views = views
+        self.layout = layout
+        self.chunks = chunks if payload else []
+        self.chunkwise = rule.elementwise and (server_opt is None or server_opt.chunkwise)
+        self.backup = backup
+        self.version = version
+        self.server_opt = server_opt
+        self.payload = payload
+        self.refusal: Refusal | None = Refusal("payload") if refused_by_worker else None
+        self.units: list[int] = []  # the backup units updated so far
+        self.source = backup.center if rule.reply_before_update else center
+        self._storages = {t.untyped_storage().data_ptr() for t in payload.values()}
+        self._kept_hparams = None
+        if self.refusal is None and hparams and server_opt is not None:
+            self._kept_hparams = server_opt.follow(hparams)
+
+    def run(self, inflow: Inflow) -> Refusal | None:
+        """Apply the commit as it arrives through ``inflow`` and publish the reply chunks; why it
+        was refused (it is undone), or None: it is applied."""
+        try:
+            self._stream(inflow)
+        except BaseException:
+            self._undo()
+            raise
+        if self.refusal is not None:
+            self._undo()
+        return self.refusal
+
+    def _stream(self, inflow: Inflow) -> None:
+        target = inflow.reply_buffers()
+        if self.chunkwise:
+            for chunk in self.chunks:
+                inflow.wait(chunk.index)
+                self._apply_chunk(chunk)
+                inflow.publish_chunk(chunk, self.source, target)
+            self._verdict(inflow.verdict() if self.chunks else "ok")
+            return
+        for chunk in self.chunks:
+            inflow.wait(chunk.index)
+        verdict = inflow.verdict() if self.chunks else "ok"
+        self._apply_whole(verdict)
+        for chunk in self.chunks:
+            self._check_chunk(chunk)
+            inflow.publish_chunk(chunk, self.source, target)
+        self._verdict(verdict)
+
+    def _fresh(self, unit: int) -> None:
+        """Backup unit ``unit`` shows the current version (taken now unless taken ahead)."""
+        if self.backup.versions[unit] != self.version:
+            self.backup.take(unit, self.center, self.version)
+
+    def _apply_chunk(self, chunk: Chunk) -> None:
+        """Chunk ``chunk`` of the payload arrived: update that chunk of the center (its backup
+        current first) and check it while in cache -- unless the commit is refused already."""
+        if self.refusal is None:
+            self._fresh(chunk.index)
+            self.units.append(chunk.index)
+            self.refusal = self._update_chunk(chunk)
+        elif self.rule.reply_before_update:
+            self._fresh(chunk.index)  # the reply is the backup's
+        self._blame(chunk)  # before the reply may overwrite the payload
+
+    def _update_chunk(self, chunk: Chunk) -> Refusal | None:
+        opt = self.server_opt
+        if opt is not None:
+            with opt.only(chunk.index) as params:
+                self.rule.apply(params, chunk.piece_views(self.payload), opt.optimizer)
+            unalias_state(opt.optimizer, params, self._storages)
+        else:
+            self.rule.apply([chunk.of(self.center)], [chunk.of(self.payload)], None)
+        return None if finite_tensor(chunk.of(self.center)) else Refusal("result")
+
+    def _apply_whole(self, verdict: str) -> None:
+        """Every chunk arrived (and the worker said ``verdict``): update the whole center at once,
+        every backup unit current first."""
+        applying = self.refusal is None and verdict == "ok"
+        every_unit = list(range(len(self.backup.units)))
+        if applying or self.rule.reply_before_update:  # to restore from, or the reply
+            for u in every_unit:
+                self._fresh(u)
+        if not applying:
+            return
+        self.units = every_unit
+        update = self.layout.views(self.payload)
+        opt = self.server_opt
+        if opt is not None:
+            order = opt.params
+            by_id = {id(v): g for v, g in zip(self.views, update)}
+            self.rule.apply(order, [by_id[id(p)] for p in order], opt.optimizer)
+            unalias_state(opt.optimizer, order, self._storages)
+        else:
+            self.rule.apply(self.views, update, None)
+
+    def _check_chunk(self, chunk: Chunk) -> None:
+        """After :meth:`_apply_whole`: check chunk ``chunk`` of the result while in cache."""
+        checked = self.units and self.refusal is None
+        if checked and not finite_tensor(chunk.of(self.center)):
+            self.refusal = Refusal("result")
+        self._blame(chunk)
+
+    def _blame(self, chunk: Chunk) -> None:
+        """A commit refused for its result was refused for its payload if this chunk of it holds
+        NaN/Inf (checked only once refused)."""
+        refused_for_result = self.refusal is not None and self.refusal.reason == "result"
+        if refused_for_result and not finite_tensor(chunk.of(self.payload)):
+            self.refusal = Refusal("payload")
+
+    def _verdict(self, word: str) -> None:
+        """Fold in the worker's verdict on a streamed commit."""
+        if self.refusal is None and word == "refuse":
+            self.refusal = Refusal("payload")
+        elif self.refusal is None and word == "abort":
+            self.refusal = Refusal("abandoned")
+
+    def _undo(self) -> None:
+        """The center as it was (every updated unit restored from the backup); the commit's
+        hyperparameters do not stick."""
+        for u in self.units:
+            self.backup.restore(u, self.center)
+        if self._kept_hparams is not None:
+            assert self.server_opt is not None
+            self.server_opt.restore_hyperparameters(self._kept_hparams)
 
 
 def _dtype_max(t: torch.Tensor) -> float:

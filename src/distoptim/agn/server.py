@@ -1,48 +1,20 @@
-"""The parameter-server shard: center variables, counters, checkpoints, workers' membership.
+"""The parameter-server shard: its tables, the requests it serves, checkpoints, membership.
 
 Owns: everything one PS process keeps and does, independent of the transport. A shard holds
 one *table* per distributed optimizer (keyed by the optimizer's ``name``, so one cluster can
-serve several optimizers, e.g. a generator and a discriminator). A table
-(:class:`~distoptim.agn.table.Table`) is
-
-* the **center variables** of the parameters placed on this shard (``AGNCustomGetter``), stored
-  as one flat buffer per dtype (:class:`~distoptim.agn.flat.FlatLayout`), in parameter order;
-* the **server rule** the chief seeded it with (:mod:`distoptim.agn.rules`) and, for rules that
-  use one, the **server optimizer**: a new instance of the worker's wrapped optimizer class with
-  its hyperparameters (per param group), whose state lives here, over views into the center;
-* counters: ``version`` (accepted commits = the global step), commits per worker, refused
-  commits (and how many for a non-finite *result*), the staleness histogram, bytes in/out.
+serve several optimizers, e.g. a generator and a discriminator): the center variables of the
+parameters placed on this shard (``AGNCustomGetter``), the server rule the chief seeded it with
+(:mod:`distoptim.agn.rules`) and its server optimizer, under the table's lock, with its counters
+(:class:`~distoptim.agn.table.Table`).
 
 Requests arrive as typed messages (:mod:`distoptim.agn.transport.messages`);
-:meth:`ParameterServer.handle` gives each type its own method.
-
-Concurrency and math of a commit (:meth:`ParameterServer.commit`), one request per shard per
-worker commit::
-
-    with the table's write lock (if use_locking, or the rule uses an optimizer):
-        staleness = version - version_at_workers_last_pull
-        for each chunk k of the payload, as it arrives (flat.Chunk):
-            the backup of chunk k is current (taken ahead while idle, else copied now)
-            center[k] <- rule(center[k], payload[k]); check center[k] is finite (in cache)
-            reply chunk k <- center[k] (the backup's, i.e. the old one, for EASGD); publish it
-        accepted (every chunk finite, the worker's verdict "ok"): version += 1
-        refused: every updated chunk restored from the backup -- center, optimizer state and
-                 hyperparameters exactly as before; the reply is the (unchanged) center
-
-A rule applies chunk by chunk when it is element-wise (``ServerRule.elementwise``; with a server
-optimizer, that optimizer too: :mod:`distoptim.agn.server_optimizer`); otherwise the shard waits
-for the whole payload, applies it whole, then checks and publishes chunk by chunk. A transport
-that streams (p2p) overlaps all of this with the transfer; one that does not (rpc) hands over the
-whole payload and takes the reply from the spent payload buffers.
-
-Replies from the live center: when the transport sends a reply before anything else can change
-the center (p2p), reply chunks are sent from the center itself (no copy) or copied into the
-connection's shared segment while in cache; the write lock is then downgraded to a read lock,
-held until the reply's bytes are out. Readers (replies, pulls) proceed together; a commit waits
-for them (writers first, so commits are not starved). With ``use_locking=False`` additive rules
-run without the lock (Hogwild!-style: a concurrent pull may see a partly applied update, as with
-TF's ``use_locking=False``), whole, guarded by a bound (:func:`~distoptim.agn.center_guard.
-apply_unlocked`). Counters are always exact (their own lock).
+:meth:`ParameterServer.handle` gives each type its own method. A commit goes down the floors:
+:meth:`ParameterServer.commit` finds its table; :meth:`Table.commit
+<distoptim.agn.table.Table.commit>` takes the table's lock and counts it (the concurrency and
+the math are there); :class:`~distoptim.agn.center_guard.GuardedCommit` applies it chunk by
+chunk as it arrives, guarded, with the table's :class:`~distoptim.agn.rules.ServerRule` (and
+server optimizer, :mod:`distoptim.agn.server_optimizer`); back here, a due checkpoint is
+written before the table's lock is released, and the answer goes out.
 
 Between requests (:meth:`ParameterServer.idle`) a shard takes the backups of its tables' current
 versions ahead, chunk by chunk, and stops as soon as a request arrives or a commit waits.
@@ -67,30 +39,22 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import math
 import os
 import socket
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from distoptim.agn.center_guard import (
-    Refusal,
-    apply_unlocked,
-    finite_tensor,
-)
-from distoptim.agn.flat import DEFAULT_CHUNK_BYTES, Chunk, nbytes
+from distoptim.agn.flat import DEFAULT_CHUNK_BYTES, nbytes
 from distoptim.agn.table import Table
-from distoptim.agn.transport.base import Arrived, Handled, Inflow
+from distoptim.agn.transport.base import Handled, Inflow
 from distoptim.agn.transport.messages import (
     Ack,
     Commit,
-    CommitReply,
     Echo,
     EchoReply,
     ErrorReply,
@@ -126,98 +90,6 @@ def _chunk_bytes_from_env() -> int:
     if value < 1:
         raise ValueError(f"{CHUNK_ENV} must be a positive number of bytes, got {raw!r}")
     return value
-
-
-@dataclass
-class _Touched:
-    """What a commit's application changed: the backup units it updated, and its refusal."""
-
-    units: list[int] = field(default_factory=list)
-    refusal: Refusal | None = None
-    source: Mapping[str, torch.Tensor] = field(default_factory=dict)  # where the reply is read
-
-    def blame(self, payload: torch.Tensor) -> None:
-        """A commit refused for its result was refused for its payload if this chunk of it holds
-        NaN/Inf (checked only once refused)."""
-        refused_for_result = self.refusal is not None and self.refusal.reason == "result"
-        if refused_for_result and not finite_tensor(payload):
-            self.refusal = Refusal("payload")
-
-    def verdict(self, word: str) -> None:
-        """Fold in the worker's verdict on a streamed commit."""
-        if self.refusal is None and word == "refuse":
-            self.refusal = Refusal("payload")
-        elif self.refusal is None and word == "abort":
-            self.refusal = Refusal("abandoned")
-
-
-def _count_commit(
-    table: Table,
-    task: int,
-    staleness: int,
-    refusal: Refusal | None,
-    payload: Mapping[str, torch.Tensor],
-) -> int:
-    """Count one finished commit in ``table``'s statistics (accepted: a new version, the
-    worker's commit and its staleness; refused for a reason other than being abandoned: a
-    refusal) and the bytes it moved; returns the table's version after it."""
-    with table.stats_lock:
-        if refusal is None:
-            table.version += 1
-            table.commits[task] += 1
-            table.staleness[staleness] += 1
-        elif refusal.reason != "abandoned":
-            table.refused += 1
-            table.refused_result += int(refusal.reason == "result")
-        table.bytes_in += nbytes(payload)
-        table.bytes_out += nbytes(table.flats)
-        return table.version
-
-
-def _commit_reply(
-    table: Table,
-    version: int,
-    staleness: int,
-    flats: dict[str, torch.Tensor],
-    refusal: Refusal | None,
-    streamed: bool,
-) -> CommitReply:
-    """The reply to a finished commit (its bytes, the size of the center, go through the
-    emulated link): refused or not, the table's version after it, the reply buffers (empty when
-    the reply chunks were already streamed) and why it was refused."""
-    transmit(nbytes(table.flats))
-    return CommitReply(
-        refused=refusal is not None,
-        version=version,
-        staleness=staleness,
-        flats=flats,
-        reason="" if refusal is None else refusal.describe(),
-        streamed=streamed,
-    )
-
-
-def _restore_hparams(table: Table, kept: list[dict[str, Any]]) -> None:
-    assert table.optimizer is not None
-    for group, old in zip(table.optimizer.param_groups, kept):
-        group.update(old)
-
-
-def _set_hparams(table: Table, hparams: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
-    """Follow the workers' hyperparameters (LR schedules) on the server optimizer's groups;
-    returns the previous values (to restore if the commit is refused)."""
-    assert table.optimizer is not None
-    kept = [{k: v for k, v in g.items() if k != "params"} for g in table.optimizer.param_groups]
-    for group, (worker_group, _, _) in zip(table.optimizer.param_groups, table.spec.groups):
-        hp = hparams.get(worker_group)
-        if hp:
-            for k, v in hp.items():
-                if (
-                    k != "params"
-                    and isinstance(v, (int, float))
-                    and not (isinstance(v, float) and math.isnan(v))
-                ):
-                    group[k] = v
-    return kept
 
 
 class ParameterServer:
@@ -372,178 +244,21 @@ class ParameterServer:
     def commit(
         self, request: Commit, live_reply: bool = False, inflow: Inflow | None = None
     ) -> Handled:
-        """Apply one commit of worker ``request.task`` (see the module docstring for the math).
-
-        ``request.flats`` is consumed: its buffers may carry the reply. ``inflow``: the
-        transport's end of a streamed commit (None: the payload is all here, and the reply is
-        written into it).
-        """
+        """Apply one commit of worker ``request.task`` to its table
+        (:meth:`Table.commit <distoptim.agn.table.Table.commit>`: the math and the arguments) and
+        answer it; every ``checkpoint_every`` accepted commits of a table, the checkpoint is on
+        disk before the table's lock is released -- before it accepts another commit, so a
+        restart loses at most ``checkpoint_every`` of its accepted commits."""
         table = self._table(request.table)
-        payload = request.flats
-        if not request.refused_by_worker:
-            table.layout.check(payload, "commit payload")
-        if inflow is None:  # the reply goes from the center (live) or in the spent payload
-            whole = payload and not request.refused_by_worker and not live_reply
-            inflow = Arrived(payload if whole else None)
-        if not table.locking:
-            return self._commit_unlocked(table, request, inflow)
-        table.rw.acquire_write()
-        release: Callable[[], None] | None = table.rw.release_write
-        try:
-            staleness = table.version - request.pulled_version
-            refusal: Refusal | None = Refusal("payload") if request.refused_by_worker else None
-            kept_hparams = None
-            if refusal is None and request.hparams and table.optimizer is not None:
-                kept_hparams = _set_hparams(table, request.hparams)
-            touched = _Touched()
-
-            def undo() -> None:  # the center as it was; a commit's hyperparameters do not stick
-                table.restore(touched.units)
-                if kept_hparams is not None:
-                    _restore_hparams(table, kept_hparams)
-
+        applied = table.commit(request, live_reply, inflow)
+        every = self.checkpoint_every
+        if applied.held and applied.accepted and every is not None and applied.version % every == 0:
             try:
-                self._apply(table, payload, inflow, refusal is not None, touched)
-            except BaseException:  # the worker vanished mid-stream, or the rule raised
-                undo()
-                raise
-            refusal = refusal or touched.refusal
-            if refusal is not None:
-                undo()
-            accepted = refusal is None
-            version = _count_commit(table, request.task, staleness, refusal, payload)
-            every = self.checkpoint_every
-            if accepted and every is not None and version % every == 0:
-                # on disk before this table accepts another commit: a restart loses at most
-                # checkpoint_every of its accepted commits
                 self.checkpoint(held=table)
-            if accepted and inflow.streamed:
-                reply_flats: dict[str, torch.Tensor] = {}  # the published chunks are the reply
-            elif accepted:
-                reply_flats = inflow.reply_buffers() or dict(touched.source)
-            elif live_reply:
-                reply_flats = table.flats  # sent before the center can change (read lock)
-            elif payload and not request.refused_by_worker:
-                reply_flats = payload  # the spent payload buffers carry the center
-                torch._foreach_copy_(list(payload.values()), [table.flats[k] for k in payload])
-            else:
-                reply_flats = table.snapshot()
-            if live_reply:
-                table.rw.downgrade()
-                release = table.rw.release_read
-            else:
-                release()
-                release = None
-        except BaseException:
-            if release is not None:
-                release()
-            raise
-        reply = _commit_reply(
-            table, version, staleness, reply_flats, refusal, accepted and inflow.streamed
-        )
-        return Handled(reply, release)
-
-    def _apply(
-        self,
-        table: Table,
-        payload: Mapping[str, torch.Tensor],
-        inflow: Inflow,
-        refused: bool,
-        touched: _Touched,
-    ) -> None:
-        """Apply ``payload`` chunk by chunk as it arrives (write lock held), publishing each reply
-        chunk; ``touched`` records what was updated (as it goes) and why it was refused."""
-        assert table.backup is not None
-        source = table.backup.center if table.spec.rule.reply_before_update else table.flats
-        touched.source = source
-        storages = {t.untyped_storage().data_ptr() for t in payload.values()}
-        target = inflow.reply_buffers()
-        chunks = table.chunks if payload else []
-        if table.chunkwise:
-            for chunk in chunks:
-                inflow.wait(chunk.index)
-                if not refused and touched.refusal is None:
-                    table._fresh(chunk.index)
-                    touched.units.append(chunk.index)
-                    touched.refusal = table.apply_chunk(chunk, payload, storages)
-                elif table.spec.rule.reply_before_update:
-                    table._fresh(chunk.index)  # the reply is the backup's
-                touched.blame(chunk.of(payload))  # before the reply may overwrite it
-                self._publish(chunk, source, target, inflow)
-            touched.verdict(inflow.verdict() if chunks else "ok")
-            return
-        for chunk in chunks:
-            inflow.wait(chunk.index)
-        verdict = inflow.verdict() if chunks else "ok"
-        applying = not refused and verdict == "ok"
-        every_unit = list(range(len(table.backup.units)))
-        if applying or table.spec.rule.reply_before_update:  # to restore from, or the reply
-            for u in every_unit:
-                table._fresh(u)
-        if applying:
-            touched.units = every_unit
-            table.apply_whole(payload, storages)
-        for chunk in chunks:
-            checked = touched.units and touched.refusal is None
-            if checked and not finite_tensor(chunk.of(table.flats)):
-                touched.refusal = Refusal("result")
-            touched.blame(chunk.of(payload))
-            self._publish(chunk, source, target, inflow)
-        touched.verdict(verdict)
-
-    @staticmethod
-    def _publish(
-        chunk: Chunk,
-        source: Mapping[str, torch.Tensor],
-        target: Mapping[str, torch.Tensor] | None,
-        inflow: Inflow,
-    ) -> None:
-        data = chunk.of(source)
-        if target is not None:
-            out = chunk.of(target)
-            out.copy_(data)
-            data = out
-        inflow.publish(chunk.index, data)
-
-    def _commit_unlocked(self, table: Table, request: Commit, inflow: Inflow) -> Handled:
-        """A commit to a table without the lock (``use_locking=False``, bounded rules):
-        applied whole once it arrived, guarded by a bound; the reply is the center as it is."""
-        payload = request.flats
-        rule = table.spec.rule
-        chunks = table.chunks if payload and not request.refused_by_worker else []
-        for chunk in chunks:
-            inflow.wait(chunk.index)
-        verdict = inflow.verdict() if chunks else "ok"
-        staleness = table.version - request.pulled_version
-        refusal: Refusal | None = None
-        if request.refused_by_worker or verdict == "refuse":
-            refusal = Refusal("payload")
-        elif verdict == "abort":
-            refusal = Refusal("abandoned")
-        source = table.flats
-        if refusal is None:
-            if rule.reply_before_update:
-                source = table.snapshot()  # others may change the center meanwhile
-            refusal = apply_unlocked(
-                rule, table.flats, table.views, payload, table.layout.views(payload), table.bound
-            )
-            if refusal is not None:
-                source = table.flats
-        target = inflow.reply_buffers()
-        if not inflow.streamed:
-            target = None  # the reply is the center as it is (Hogwild!), or the snapshot
-        for chunk in chunks:
-            self._publish(chunk, source, target, inflow)
-        accepted = refusal is None
-        version = _count_commit(table, request.task, staleness, refusal, payload)
-        if inflow.streamed and chunks and accepted:
-            reply_flats: dict[str, torch.Tensor] = {}
-        elif target is not None and chunks:
-            reply_flats = dict(target)
-        else:
-            reply_flats = dict(source)
-        streamed = inflow.streamed and bool(chunks) and accepted
-        return Handled(_commit_reply(table, version, staleness, reply_flats, refusal, streamed))
+            except BaseException:
+                applied.abandon()
+                raise
+        return applied.answer()
 
     # ---- tables --------------------------------------------------------------------------------
     def _table(self, name: str, wait_s: float = 0.0) -> Table:
