@@ -46,7 +46,7 @@ import pickle
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
@@ -60,16 +60,22 @@ from distoptim.agn.transport import TRANSPORTS
 from distoptim.agn.transport.base import ParameterServerError, Pending, Stream, Transport
 from distoptim.agn.transport.messages import ErrorReply, Finish, Reply, Request
 from distoptim.agn.transport.p2p import DEFAULT_IDLE_TIMEOUT, P2PTransport
-from distoptim.checks import check_positive
-from distoptim.launch import (
-    require_torchrun_env,
+from distoptim.checks import (
+    check_choice,
+    check_int,
+    check_optional_int,
+    check_path,
+    check_seconds,
+    type_name,
 )
+from distoptim.launch import require_torchrun_env
 from distoptim.netcheck import check_torchrun_network
 
 __all__ = [
     "JOIN_ENV",
     "TRANSPORTS",
     "Cluster",
+    "ClusterOptions",
     "ClusterStats",
     "ParameterServerError",
     "ShardReport",
@@ -90,7 +96,8 @@ TASK_ENV = "DISTOPTIM_AGN_TASK"
 _CURRENT_KEY = "distoptim.agn/current"
 
 
-def _namespace() -> str:
+def store_namespace() -> str:
+    """This run's namespace in the job's store (a torchrun restart of the job starts afresh)."""
     return f"distoptim.agn/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
@@ -226,34 +233,65 @@ def current_cluster() -> Cluster:
     return _CURRENT
 
 
-def _check_checkpointing(checkpoint_dir: Any, checkpoint_every: Any) -> None:
-    if checkpoint_dir is not None and not isinstance(checkpoint_dir, (str, os.PathLike)):
-        raise TypeError(
-            f"checkpoint_dir must be a path or None, got {type(checkpoint_dir).__name__}"
-        )
-    if checkpoint_every is not None:
-        if (
-            isinstance(checkpoint_every, bool)
-            or not isinstance(checkpoint_every, int)
-            or checkpoint_every < 1
-        ):
-            raise ValueError(
-                f"checkpoint_every must be None or an int >= 1, got {checkpoint_every!r}"
-            )
-        if checkpoint_dir is None:
+@dataclass(frozen=True, kw_only=True)
+class ClusterOptions:
+    """How every process of one AGN cluster behaves: the options :class:`Cluster` takes (as
+    keywords, or this record), the same on every process of a cluster (a local cluster hands its
+    record to each of its processes, :mod:`distoptim.agn.local_cluster`).
+
+    Validated once, here, through :mod:`distoptim.checks` (a record holds no impossible value):
+
+    * ``rpc_timeout``: seconds any single request may take (also how long a worker waits for the
+      shards and the chief's seed at start-up);
+    * ``checkpoint_dir``: where each shard writes ``ps<shard>.pt`` (None: no checkpoints);
+      ``checkpoint_every``: also every that many accepted commits of a table (None: only when
+      the shard stops; needs ``checkpoint_dir``);
+    * ``strategy``: the default placement (:data:`~distoptim.agn.getter.STRATEGIES`);
+    * ``probe_period_s``: how often a shard without news asks which pending workers ended;
+    * ``transport``: ``"p2p"`` or ``"rpc"`` (:data:`~distoptim.agn.transport.TRANSPORTS`);
+    * ``reconnect_timeout``: seconds a worker waits for a restarted shard (0: it does not);
+    * ``idle_timeout``: seconds a p2p shard waits for a connected worker's next request (None:
+      :data:`~distoptim.agn.transport.p2p.DEFAULT_IDLE_TIMEOUT`).
+    """
+
+    rpc_timeout: float = DEFAULT_RPC_TIMEOUT
+    checkpoint_dir: str | os.PathLike[str] | None = None
+    checkpoint_every: int | None = None
+    strategy: str = "round_robin"
+    probe_period_s: float = 1.0
+    transport: str = "p2p"
+    reconnect_timeout: float = 0.0
+    idle_timeout: float | None = None
+
+    def __post_init__(self) -> None:
+        idle = DEFAULT_IDLE_TIMEOUT if self.idle_timeout is None else self.idle_timeout
+        valid = {
+            "rpc_timeout": check_seconds("rpc_timeout", self.rpc_timeout),
+            "strategy": check_choice("strategy", self.strategy, STRATEGIES, fold_case=False),
+            "probe_period_s": check_seconds("probe_period_s", self.probe_period_s),
+            "reconnect_timeout": check_seconds(
+                "reconnect_timeout", self.reconnect_timeout, allow_zero=True
+            ),
+            "idle_timeout": check_seconds("idle_timeout", idle),
+            "checkpoint_dir": check_path("checkpoint_dir", self.checkpoint_dir, optional=True),
+            "checkpoint_every": check_optional_int("checkpoint_every", self.checkpoint_every, 1),
+            "transport": check_choice("transport", self.transport, TRANSPORTS, fold_case=False),
+        }
+        if valid["checkpoint_every"] is not None and valid["checkpoint_dir"] is None:
             raise ValueError("checkpoint_every needs checkpoint_dir (where to write checkpoints)")
+        for name, value in valid.items():
+            object.__setattr__(self, name, value)
 
 
-def _check_transport(transport: Any) -> str:
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-    return transport
-
-
-def _check_seconds(name: str, value: Any, allow_zero: bool = False) -> float:
-    if allow_zero and value == 0 and not isinstance(value, bool):
-        return 0.0
-    return check_positive(name, value, "seconds")
+def _options(options: ClusterOptions | None, fields: dict[str, Any]) -> ClusterOptions:
+    """``options``, or a record of ``fields`` (the keywords of :class:`ClusterOptions`)."""
+    if options is None:
+        return ClusterOptions(**fields)
+    if not isinstance(options, ClusterOptions):
+        raise TypeError(f"options must be a ClusterOptions, got {type_name(options)}")
+    if fields:
+        raise TypeError(f"pass options or its fields {sorted(fields)}, not both")
+    return options
 
 
 class Cluster:
@@ -277,19 +315,13 @@ class Cluster:
         num_ps: int,
         master_addr: str,
         master_port: int,
-        rpc_timeout: float = DEFAULT_RPC_TIMEOUT,
-        checkpoint_dir: str | os.PathLike[str] | None = None,
-        checkpoint_every: int | None = None,
-        strategy: str = "round_robin",
-        probe_period_s: float = 1.0,
-        transport: str = "p2p",
-        reconnect_timeout: float = 0.0,
-        idle_timeout: float | None = None,
         late_task: int | None = None,
+        options: ClusterOptions | None = None,
+        **fields: Any,
     ) -> None:
         global _CURRENT
-        if isinstance(num_ps, bool) or not isinstance(num_ps, int) or num_ps < 1:
-            raise ValueError(f"num_ps must be an int >= 1, got {num_ps!r}")
+        opts = _options(options, fields)
+        num_ps = check_int("num_ps", num_ps, 1)
         if world_size - num_ps < 1:
             raise ValueError(
                 f"an AGN cluster needs at least one worker: WORLD_SIZE={world_size} processes "
@@ -298,21 +330,17 @@ class Cluster:
             )
         if late_task is None and not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-        self.rpc_timeout = _check_seconds("rpc_timeout", rpc_timeout)
-        self.probe_period_s = _check_seconds("probe_period_s", probe_period_s)
-        self.reconnect_timeout = _check_seconds("reconnect_timeout", reconnect_timeout, True)
-        idle = DEFAULT_IDLE_TIMEOUT if idle_timeout is None else idle_timeout
-        self.idle_timeout = _check_seconds("idle_timeout", idle)
-        _check_checkpointing(checkpoint_dir, checkpoint_every)
-        kind = _check_transport(transport)
-        if late_task is not None and kind != "p2p":
+        if late_task is not None and opts.transport != "p2p":
             raise ValueError("late workers need transport='p2p' (rpc's world is fixed at start)")
         if _CURRENT is not None:
             raise RuntimeError(
                 "this process already belongs to an AGN cluster (shut it down first)"
             )
+        self.options = opts
+        self.rpc_timeout = opts.rpc_timeout
+        self.probe_period_s = opts.probe_period_s
+        self.reconnect_timeout = opts.reconnect_timeout
+        self.idle_timeout = opts.idle_timeout
         self.rank = rank
         self.world_size = world_size
         self.num_ps = num_ps
@@ -325,14 +353,14 @@ class Cluster:
         else:
             self.task_index = rank if self.is_ps else rank - num_ps
         self.is_chief = self.is_worker and self.task_index == 0
-        self.strategy = strategy
-        self.custom_getter = AGNCustomGetter(num_ps=num_ps, strategy=strategy)
+        self.strategy = opts.strategy
+        self.custom_getter = AGNCustomGetter(num_ps=num_ps, strategy=opts.strategy)
         self.name = f"ps {self.task_index}" if self.is_ps else f"worker {self.task_index}"
-        self.transport_name = kind
+        self.transport_name = opts.transport
         self._closed = False
         self._server: ParameterServer | None = None
         self._late_seen: dict[int, float] = {}  # task -> when this shard first saw it starting
-        self.namespace = _namespace()
+        self.namespace = store_namespace()
         self._root = dist.TCPStore(
             master_addr, master_port, is_master=False, timeout=timedelta(seconds=self.rpc_timeout)
         )
@@ -342,13 +370,14 @@ class Cluster:
         self.transport: Transport
         if self.is_ps:
             self._server = ParameterServer(
-                self.task_index, num_ps, self.num_worker, checkpoint_dir, checkpoint_every
+                self.task_index, num_ps, self.num_worker, opts.checkpoint_dir, opts.checkpoint_every
             )
             if self.task_index == 0:
                 self._root.set(_CURRENT_KEY, self.namespace)
-                config = {"num_ps": num_ps, "num_worker": self.num_worker, "transport": kind}
-                self._store.set("config", pickle.dumps({**config, "strategy": strategy}))
-        if kind == "p2p":
+                config = {"num_ps": num_ps, "num_worker": self.num_worker}
+                config |= {"transport": opts.transport, "strategy": opts.strategy}
+                self._store.set("config", pickle.dumps(config))
+        if opts.transport == "p2p":
             p2p = P2PTransport(
                 master_addr,
                 master_port,
@@ -381,24 +410,17 @@ class Cluster:
 
     @classmethod
     def from_env(
-        cls,
-        num_ps: int = 1,
-        *,
-        rpc_timeout: float = DEFAULT_RPC_TIMEOUT,
-        checkpoint_dir: str | os.PathLike[str] | None = None,
-        checkpoint_every: int | None = None,
-        strategy: str = "round_robin",
-        probe_period_s: float = 1.0,
-        transport: str = "p2p",
-        reconnect_timeout: float = 0.0,
-        idle_timeout: float | None = None,
+        cls, num_ps: int = 1, *, options: ClusterOptions | None = None, **fields: Any
     ) -> Cluster:
         """Join the cluster described by torchrun's environment (``RANK``, ``WORLD_SIZE``,
         ``MASTER_ADDR``, ``MASTER_PORT``): the first ``num_ps`` ranks serve, the rest work.
+        ``fields``: the options of :class:`ClusterOptions` as keywords (``rpc_timeout``,
+        ``checkpoint_dir``, ``transport``, ...), or ``options``, a record of them.
 
         With ``DISTOPTIM_AGN_JOIN=host:port`` set, this process instead joins the running
         cluster whose store is there, as a late worker (:meth:`join`).
         """
+        opts = _options(options, fields)
         join = os.environ.get(JOIN_ENV)
         if join:
             host, _, port = join.rpartition(":")
@@ -407,29 +429,20 @@ class Cluster:
                 host,
                 int(port),
                 task_index=None if task is None else int(task),
-                rpc_timeout=rpc_timeout,
-                reconnect_timeout=reconnect_timeout,
-                idle_timeout=idle_timeout,
+                rpc_timeout=opts.rpc_timeout,
+                reconnect_timeout=opts.reconnect_timeout,
+                idle_timeout=opts.idle_timeout,
             )
         require_torchrun_env("Cluster.from_env", "distoptim.agn.spawn")
-        kind = _check_transport(transport)
-        check_torchrun_network(
-            "Cluster.from_env", ("gloo",) if kind == "p2p" else ("gloo", "tensorpipe"), rpc_timeout
-        )
+        backends = ("gloo",) if opts.transport == "p2p" else ("gloo", "tensorpipe")
+        check_torchrun_network("Cluster.from_env", backends, opts.rpc_timeout)
         return cls(
             rank=int(os.environ["RANK"]),
             world_size=int(os.environ["WORLD_SIZE"]),
             num_ps=num_ps,
             master_addr=os.environ["MASTER_ADDR"],
             master_port=int(os.environ["MASTER_PORT"]),
-            rpc_timeout=rpc_timeout,
-            checkpoint_dir=checkpoint_dir,
-            checkpoint_every=checkpoint_every,
-            strategy=strategy,
-            probe_period_s=probe_period_s,
-            transport=kind,
-            reconnect_timeout=reconnect_timeout,
-            idle_timeout=idle_timeout,
+            options=opts,
         )
 
     @classmethod
@@ -446,8 +459,11 @@ class Cluster:
         """Join a running cluster (``"p2p"``) as a late worker, through its store at
         ``host:port``. Its task index is the next one after the expected workers (or
         ``task_index``, when a launcher reserved it); it pulls the current center like any
-        worker and commits from then on."""
-        timeout = _check_seconds("rpc_timeout", rpc_timeout)
+        worker and commits from then on. The other options come from the running cluster."""
+        opts = ClusterOptions(
+            rpc_timeout=rpc_timeout, reconnect_timeout=reconnect_timeout, idle_timeout=idle_timeout
+        )
+        timeout = opts.rpc_timeout
         root = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
         try:
             namespace = root.get(_CURRENT_KEY).decode()
@@ -471,12 +487,8 @@ class Cluster:
             num_ps=config["num_ps"],
             master_addr=host,
             master_port=port,
-            rpc_timeout=timeout,
-            strategy=config["strategy"],
-            transport="p2p",
-            reconnect_timeout=reconnect_timeout,
-            idle_timeout=idle_timeout,
             late_task=task_index,
+            options=replace(opts, strategy=config["strategy"], transport="p2p"),
         )
 
     def __repr__(self) -> str:

@@ -14,7 +14,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -25,14 +25,18 @@ from distoptim.agn.cluster import (
     JOIN_ENV,
     TASK_ENV,
     Cluster,
+    ClusterOptions,
     ClusterStats,
-    _check_checkpointing,
-    _check_seconds,
-    _check_transport,
-    _namespace,
     merge_reports,
+    store_namespace,
 )
-from distoptim.agn.getter import STRATEGIES
+from distoptim.checks import (
+    check_choice,
+    check_int,
+    check_optional_int,
+    check_seconds,
+    type_name,
+)
 from distoptim.launch import (
     DEFAULT_GRACE,
     ProcessOutcome,
@@ -68,10 +72,10 @@ class ClusterResult:
 
 
 def _spawn_main(
-    num_ps: int, options: dict[str, Any], worker_fn: Callable[..., Any], args: tuple[Any, ...]
+    num_ps: int, options: ClusterOptions, worker_fn: Callable[..., Any], args: tuple[Any, ...]
 ) -> Any:
     """A local cluster process: serve (shard) or run ``worker_fn(ctx, *args)`` (worker)."""
-    cluster = Cluster.from_env(num_ps=num_ps, **options)
+    cluster = Cluster.from_env(num_ps=num_ps, options=options)
     if cluster.is_ps:
         try:
             return cluster.serve()
@@ -127,45 +131,47 @@ class LocalCluster:
         grace: float = DEFAULT_GRACE,
     ) -> None:
         if not callable(worker_fn):
-            raise TypeError(f"worker_fn must be callable, got {type(worker_fn).__name__}")
-        for label, v in (("num_worker", num_worker), ("num_ps", num_ps)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{label} must be an int >= 1, got {v!r}")
+            raise TypeError(f"worker_fn must be callable, got {type_name(worker_fn)}")
+        num_worker = check_int("num_worker", num_worker, 1)
+        num_ps = check_int("num_ps", num_ps, 1)
         if not isinstance(args, tuple):
-            raise TypeError(f"args must be a tuple, got {type(args).__name__}")
-        timeout = _check_seconds("timeout", timeout)
-        rpc_timeout = _check_seconds(
-            "rpc_timeout",
-            min(DEFAULT_RPC_TIMEOUT, timeout) if rpc_timeout is None else rpc_timeout,
+            raise TypeError(f"args must be a tuple, got {type_name(args)}")
+        timeout = check_seconds("timeout", timeout)
+        if rpc_timeout is None:
+            rpc_timeout = min(DEFAULT_RPC_TIMEOUT, timeout)
+        num_threads = check_optional_int("num_threads", num_threads, 1)
+        max_restarts = check_int("max_restarts", max_restarts, 0)
+        on_startup_failure = check_choice(
+            "on_startup_failure", on_startup_failure, STARTUP_POLICIES, fold_case=False
         )
-        _check_checkpointing(checkpoint_dir, checkpoint_every)
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-        kind = _check_transport(transport)
-        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
-            raise ValueError(f"max_restarts must be an int >= 0, got {max_restarts!r}")
-        if max_restarts and kind != "p2p":
+        options = ClusterOptions(
+            rpc_timeout=rpc_timeout,
+            checkpoint_dir=checkpoint_dir,
+            checkpoint_every=checkpoint_every,
+            strategy=strategy,
+            transport=transport,
+            reconnect_timeout=0.0 if reconnect_timeout is None else reconnect_timeout,
+            idle_timeout=timeout if idle_timeout is None else idle_timeout,
+        )
+        if max_restarts and options.transport != "p2p":
             raise ValueError("restarting a shard needs transport='p2p' (rpc's world is fixed)")
-        if max_restarts and checkpoint_dir is None:
+        if max_restarts and options.checkpoint_dir is None:
             raise ValueError(
                 "max_restarts needs checkpoint_dir: a restarted shard resumes its center from "
                 "its last checkpoint"
             )
-        if reconnect_timeout is None:
-            reconnect_timeout = rpc_timeout if max_restarts else 0.0
-        reconnect_timeout = _check_seconds("reconnect_timeout", reconnect_timeout, True)
-        if on_startup_failure not in STARTUP_POLICIES:
-            raise ValueError(
-                f"on_startup_failure must be one of {STARTUP_POLICIES}, got {on_startup_failure!r}"
-            )
-        if on_startup_failure == "drop" and kind != "p2p":
+        if reconnect_timeout is None and max_restarts:  # workers wait for a restarted shard
+            options = replace(options, reconnect_timeout=options.rpc_timeout)
+        if on_startup_failure == "drop" and options.transport != "p2p":
             raise ValueError("on_startup_failure='drop' needs transport='p2p' (rpc starts as one)")
         self.worker_fn = worker_fn
         self.num_worker = num_worker
         self.num_ps = num_ps
         self.args = args
         self.timeout = timeout
-        self.transport = kind
+        self.options = options
+        """What every process of this cluster runs with (:class:`Cluster` takes it)."""
+        self.transport = options.transport
         self.max_restarts = max_restarts
         self.on_startup_failure = on_startup_failure
         self.grace = grace
@@ -174,15 +180,6 @@ class LocalCluster:
             if num_threads is not None
             else max(1, (os.cpu_count() or 1) // (num_ps + num_worker))
         )
-        self._options = {
-            "rpc_timeout": rpc_timeout,
-            "checkpoint_dir": None if checkpoint_dir is None else os.fspath(checkpoint_dir),
-            "checkpoint_every": checkpoint_every,
-            "strategy": strategy,
-            "transport": kind,
-            "reconnect_timeout": reconnect_timeout,
-            "idle_timeout": timeout if idle_timeout is None else idle_timeout,
-        }
         self._store: dist.TCPStore | None = None
         self._sup: ProcessSupervisor | None = None
         self._thread: threading.Thread | None = None
@@ -193,13 +190,6 @@ class LocalCluster:
         self._lock = threading.Lock()
 
     # ---- running --------------------------------------------------------------------------------
-    @property
-    def store_address(self) -> tuple[str, int]:
-        """``(host, port)`` of the cluster's store (for :meth:`Cluster.join` from elsewhere)."""
-        if self._store is None:
-            raise RuntimeError("the cluster is not started")
-        return "127.0.0.1", self._store.port
-
     def _env(self, rank: int) -> dict[str, str]:
         assert self._store is not None
         env = torchrun_env(rank, self.num_ps + self.num_worker, self._store.port)
@@ -221,7 +211,7 @@ class LocalCluster:
             on_failure=self._on_worker_failure,
         )
         self._started = time.monotonic()
-        main = (self.num_ps, self._options, self.worker_fn, self.args)
+        main = (self.num_ps, self.options, self.worker_fn, self.args)
         try:
             for s in range(self.num_ps):
                 self._sup.add(
@@ -266,7 +256,7 @@ class LocalCluster:
         if args is not None and not isinstance(args, tuple):
             raise TypeError(f"args must be a tuple, got {type(args).__name__}")
         with self._lock:
-            task = self.num_worker + int(self._store.add(f"{_namespace()}/late", 1)) - 1
+            task = self.num_worker + int(self._store.add(f"{store_namespace()}/late", 1)) - 1
             env = {
                 **self._env(0),
                 JOIN_ENV: f"127.0.0.1:{self._store.port}",
@@ -274,7 +264,7 @@ class LocalCluster:
             }
             for k in ("RANK", "LOCAL_RANK"):
                 env.pop(k, None)
-            main = (self.num_ps, self._options, self.worker_fn, self.args if args is None else args)
+            main = (self.num_ps, self.options, self.worker_fn, self.args if args is None else args)
             index = self._sup.add(_spawn_main, main, name=f"worker {task}", env=env, critical=False)
             self._tasks[index] = task
         return task
@@ -283,7 +273,7 @@ class LocalCluster:
         """A worker process failed: mark it in the store; a death at start-up fails the run."""
         assert self._store is not None
         task = self._tasks[outcome.index]
-        ns = _namespace()
+        ns = store_namespace()
         up = self._store.check([f"{ns}/worker/{task}/up"])
         if not outcome.raised and not up and self.on_startup_failure == "fail":
             raise WorkerStartupError(
@@ -364,25 +354,15 @@ class LocalCluster:
 
 
 def spawn(
-    worker_fn: Callable[..., Any],
-    num_worker: int,
-    num_ps: int = 1,
-    args: tuple[Any, ...] = (),
-    timeout: float = 300.0,
-    checkpoint_dir: str | os.PathLike[str] | None = None,
-    checkpoint_every: int | None = None,
-    *,
-    rpc_timeout: float | None = None,
-    strategy: str = "round_robin",
-    num_threads: int | None = None,
-    transport: str = "p2p",
-    max_restarts: int = 0,
-    reconnect_timeout: float | None = None,
-    on_startup_failure: str = "fail",
-    idle_timeout: float | None = None,
-    grace: float = DEFAULT_GRACE,
+    worker_fn: Callable[..., Any], num_worker: int, *args: Any, **kwargs: Any
 ) -> ClusterResult:
     """Run a local AGN cluster: ``num_ps`` shard processes and ``num_worker`` worker processes.
+
+    ``LocalCluster(worker_fn, num_worker, *args, **kwargs).start().wait()``: the arguments are
+    :class:`LocalCluster`'s -- ``num_ps=1, args=(), timeout=300.0, checkpoint_dir=None,
+    checkpoint_every=None`` and, keyword-only, ``rpc_timeout``, ``strategy``, ``num_threads``,
+    ``transport``, ``max_restarts``, ``reconnect_timeout``, ``on_startup_failure``,
+    ``idle_timeout``, ``grace`` -- described here.
 
     Each worker runs ``worker_fn(ctx, *args)`` (``ctx``: its :class:`Cluster`, with
     ``task_index``, ``is_chief``, ``num_worker``, ``num_ps``, ``custom_getter``); shards serve
@@ -404,23 +384,6 @@ def spawn(
     (default ``min(60, timeout)``) bounds each request; ``transport``: ``"p2p"`` (default) or
     ``"rpc"`` (see :mod:`distoptim.agn.transport`). Late workers: use :class:`LocalCluster`.
     """
-    cluster = LocalCluster(
-        worker_fn,
-        num_worker,
-        num_ps,
-        args,
-        timeout,
-        checkpoint_dir,
-        checkpoint_every,
-        rpc_timeout=rpc_timeout,
-        strategy=strategy,
-        num_threads=num_threads,
-        transport=transport,
-        max_restarts=max_restarts,
-        reconnect_timeout=reconnect_timeout,
-        on_startup_failure=on_startup_failure,
-        idle_timeout=idle_timeout,
-        grace=grace,
-    )
+    cluster = LocalCluster(worker_fn, num_worker, *args, **kwargs)
     with cluster:
         return cluster.start().wait()
