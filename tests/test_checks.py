@@ -66,6 +66,8 @@ def test_check_seconds_and_path():
         checks.check_seconds("t", 0)
     with pytest.raises(ValueError, match=r"seconds"):
         checks.check_seconds("t", False, allow_zero=True)
+    with pytest.raises(ValueError, match=r"t must be a finite number >= 0 \(seconds\), got -1"):
+        checks.check_seconds("t", -1, allow_zero=True)
     assert checks.check_path("p", pathlib.Path("/tmp/x")) == "/tmp/x"
     assert checks.check_path("p", None, optional=True) is None
     with pytest.raises(TypeError, match=r"p must be a path \(str or os.PathLike\) or None"):

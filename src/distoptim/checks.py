@@ -124,8 +124,13 @@ def check_real(
 
 def check_seconds(name: str, value: Any, *, allow_zero: bool = False) -> float:
     """A duration in seconds: a finite number ``> 0`` (``>= 0`` with ``allow_zero``)."""
-    if allow_zero and value == 0 and not isinstance(value, bool):
-        return 0.0
+    if allow_zero:
+        try:
+            return check_real(name, value, 0.0)
+        except ValueError:
+            raise ValueError(
+                f"{name} must be a finite number >= 0 (seconds), got {value!r}"
+            ) from None
     return check_positive(name, value, "seconds")
 
 
