@@ -53,7 +53,7 @@ def _sgd(m, **kw):
         ({"custom_getter": lambda *a: None}, TypeError, "custom_getter must be"),
         ({"custom_getter": "round_robin"}, TypeError, "custom_getter must be"),
         ({"update_rule": "momentum"}, ValueError, "update_rule must be one of"),
-        ({"use_locking": "yes"}, TypeError, "use_locking must be a bool"),
+        ({"use_locking": "yes"}, TypeError, "use_locking must be True or False"),
         ({"name": ""}, TypeError, "name must be a non-empty str"),
     ],
 )
@@ -101,7 +101,7 @@ def test_hook_outside_a_cluster_and_bad_hook_arguments():
     opt = distoptim.AGNOptimizer(_sgd(_model()), 2)
     with pytest.raises(RuntimeError, match="not part of an AGN cluster"):
         opt.make_session_run_hook(True, 0).begin()
-    with pytest.raises(TypeError, match="is_chief must be a bool"):
+    with pytest.raises(TypeError, match="is_chief must be True or False"):
         opt.make_session_run_hook("yes", 0)
     with pytest.raises(ValueError, match="task_index"):
         opt.make_session_run_hook(True, -1)

@@ -31,11 +31,11 @@ the shards pickled inside the chief's seed, so they must be picklable and compar
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
+from distoptim.checks import check_int, check_real
 from distoptim.elementwise_rule import elementwise
 
 __all__ = [
@@ -185,30 +185,17 @@ class DelayedNesterov(torch.optim.Optimizer):
         buffer_size: int = 1,
         activation: float = 0.0,
     ) -> None:
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 <= lr < math.inf:
-            raise ValueError(f"lr must be a finite number >= 0, got {lr!r}")
-        if (
-            isinstance(momentum, bool)
-            or not isinstance(momentum, (int, float))
-            or not 0 <= momentum < 1
-        ):
-            raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}")
-        if isinstance(buffer_size, bool) or not isinstance(buffer_size, int) or buffer_size < 1:
-            raise ValueError(f"buffer_size must be an int >= 1, got {buffer_size!r}")
-        if (
-            isinstance(activation, bool)
-            or not isinstance(activation, (int, float))
-            or not 0 <= activation <= 1 / buffer_size
-        ):
-            raise ValueError(
-                f"activation (the paper's c) must be a number in [0, 1/buffer_size] = "
-                f"[0, {1 / buffer_size:g}], got {activation!r}"
-            )
+        buffer_size = check_int("buffer_size", buffer_size, 1)
         defaults = {
-            "lr": float(lr),
-            "momentum": float(momentum),
+            "lr": check_real("lr", lr, 0.0),
+            "momentum": check_real("momentum", momentum, 0.0, 1.0, high_open=True),
             "buffer_size": buffer_size,
-            "activation": float(activation),
+            "activation": check_real(
+                "activation (the paper's c, in [0, 1/buffer_size])",
+                activation,
+                0.0,
+                1 / buffer_size,
+            ),
         }
         super().__init__(params, defaults)
 

@@ -67,7 +67,7 @@ from distoptim.agn.transport.messages import (
     Seed,
     TableSpec,
 )
-from distoptim.checks import check_finite_hyperparameters, check_int
+from distoptim.checks import check_bool, check_finite_hyperparameters, check_int
 from distoptim.comm.link import transmit
 from distoptim.protocol import WrappedOptimizer
 
@@ -197,8 +197,7 @@ class AsyncWorkerOptimizer(WrappedOptimizer):
                 "custom_getter must be a distoptim.AGNCustomGetter or None (the cluster's "
                 f"default placement), got {type(custom_getter).__name__}"
             )
-        if not isinstance(use_locking, bool):
-            raise TypeError(f"use_locking must be a bool, got {type(use_locking).__name__}")
+        check_bool("use_locking", use_locking)
         if not isinstance(name, str) or not name:
             raise TypeError(f"name must be a non-empty str, got {name!r}")
         check_finite_hyperparameters(optimizer, type(self).__name__)
@@ -413,8 +412,7 @@ class AsyncWorkerOptimizer(WrappedOptimizer):
     # ---- TF API ---------------------------------------------------------------------------------
     def make_session_run_hook(self, is_chief: bool, task_index: int) -> SessionRunHook:
         """The hook that initializes the centers (see :class:`SessionRunHook`)."""
-        if not isinstance(is_chief, bool):
-            raise TypeError(f"is_chief must be a bool, got {type(is_chief).__name__}")
+        check_bool("is_chief", is_chief)
         check_int("task_index", task_index, 0)
         return SessionRunHook(self, is_chief, task_index)
 
