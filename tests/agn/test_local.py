@@ -515,6 +515,9 @@ def test_shard_link_is_the_public_extension_point():
     assert torch.equal(p[1].detach(), torch.tensor([4.0, 5.0, 6.0]))
     assert torch.equal(link.local()["float32"], torch.arange(7.0))
     assert link.reply_buffers() is link.reply_buffers()
+    # docs/agn.md's whole-buffer algorithm commits link.delta(divisor=2): (θ - θ_pulled) / 2
+    link.pulled = {"float32": torch.ones(7)}
+    assert torch.equal(link.delta(divisor=2)["float32"], (torch.arange(7.0) - 1) / 2)
 
 
 def _serve_with_store(world_size: int, prepare: Callable[[Any], None]) -> tuple[Any, float]:
