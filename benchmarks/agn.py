@@ -26,7 +26,7 @@ Every process runs on this machine (loopback). Sections (all by default):
 Run::
 
     python benchmarks/agn.py                   # everything, ~10 minutes on 2 busy cores
-    python benchmarks/agn.py --quick           # a smoke run
+    python benchmarks/agn.py --quick           # a smoke run: every section, well under a minute
     python benchmarks/agn.py --only round_trip --reps 30
 
 Prints medians and paired ratios; writes ``benchmarks/results/agn.json`` with the machine's
@@ -58,7 +58,7 @@ from torch import nn
 
 import distoptim
 from distoptim.agn import Cluster, LocalCluster, WorkerStartupError, spawn
-from distoptim.agn.center_guard import Backup, finite
+from distoptim.agn.center_guard import Backup, BackupUnit, finite
 from distoptim.agn.flat import FlatLayout
 from distoptim.agn.transport.messages import Echo, EchoReply, Ping
 from distoptim.agn.transport.rpc import RpcTransport
@@ -108,7 +108,9 @@ def _passes(reps: int) -> dict[str, float]:
     views = layout.views(center)
     opt = torch.optim.SGD(views, lr=1e-9)
     grads = layout.views(acc)
-    backup = Backup.like(center)
+    # the guard's backup of the whole center and the optimizer's state, as one unit
+    whole = [(k, 0, t.numel()) for k, t in center.items()]
+    backup = Backup(center, [BackupUnit(whole, views)], opt)
 
     def step():
         for p, g in zip(views, grads):
@@ -118,9 +120,7 @@ def _passes(reps: int) -> dict[str, float]:
     return {
         "worker: a/λ in place": _time(lambda: acc["float32"].div_(1.0), reps),
         "shard: finite check (sum)": _time(lambda: finite(center), reps),
-        "shard: backup copy": _time(
-            lambda: backup.take(center, opt, -1) or setattr(backup, "version", None), reps
-        ),
+        "shard: backup copy": _time(lambda: backup.take(0, center, -1), reps),
         "shard: SGD step": _time(step, reps),
         "worker: reply -> parameters": _time(
             lambda: torch._foreach_copy_([p.detach() for p in params], views), reps
@@ -315,14 +315,14 @@ def _raise_between_collectives(rank: int, world_size: int) -> int:
     return rank
 
 
-def _faults(trials: int) -> dict[str, Any]:
+def _faults(trials: int, quick: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as d:
-        every, steps = 10, 60
+        every, steps, kill_at = (5, 16, 6) if quick else (10, 60, 25)
         r = spawn(
             _restart_fn,
             2,
-            args=(steps, 25),
+            args=(steps, kill_at),
             timeout=600,
             rpc_timeout=60,
             checkpoint_dir=d,
@@ -406,18 +406,30 @@ def _faults(trials: int) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="a smoke run (few repetitions)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run: every section, one configuration each, few repetitions",
+    )
     ap.add_argument("--only", choices=SECTIONS, action="append", help="run only these sections")
     ap.add_argument("--reps", type=int, default=None, help="round trips per configuration")
     ap.add_argument("--seconds", type=float, default=None, help="throughput phase length")
     ap.add_argument("--trials", type=int, default=None, help="real-cause trials per launcher")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "agn.json"))
+    ap.add_argument(
+        "--out",
+        default=str(Path(__file__).parent / "results" / "agn.json"),
+        help="the JSON file to write, or a directory to write agn.json in",
+    )
     args = ap.parse_args()
     sections = args.only or list(SECTIONS)
-    reps = args.reps or (5 if args.quick else 20)
-    seconds = args.seconds or (2.0 if args.quick else 5.0)
+    reps = args.reps or (3 if args.quick else 20)
+    seconds = args.seconds or (0.5 if args.quick else 5.0)
     trials = args.trials or (1 if args.quick else 6)
+    configs = ((1, True),) if args.quick else ((1, True), (2, True), (1, False))
+    worker_counts = (1, 2) if args.quick else (1, 2, 4)
     out_path = Path(args.out)
+    if out_path.is_dir() or args.out.endswith(os.sep):
+        out_path = out_path / "agn.json"
     results: dict[str, Any] = {}
     if args.only and out_path.exists():  # keep the other sections of the last full run
         results = json.loads(out_path.read_text())
@@ -440,7 +452,7 @@ def main() -> None:
         start = _load()
         print(f"round trip, {reps} reps, shuffled per rep:", flush=True)
         rt: dict[str, Any] = {}
-        for num_ps, shm in ((1, True), (2, True), (1, False)):
+        for num_ps, shm in configs:
             key = f"{num_ps}ps" if shm else f"{num_ps}ps_pair"
             out = _run_dual(1, num_ps, "round_trip", (reps,), shm=shm)[0]
             t = out["times"]
@@ -477,7 +489,7 @@ def main() -> None:
         start = _load()
         print(f"commits/s, phases of {seconds:g} s (p2p, rpc, rpc, p2p):", flush=True)
         tp: dict[str, Any] = {}
-        for w in (1, 2, 4):
+        for w in worker_counts:
             outs = _run_dual(w, 1, "throughput", (seconds,))
             per = {"p2p": [], "rpc": []}
             for phase in range(4):
@@ -502,14 +514,14 @@ def main() -> None:
     if "faults" in sections:
         start = _load()
         print("faults (p2p):", flush=True)
-        results["faults"] = _faults(trials)
+        results["faults"] = _faults(trials, args.quick)
         loads["faults"] = {"start": start, "end": _load()}
 
     for name in sections:
         print(f"load average during {name}: {loads[name]['start']} -> {loads[name]['end']}")
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(results, indent=2, default=str) + "\n")
-    print(f"wrote {args.out}")
+    print(f"wrote {out_path}")
 
 
 if __name__ == "__main__":
