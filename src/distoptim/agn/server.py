@@ -25,31 +25,25 @@ died). :meth:`wait_for_workers` returns once every worker the cluster knows of i
 ``num_worker`` is the expected count and late workers add to it (elastic clusters). A dead
 worker that reconnects (p2p) is alive again.
 
-Checkpoints (``checkpoint_dir``): ``ps{shard}.pt`` holds every table (center, rule, optimizer
-class/hyperparameters/state, counters). It is written to a temporary file and renamed over the
-old one (atomic on POSIX), every ``checkpoint_every`` accepted commits of a table -- before that
-table accepts its next commit, so a restart loses at most ``checkpoint_every`` of its accepted
-commits (plus the commits in flight, which their workers see fail) -- and when the shard stops.
-A shard started with an existing checkpoint loads it (after removing temporary files a killed
-shard may have left): its tables are seeded already, so the chief's seed is ignored (the chief
+Checkpoints (``checkpoint_dir``, :mod:`distoptim.agn.shard_checkpoint`): every
+``checkpoint_every`` accepted commits of a table -- before that table accepts its next commit, so a
+restart loses at most ``checkpoint_every`` of its accepted commits (plus the commits in flight,
+which their workers see fail) -- and when the shard stops. A shard started with an existing
+checkpoint loads it: its tables are seeded already, so the chief's seed is ignored (the chief
 pulls the resumed center like everyone else) and ``version`` continues.
 """
 
 from __future__ import annotations
 
-import contextlib
-import glob
 import os
 import socket
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import torch
-
 from distoptim.agn.flat import DEFAULT_CHUNK_BYTES, nbytes
+from distoptim.agn.shard_checkpoint import CHECKPOINT_FORMAT, ShardCheckpoint
 from distoptim.agn.table import Table
 from distoptim.agn.transport.base import Handled, Inflow
 from distoptim.agn.transport.messages import (
@@ -72,8 +66,6 @@ from distoptim.agn.transport.messages import (
 from distoptim.comm.link import transmit
 
 __all__ = ["CHECKPOINT_FORMAT", "CHUNK_ENV", "ParameterServer"]
-
-CHECKPOINT_FORMAT = 1
 
 CHUNK_ENV = "DISTOPTIM_AGN_CHUNK_BYTES"
 """Overrides :data:`~distoptim.agn.flat.DEFAULT_CHUNK_BYTES` for a shard started with it set."""
@@ -129,12 +121,16 @@ class ParameterServer:
         self._failed: set[int] = set()
         self._dead: set[int] = set()
         self._hosts: dict[int, str] = {}
-        self._ckpt_lock = threading.Lock()
         self.started = time.monotonic()
+        self._checkpoint: ShardCheckpoint | None = None
         if self.checkpoint_dir is not None:
-            os.makedirs(self.checkpoint_dir, exist_ok=True)
-            self.removed_temporaries = self._remove_temporaries()
-            self._load_checkpoint()
+            self._checkpoint = ShardCheckpoint(self.checkpoint_dir, shard, num_ps)
+            self.removed_temporaries = self._checkpoint.remove_temporaries()
+            for name, state in self._checkpoint.load().items():
+                table = Table.from_state(name, state, self.chunk_bytes)
+                table.saved_state = state
+                self._tables[name] = table
+                self._resumed.add(name)
 
     # ---- requests ----------------------------------------------------------------------------
     def handle(
@@ -279,86 +275,17 @@ class ParameterServer:
     # ---- checkpoints ---------------------------------------------------------------------------
     @property
     def checkpoint_path(self) -> str | None:
-        if self.checkpoint_dir is None:
-            return None
-        return os.path.join(self.checkpoint_dir, f"ps{self.shard}.pt")
-
-    def _remove_temporaries(self) -> list[str]:
-        """Delete temporary checkpoint files a killed shard left (``.ps{shard}.*``)."""
-        assert self.checkpoint_dir is not None
-        removed = []
-        for path in glob.glob(os.path.join(self.checkpoint_dir, f".ps{self.shard}.*")):
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-                removed.append(path)
-        return removed
-
-    def _load_checkpoint(self) -> None:
-        path = self.checkpoint_path
-        assert path is not None
-        if not os.path.exists(path):
-            return
-        blob = torch.load(path, weights_only=False)
-        if blob.get("format") != CHECKPOINT_FORMAT or blob.get("num_ps") != self.num_ps:
-            raise ValueError(
-                f"checkpoint {path} was written by a cluster with num_ps={blob.get('num_ps')} "
-                f"(format {blob.get('format')}); this one has num_ps={self.num_ps}: restart "
-                "with the same number of parameter servers or use another checkpoint_dir"
-            )
-        for name, state in blob["tables"].items():
-            self._tables[name] = Table.from_state(name, state, self.chunk_bytes)
-            self._tables[name].saved_state = state
-            self._resumed.add(name)
+        return None if self._checkpoint is None else self._checkpoint.path
 
     def checkpoint(self, held: Table | None = None) -> str | None:
-        """Write every table to ``ps{shard}.pt`` atomically (temp file + rename).
-
-        Each table is written as it is now, except while a commit of table ``held`` (whose
-        write lock the caller holds) makes this checkpoint: then ``held`` is written as it is
-        now and the others as of their own latest checkpoint (taking their locks here could
-        deadlock with their own commits). A table's newest state always wins, so a slower
-        writer never replaces a newer state with an older one.
-        """
-        path = self.checkpoint_path
-        if path is None:
+        """Write every table to this shard's checkpoint file (:meth:`ShardCheckpoint.write
+        <distoptim.agn.shard_checkpoint.ShardCheckpoint.write>`: ``held``'s write lock is the
+        caller's); its path, or None without ``checkpoint_dir``."""
+        if self._checkpoint is None:
             return None
         with self._cond:
             tables = dict(self._tables)
-        fresh = {}
-        for name, t in tables.items():
-            if held is None or t is held:
-                fresh[name] = t.state(locked=t is held)
-        with self._ckpt_lock:
-            states = {}
-            for name, t in tables.items():
-                new = fresh.get(name)
-                old = t.saved_state
-                newer = old is None or (
-                    new is not None and new["counters"]["version"] >= old["counters"]["version"]
-                )
-                if newer and new is not None:
-                    t.saved_state = new
-                if t.saved_state is None:  # not checkpointed yet and locked by its owner
-                    continue
-                states[name] = t.saved_state
-            blob = {
-                "format": CHECKPOINT_FORMAT,
-                "shard": self.shard,
-                "num_ps": self.num_ps,
-                "tables": states,
-            }
-            fd, tmp = tempfile.mkstemp(prefix=f".ps{self.shard}.", dir=self.checkpoint_dir)
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    torch.save(blob, f)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
-        return path
+        return self._checkpoint.write(tables, held)
 
     # ---- workers' lifecycle ----------------------------------------------------------------------
     def finish(self, task: int, failed: bool) -> Ack:
