@@ -4,10 +4,10 @@ Owns nothing itself; the public names of the package:
 
 * :func:`spawn`, :class:`LocalCluster` (late workers, shard restarts), :class:`Cluster`
   (``Cluster.from_env`` under torchrun, ``Cluster.join`` for a late worker),
-  :class:`ClusterResult`, :class:`ClusterStats`, :class:`ShardReport`,
-  :class:`ParameterServerError` -- the cluster (:mod:`distoptim.agn.cluster`; local clusters:
-  :mod:`distoptim.agn.local_cluster`), on the transports
-  of :mod:`distoptim.agn.transport` (``"p2p"``, the default, or ``"rpc"``);
+  :class:`ClusterOptions` (what every process of a cluster runs with), :class:`ClusterResult`,
+  :class:`ClusterStats`, :class:`ShardReport`, :class:`ParameterServerError` -- the cluster
+  (:mod:`distoptim.agn.cluster`; local clusters: :mod:`distoptim.agn.local_cluster`), on the
+  transports of :mod:`distoptim.agn.transport` (``"p2p"``, the default, or ``"rpc"``);
 * :class:`AGNOptimizer` (:mod:`~distoptim.agn.agn`), :class:`DownpourOptimizer`
   (:mod:`~distoptim.agn.downpour`), :class:`ElasticAverageOptimizer`
   (:mod:`~distoptim.agn.easgd`), :class:`AsyncDiLoCoOptimizer`
@@ -22,7 +22,14 @@ The algorithms' math, the transports and the fault semantics are in ``docs/agn.m
 
 from distoptim.agn.agn import AGNOptimizer
 from distoptim.agn.async_diloco import AsyncDiLoCoOptimizer
-from distoptim.agn.cluster import TRANSPORTS, Cluster, ClusterStats, ShardReport, current_cluster
+from distoptim.agn.cluster import (
+    TRANSPORTS,
+    Cluster,
+    ClusterOptions,
+    ClusterStats,
+    ShardReport,
+    current_cluster,
+)
 from distoptim.agn.downpour import DownpourOptimizer
 from distoptim.agn.easgd import ElasticAverageOptimizer
 from distoptim.agn.getter import AGNCustomGetter
@@ -46,6 +53,7 @@ __all__ = [
     "ApplyOptimizer",
     "AsyncDiLoCoOptimizer",
     "Cluster",
+    "ClusterOptions",
     "ClusterResult",
     "ClusterStats",
     "DelayedNesterov",
