@@ -110,7 +110,8 @@ def _agn(r: dict[str, Any]) -> None:
     assert {"machine", "model", "loadavg"} <= r.keys()
     assert {"passes_ms", "round_trip", "commits_per_s", "faults"} <= r.keys()
     assert all(_positive(ms) for ms in r["passes_ms"].values())
-    assert {"1ps", "2ps"} <= r["round_trip"].keys()
+    assert "1ps" in r["round_trip"]  # the quick run measures one shard only
+    assert all(_positive(ms) for ms in r["round_trip"]["1ps"]["median_ms"].values())
 
 
 def _lm_size(r: dict[str, Any]) -> None:
