@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from distoptim import CrossShardOptimizer, DesyncError
-from distoptim import cross_shard_sharding as sharding
 from distoptim.cross_shard_sharding import ELEMENTWISE_OPTIMIZERS, elementwise
 from distoptim.launch import spawn
+from distoptim.sync import sharding
 from tests.test_cross_shard import TwoHeads, clipped_on_one_rank
 
 PER_RANK = 4
