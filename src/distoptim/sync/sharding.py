@@ -35,8 +35,9 @@ segments and its ``state`` is the shard state; hyperparameters, LR schedulers, h
 element-wise subclass work unchanged. Outside the step its param groups list the real
 parameters again and its own ``state`` stays empty.
 
-Which optimizers: the element-wise ones of :mod:`distoptim.elementwise_rule` (its names are
-re-exported here for 0.2.0 code); anything else is refused by :func:`check_elementwise`.
+Which optimizers: the element-wise ones of :mod:`distoptim.elementwise_rule`; anything else is
+refused by :func:`check_elementwise`. The round around this update -- reduce-scatter, agreement,
+all-gather -- is :class:`~distoptim.sync.sharded.ShardedApply`'s.
 """
 
 from __future__ import annotations
@@ -55,14 +56,9 @@ from distoptim.comm.bucket import BucketPlan
 from distoptim.comm.shard import Piece, ShardLayout
 from distoptim.comm.shard_reducer import all_gather_shards
 from distoptim.comm.stats import CommStats
-from distoptim.elementwise_rule import ELEMENTWISE_OPTIMIZERS, elementwise, is_per_element
+from distoptim.elementwise_rule import is_per_element
 
-__all__ = [
-    "ELEMENTWISE_OPTIMIZERS",
-    "ShardedUpdate",
-    "check_elementwise",
-    "elementwise",
-]
+__all__ = ["SEGMENT_ELEMENTS", "ShardedUpdate", "State", "check_elementwise"]
 
 SEGMENT_ELEMENTS = 1 << 21
 """Largest segment (elements): 8 MB in float32, so Adam's temporaries stay under 16 MB."""
