@@ -88,7 +88,7 @@ class RoundDriver:
         self.plan_word = 0
         self.agreed: BucketPlan | None = None
         self.inflight: ReduceRound | None = None
-        self.overlap: BackwardOverlap | None = None
+        self.overlap_hooks: BackwardOverlap | None = None
         self.order_synced = False
         # whether zero_grad() ran while a round launched in place during backward was in flight
         self.zeroed_inflight = False
@@ -138,21 +138,21 @@ class RoundDriver:
         if not self.hooks_on:
             return
         if overlap:
-            self.overlap = BackwardOverlap(
+            self.overlap_hooks = BackwardOverlap(
                 self.plan,
                 self.options.backward_passes_per_step,
                 self.counter,
                 self._round_for_launch,
                 self.stats,
             )
-            self.overlap.attach()
+            self.overlap_hooks.attach()
         elif self.options.sequence_guard:
             self.counter.watch(sentinels(params))
 
     def _detach(self) -> None:
-        if self.overlap is not None:
-            self.overlap.detach()
-            self.overlap = None
+        if self.overlap_hooks is not None:
+            self.overlap_hooks.detach()
+            self.overlap_hooks = None
         self.counter.unwatch()
 
     def remove_hooks(self) -> None:
@@ -200,9 +200,8 @@ class RoundDriver:
         """
         plan = self.agreed
         assert plan is not None
-        observed = (
-            self.overlap.observed if self.overlap is not None and self.overlap.plan is plan else []
-        )
+        hooks = self.overlap_hooks
+        observed = hooks.observed if hooks is not None and hooks.plan is plan else []
         seen = set(observed)
         order = [1 if observed else 0, *observed, *(i for i in plan.order if i not in seen)]
         valid, *agreed = self.comm.broadcast_order(order)
@@ -345,8 +344,8 @@ class RoundDriver:
             return self._agreed_round(RoundKind.STEP, self.grad_round, rnd, edited)
         finally:
             self.counter.reset()
-            if self.overlap is not None:
-                self.overlap.new_step()
+            if self.overlap_hooks is not None:
+                self.overlap_hooks.new_step()
 
     def end_step(self) -> None:
         """After an applied ``step()``: with overlap, the bucket rebuild (once per plan)."""
