@@ -119,7 +119,7 @@ def _build(name: str, model: nn.Module, device: torch.device) -> tuple[nn.Module
 
 def _state_bytes(name: str, opt: Any) -> int:
     if name.startswith("sharded"):
-        return opt._sharded.state_bytes()
+        return opt._apply.update.state_bytes()
     inner = opt.optim if name == "zero" else getattr(opt, "wrapped", opt)
     return sum(
         v.numel() * v.element_size()

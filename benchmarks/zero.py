@@ -114,7 +114,7 @@ def _contender(
 def state_bytes(method: str, opt: Any) -> int:
     """Optimizer state bytes this rank holds (tensors of one or more dimensions: moments)."""
     if method.startswith("sharded"):
-        return opt._sharded.state_bytes()
+        return opt._apply.update.state_bytes()
     inner = opt.optim if method.startswith("zero") else getattr(opt, "wrapped", opt)
     return sum(
         v.numel() * v.element_size()
