@@ -26,7 +26,7 @@ Every process runs on this machine (loopback). Sections (all by default):
 Run::
 
     python benchmarks/agn.py                   # everything, ~10 minutes on 2 busy cores
-    python benchmarks/agn.py --quick           # a smoke run
+    python benchmarks/agn.py --quick           # a smoke run: every section, well under a minute
     python benchmarks/agn.py --only round_trip --reps 30
 
 Prints medians and paired ratios; writes ``benchmarks/results/agn.json`` with the machine's
@@ -34,6 +34,10 @@ load average at the start and end of each section (on a shared 2-core machine th
 with the load); ``--only`` updates its sections and keeps the others. The round trip runs three
 configurations: 1 and 2 shards with p2p's shared-memory segments (same machine), and 1 shard with
 p2p's buffers on the gloo pair (``DISTOPTIM_AGN_SHM=0``: what p2p does across machines).
+``--quick`` (a smoke run that checks every section still works, not a measurement) runs each
+section once in its smallest form: the round trip (1 shard, shared memory, 3 reps) and the
+throughput (1 worker, 0.5 s phases) in one cluster, and the fault scenarios with one worker each
+(two for the real cause); process starts are most of its time.
 """
 
 from __future__ import annotations
@@ -58,8 +62,8 @@ from torch import nn
 
 import distoptim
 from distoptim.agn import Cluster, LocalCluster, WorkerStartupError, spawn
+from distoptim.agn.center_guard import Backup, BackupUnit, finite
 from distoptim.agn.flat import FlatLayout
-from distoptim.agn.rules import Backup, finite
 from distoptim.agn.transport.messages import Echo, EchoReply, Ping
 from distoptim.agn.transport.rpc import RpcTransport
 from distoptim.launch import RankFailedError, run_processes, torchrun_env
@@ -108,7 +112,9 @@ def _passes(reps: int) -> dict[str, float]:
     views = layout.views(center)
     opt = torch.optim.SGD(views, lr=1e-9)
     grads = layout.views(acc)
-    backup = Backup.like(center)
+    # the guard's backup of the whole center and the optimizer's state, as one unit
+    whole = [(k, 0, t.numel()) for k, t in center.items()]
+    backup = Backup(center, [BackupUnit(whole, views)], opt)
 
     def step():
         for p, g in zip(views, grads):
@@ -118,9 +124,7 @@ def _passes(reps: int) -> dict[str, float]:
     return {
         "worker: a/λ in place": _time(lambda: acc["float32"].div_(1.0), reps),
         "shard: finite check (sum)": _time(lambda: finite(center), reps),
-        "shard: backup copy": _time(
-            lambda: backup.take(center, opt, -1) or setattr(backup, "version", None), reps
-        ),
+        "shard: backup copy": _time(lambda: backup.take(0, center, -1), reps),
         "shard: SGD step": _time(step, reps),
         "worker: reply -> parameters": _time(
             lambda: torch._foreach_copy_([p.detach() for p in params], views), reps
@@ -189,8 +193,8 @@ def _echo(ctx, flats: list[torch.Tensor]) -> None:
         assert isinstance(reply, EchoReply)
 
 
-def _round_trip(ctx, transports, reps: int) -> dict[str, Any]:
-    model, opt = _agn(ctx)
+def _round_trip(ctx, transports, reps: int, agn=None) -> dict[str, Any]:
+    model, opt = agn or _agn(ctx)
     n = sum(p.numel() for p in model.parameters())
     flat = [torch.randn(link.layout.numel()) for link in opt._conn.links]
     times: dict[str, list[float]] = {
@@ -223,8 +227,8 @@ def _barrier(ctx, name: str) -> None:
         time.sleep(0.001)
 
 
-def _throughput(ctx, transports, seconds: float) -> list[dict[str, Any]]:
-    _, opt = _agn(ctx)
+def _throughput(ctx, transports, seconds: float, agn=None) -> list[dict[str, Any]]:
+    _, opt = agn or _agn(ctx)
     out = []
     for phase, kind in enumerate(("p2p", "rpc", "rpc", "p2p")):
         _barrier(ctx, f"bench/phase{phase}")
@@ -238,7 +242,17 @@ def _throughput(ctx, transports, seconds: float) -> list[dict[str, Any]]:
     return out
 
 
-_MODES = {"round_trip": _round_trip, "throughput": _throughput}
+def _both(ctx, transports, reps: int, seconds: float) -> dict[str, Any]:
+    """``--quick``: the round trip, then the throughput, in one cluster of one shard and one
+    worker (starting processes costs more than both)."""
+    agn = _agn(ctx)
+    return {
+        "round_trip": _round_trip(ctx, transports, reps, agn),
+        "throughput": _throughput(ctx, transports, seconds, agn),
+    }
+
+
+_MODES = {"round_trip": _round_trip, "throughput": _throughput, "both": _both}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,9 +277,15 @@ def _small_step(model, opt) -> None:
 
 def _restart_fn(ctx, steps: int, kill_at: int) -> dict[str, Any]:
     model, opt = _small(ctx)
+    ctx.store.set(f"bench/ready/{ctx.task_index}", "1")  # connected and initialized
     killed = resumed = None
     for k in range(steps):
         if ctx.is_chief and k == kill_at:
+            # the others must be past their initialization: a shard death during it fails a
+            # worker (docs/agn.md, Shard restart)
+            others = [f"bench/ready/{t}" for t in range(1, ctx.num_worker)]
+            if others:
+                ctx.store.wait(others, timedelta(seconds=300))
             os.kill(ctx.request(0, Ping()).pid, signal.SIGKILL)
             killed = time.monotonic()
             ctx.store.set("bench/killed", "1")
@@ -277,7 +297,7 @@ def _restart_fn(ctx, steps: int, kill_at: int) -> dict[str, Any]:
     return {"resume_s": None if killed is None else resumed - killed, "lost": opt.lost_commits}
 
 
-def _late_fn(ctx, out_dir: str) -> dict[str, Any]:
+def _late_fn(ctx, out_dir: str, pause: float = 0.0) -> dict[str, Any]:
     joined = time.time()
     model, opt = _small(ctx)
     first = None
@@ -292,6 +312,7 @@ def _late_fn(ctx, out_dir: str) -> dict[str, Any]:
             (path / "ready").write_text("1")
         if ctx.is_late or (path / "late_done").exists() or n > 100000:
             break
+        time.sleep(pause)  # --quick: leave the cores to the late worker's start
     if ctx.is_late:
         (path / "late_done").write_text("1")
     return {"joined": joined, "first_commit": first, "late": ctx.is_late}
@@ -315,14 +336,17 @@ def _raise_between_collectives(rank: int, world_size: int) -> int:
     return rank
 
 
-def _faults(trials: int) -> dict[str, Any]:
+def _faults(trials: int, quick: bool = False) -> dict[str, Any]:
+    """The fault scenarios (``quick``: one worker each, fewer steps, two workers for the real
+    cause: every process start costs seconds)."""
     out: dict[str, Any] = {}
+    workers = 1 if quick else 2
     with tempfile.TemporaryDirectory() as d:
-        every, steps = 10, 60
+        every, steps, kill_at = (5, 16, 6) if quick else (10, 60, 25)
         r = spawn(
             _restart_fn,
-            2,
-            args=(steps, 25),
+            workers,
+            args=(steps, kill_at),
             timeout=600,
             rpc_timeout=60,
             checkpoint_dir=d,
@@ -330,23 +354,24 @@ def _faults(trials: int) -> dict[str, Any]:
             max_restarts=1,
         )
         in_flight = sum(w["lost"] for w in r.worker_results)
-        rolled_back = 2 * steps - r.stats.global_step - r.stats.refused_commits - in_flight
+        rolled_back = workers * steps - r.stats.global_step - r.stats.refused_commits - in_flight
         out["shard_restart"] = {
             "kill_to_resume_s": r.worker_results[0]["resume_s"],
             "accepted_commits_rolled_back": rolled_back,
             "commits_lost_in_flight": in_flight,
             "checkpoint_every": every,
-            "workers": 2,
+            "workers": workers,
             "restarts": r.stats.shard_restarts,
         }
         print(
             f"  shard restart: killed -> resumed {out['shard_restart']['kill_to_resume_s']:.2f} s;"
             f" {rolled_back} accepted commits rolled back (checkpoint_every={every}), "
-            f"{in_flight} in flight lost (2 workers)",
+            f"{in_flight} in flight lost ({workers} worker(s))",
             flush=True,
         )
     with tempfile.TemporaryDirectory() as d:
-        with LocalCluster(_late_fn, 2, 1, (d,), timeout=600, rpc_timeout=60) as c:
+        late_args = (d, 0.01 if quick else 0.0)
+        with LocalCluster(_late_fn, workers, 1, late_args, timeout=600, rpc_timeout=60) as c:
             c.start()
             deadline = time.monotonic() + 300
             while not (Path(d) / "ready").exists() and time.monotonic() < deadline:
@@ -354,7 +379,7 @@ def _faults(trials: int) -> dict[str, Any]:
             added = time.time()
             c.add_worker()
             res = c.wait()
-        late = res.worker_results[2]
+        late = res.worker_results[workers]
         out["late_worker"] = {
             "add_to_first_commit_s": late["first_commit"] - added,
             "join_to_first_commit_s": late["first_commit"] - late["joined"],
@@ -365,10 +390,10 @@ def _faults(trials: int) -> dict[str, Any]:
             "join)",
             flush=True,
         )
-    c = LocalCluster(_raise_after_commits, 2, 1, timeout=600, rpc_timeout=60)
+    c = LocalCluster(_raise_after_commits, workers, 1, timeout=600, rpc_timeout=60)
     with c:
         c.start()
-        os.kill(c.pid("worker 1"), signal.SIGKILL)
+        os.kill(c.pid(f"worker {workers - 1}"), signal.SIGKILL)
         t = time.monotonic()
         try:
             c.wait()
@@ -389,7 +414,7 @@ def _faults(trials: int) -> dict[str, Any]:
         except RankFailedError as exc:
             hits["launch.spawn"] += isinstance(exc.__cause__, ValueError) and exc.rank == 1
         try:
-            spawn(_raise_after_commits, 3, timeout=300, rpc_timeout=60, num_threads=1)
+            spawn(_raise_after_commits, workers + 1, timeout=300, rpc_timeout=60, num_threads=1)
         except RankFailedError as exc:
             hits["agn.spawn"] += isinstance(exc.__cause__, ValueError) and exc.name == "worker 1"
     out["real_cause"] = {"trials": trials, **hits}
@@ -406,18 +431,30 @@ def _faults(trials: int) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="a smoke run (few repetitions)")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run: every section, one configuration each, few repetitions",
+    )
     ap.add_argument("--only", choices=SECTIONS, action="append", help="run only these sections")
     ap.add_argument("--reps", type=int, default=None, help="round trips per configuration")
     ap.add_argument("--seconds", type=float, default=None, help="throughput phase length")
     ap.add_argument("--trials", type=int, default=None, help="real-cause trials per launcher")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "agn.json"))
+    ap.add_argument(
+        "--out",
+        default=str(Path(__file__).parent / "results" / "agn.json"),
+        help="the JSON file to write, or a directory to write agn.json in",
+    )
     args = ap.parse_args()
     sections = args.only or list(SECTIONS)
-    reps = args.reps or (5 if args.quick else 20)
-    seconds = args.seconds or (2.0 if args.quick else 5.0)
+    reps = args.reps or (3 if args.quick else 20)
+    seconds = args.seconds or (0.5 if args.quick else 5.0)
     trials = args.trials or (1 if args.quick else 6)
+    configs = ((1, True),) if args.quick else ((1, True), (2, True), (1, False))
+    worker_counts = (1,) if args.quick else (1, 2, 4)
     out_path = Path(args.out)
+    if out_path.is_dir() or args.out.endswith(os.sep):
+        out_path = out_path / "agn.json"
     results: dict[str, Any] = {}
     if args.only and out_path.exists():  # keep the other sections of the last full run
         results = json.loads(out_path.read_text())
@@ -428,6 +465,11 @@ def main() -> None:
     }
     results["model"] = "MLP 784-1000-2000-1000-10 (float32, 4,798,010 parameters)"
     loads = results.setdefault("loadavg", {})
+    both: dict[str, Any] = {}  # --quick: the round trip and the throughput from one cluster
+    both_start: list[float] = []
+    if args.quick and {"round_trip", "throughput"} <= set(sections):
+        both_start = _load()
+        both = _run_dual(1, 1, "both", (reps, seconds))[0]
     if "passes" in sections:
         start = _load()
         print("passes over the 19.2 MB payload, one thread, medians:", flush=True)
@@ -437,12 +479,15 @@ def main() -> None:
         loads["passes"] = {"start": start, "end": _load()}
 
     if "round_trip" in sections:
-        start = _load()
+        start = both_start if both else _load()
         print(f"round trip, {reps} reps, shuffled per rep:", flush=True)
         rt: dict[str, Any] = {}
-        for num_ps, shm in ((1, True), (2, True), (1, False)):
+        for num_ps, shm in configs:
             key = f"{num_ps}ps" if shm else f"{num_ps}ps_pair"
-            out = _run_dual(1, num_ps, "round_trip", (reps,), shm=shm)[0]
+            if both:
+                out = both["round_trip"]
+            else:
+                out = _run_dual(1, num_ps, "round_trip", (reps,), shm=shm)[0]
             t = out["times"]
             med = {k: _median_ms(v) for k, v in t.items()}
 
@@ -474,11 +519,11 @@ def main() -> None:
         loads["round_trip"] = {"start": start, "end": _load()}
 
     if "throughput" in sections:
-        start = _load()
+        start = both_start if both else _load()
         print(f"commits/s, phases of {seconds:g} s (p2p, rpc, rpc, p2p):", flush=True)
         tp: dict[str, Any] = {}
-        for w in (1, 2, 4):
-            outs = _run_dual(w, 1, "throughput", (seconds,))
+        for w in worker_counts:
+            outs = [both["throughput"]] if both else _run_dual(w, 1, "throughput", (seconds,))
             per = {"p2p": [], "rpc": []}
             for phase in range(4):
                 rows = [o[phase] for o in outs]
@@ -502,14 +547,14 @@ def main() -> None:
     if "faults" in sections:
         start = _load()
         print("faults (p2p):", flush=True)
-        results["faults"] = _faults(trials)
+        results["faults"] = _faults(trials, args.quick)
         loads["faults"] = {"start": start, "end": _load()}
 
     for name in sections:
         print(f"load average during {name}: {loads[name]['start']} -> {loads[name]['end']}")
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(results, indent=2, default=str) + "\n")
-    print(f"wrote {args.out}")
+    print(f"wrote {out_path}")
 
 
 if __name__ == "__main__":

@@ -25,10 +25,14 @@ tensors into the buckets (``bucketed_*``), or with the gradients already in the 
 Run::
 
     python benchmarks/cross_shard.py            # ~3 minutes on 2 quiet cores
-    python benchmarks/cross_shard.py --quick    # a smoke run
+    python benchmarks/cross_shard.py --quick    # a smoke run: tiny models, seconds
     python benchmarks/cross_shard.py --bandwidth-only --repeats 100   # the reduction alone
 
-Prints medians and ratios; writes ``benchmarks/results/cross_shard.json``.
+Prints medians and ratios; writes ``benchmarks/results/cross_shard.json`` (``--out``). A
+``--quick`` run measures :data:`QUICK_CASES` (every method and every bandwidth contender on
+models of a few thousand parameters: the code paths, not the figures) and writes
+``benchmarks/results/quick/cross_shard.json`` unless ``--out`` says otherwise, so it never
+replaces the shipped figures.
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ from distoptim.comm.stats import CommStats
 from distoptim.launch import spawn
 
 CASES = {"mlp5m": (316, 50, 32), "small500": (32, 250, 32)}  # width, depth, batch
+QUICK_CASES = {"mlp_tiny": (32, 4, 8), "many_tiny": (8, 20, 4)}
+"""``--quick``'s cases: the same shapes of model, small enough for a smoke run in seconds."""
 METHODS = [
     "local",
     "cross_shard",
@@ -71,6 +77,7 @@ METHODS = [
     "naive",
 ]
 RESULTS = Path(__file__).resolve().parent / "results" / "cross_shard.json"
+QUICK_RESULTS = RESULTS.parent / "quick" / RESULTS.name
 
 
 def model_of(width: int, depth: int) -> nn.Module:
@@ -81,9 +88,12 @@ def model_of(width: int, depth: int) -> nn.Module:
     return nn.Sequential(*layers)
 
 
-def _iteration(method: str, case: str, rank: int, world: int) -> tuple[Callable[[], None], Any]:
-    """One training iteration of ``method`` on ``case``, as a closure (and its owner)."""
-    width, depth, batch = CASES[case]
+def _iteration(
+    method: str, case: tuple[int, int, int], rank: int, world: int
+) -> tuple[Callable[[], None], Any]:
+    """One training iteration of ``method`` on ``case`` (width, depth, batch), as a closure
+    (and its owner)."""
+    width, depth, batch = case
     model = model_of(width, depth)
     g = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(batch, width, generator=g)
@@ -116,9 +126,10 @@ def _iteration(method: str, case: str, rank: int, world: int) -> tuple[Callable[
     return run, (net, opt)
 
 
-def _bandwidth(rank: int, world: int, repeats: int) -> dict[str, Any]:
-    """Bucketed reduction of 100 tensors (~5M float32) vs one all-reduce of the same bytes."""
-    width, depth, _ = CASES["mlp5m"]
+def _bandwidth(rank: int, world: int, repeats: int, case: tuple[int, int, int]) -> dict[str, Any]:
+    """Bucketed reduction of ``case``'s gradients (``mlp5m``: 100 tensors, ~5M float32) vs one
+    all-reduce of the same bytes."""
+    width, depth, _ = case
     params = [p.detach().requires_grad_() for p in model_of(width, depth).parameters()]
     for p in params:
         p.grad = torch.randn_like(p)
@@ -232,11 +243,17 @@ def paired(times: dict[str, list[float]], a: str, b: str) -> float:
     return statistics.median(x / y for x, y in zip(times[a], times[b]))
 
 
-def _bench(rank: int, world: int, repeats: int, cases: list[str]) -> dict[str, Any]:
+def _bench(
+    rank: int,
+    world: int,
+    repeats: int,
+    cases: dict[str, tuple[int, int, int]],
+    bandwidth_case: tuple[int, int, int],
+) -> dict[str, Any]:
     torch.set_flush_denormal(True)
     out: dict[str, Any] = {"cases": {}}
-    for case in cases:
-        runs = {m: _iteration(m, case, rank, world) for m in METHODS}
+    for case, dims in cases.items():
+        runs = {m: _iteration(m, dims, rank, world) for m in METHODS}
         times = round_robin({m: r[0] for m, r in runs.items()}, 3, repeats)
         n_params = sum(p.numel() for p in runs["local"][1][0].parameters())
         n_tensors = len(list(runs["local"][1][0].parameters()))
@@ -270,7 +287,7 @@ def _bench(rank: int, world: int, repeats: int, cases: list[str]) -> dict[str, A
         for _, (_, opt) in runs.items():
             if isinstance(opt, CrossShardOptimizer):
                 opt.remove_hooks()
-    out["bandwidth"] = _bandwidth(rank, world, repeats)
+    out["bandwidth"] = _bandwidth(rank, world, repeats, bandwidth_case)
     return out
 
 
@@ -322,7 +339,14 @@ def machine(load_before: tuple[float, float, float], backend: str) -> dict[str, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=60, help="samples per method")
-    parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: tiny models, seconds")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="where the JSON goes (default benchmarks/results/cross_shard.json; with --quick "
+        "benchmarks/results/quick/cross_shard.json, never the shipped figures)",
+    )
     parser.add_argument("--no-save", action="store_true", help="do not write the JSON")
     parser.add_argument(
         "--bandwidth-only",
@@ -331,16 +355,19 @@ def main() -> None:
     )
     args = parser.parse_args()
     repeats = 4 if args.quick else args.repeats
+    sizes = QUICK_CASES if args.quick else CASES
+    out = args.out or (QUICK_RESULTS if args.quick else RESULTS)
     load_before = os.getloadavg()
     t0 = time.perf_counter()
-    cases = [] if args.bandwidth_only else list(CASES)
+    cases = {} if args.bandwidth_only else sizes
     args.no_save = args.no_save or args.bandwidth_only
-    result = spawn(_bench, 2, args=(repeats, cases), timeout=900)[0]
+    bandwidth_case = next(iter(sizes.values()))
+    result = spawn(_bench, 2, args=(repeats, cases, bandwidth_case), timeout=900)[0]
     wall = time.perf_counter() - t0
     result["ratios"] = _ratios(result)
     result["machine"] = machine(load_before, "gloo (loopback), 1 intra-op thread per rank")
     result["wall_s"] = wall
-    result["settings"] = {"repeats": repeats}
+    result["settings"] = {"repeats": repeats, "cases": cases}
     result["command"] = "python benchmarks/cross_shard.py" + (" --quick" if args.quick else "")
 
     for case, c in result["cases"].items():
@@ -357,9 +384,9 @@ def main() -> None:
     print(f"\nload average before/after: {load_before} / {result['machine']['loadavg_after']}")
     print(f"wall time {wall:.0f} s")
     if not args.no_save:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"saved {RESULTS}")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"saved {out}")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """Benchmark: bytes and wall time to a target accuracy -- sync vs LocalSGD vs (Streaming) DiLoCo.
 
-Four replicas (local gloo ranks) train the same MLP (64 -> 128 -> 64 -> 10, ReLU) on the
-embedded digits dataset (``distoptim.cli.datasets``: 1,438 training / 359 validation images);
-each replica reads a disjoint quarter of the training set every epoch, batch 32. Contenders:
+Four replicas (local gloo ranks; two under ``--quick``) train the same MLP (64 -> 128 -> 64 ->
+10, ReLU) on the embedded digits dataset (``distoptim.cli.datasets``: 1,438 training / 359
+validation images); each replica reads a disjoint quarter of the training set every epoch,
+batch 32. Contenders:
 
 * ``sync``: ``CrossShardOptimizer(Adam(lr=1e-3))`` -- a gradient all-reduce every step;
 * ``localsgd_h10``: ``LocalSGD(Adam(lr=1e-3), sync_every=10)``;
@@ -19,7 +20,7 @@ emulated link for its replies too):
   with the default outer optimizer (Nesterov SGD, lr 0.7, momentum 0.9) applied to every commit
   (the paper's "Async. DiLoCo");
 * ``async_diloco_h10_dn_dylu``: the same with Delayed Nesterov (``delayed_momentum=4``, the
-  paper's ``N`` = number of workers) and Dynamic Local Updates;
+  paper's ``N`` = number of workers: ``"n"`` below) and Dynamic Local Updates;
 * ``async_diloco_h10_dn_dylu_lr035``: the same with the outer learning rate halved (0.35): in
   a single-process simulation of round-robin asynchronous commits on this task (no grace
   period, so every pseudo-gradient is three commits stale), Delayed Nesterov at DiLoCo's 0.7
@@ -31,7 +32,7 @@ emulated link for its replies too):
 Scenarios (the link is emulated by :mod:`distoptim.comm.link`, paid where the optimizers count
 their bytes): ``slow_link`` -- 2 ms and 100 Mbit/s per message; ``straggler`` -- the same link,
 and rank 3's steps take 3x as long (after each step it sleeps twice the time its forward,
-backward and inner step took: emulated at the step boundary).
+backward and inner step took: emulated at the step boundary; rank 1 of two under ``--quick``).
 
 Measured per run, on rank 0: the wall time and the bytes rank 0 sent (``comm_stats``) until the
 validation accuracy first reaches the target -- 0.95 x the final accuracy of ``sync`` on the
@@ -54,9 +55,13 @@ repeat (median over repeats).
 Run::
 
     python benchmarks/diloco.py             # 3 repeats, ~10-20 minutes on 2 cores
-    python benchmarks/diloco.py --quick     # a smoke run
+    python benchmarks/diloco.py --quick     # a smoke run: 2 replicas, 1 repeat of 3 epochs
 
-Prints a table and writes ``benchmarks/results/diloco.json``.
+Prints a table and writes ``benchmarks/results/diloco.json`` (``--out``). A ``--quick`` run
+(every contender in every scenario on two replicas, 3 epochs: long enough for ``H`` = 50 to
+sync once; the code paths, not the figures) writes ``benchmarks/results/quick/diloco.json``
+unless ``--out`` says otherwise, so it never replaces the shipped figures. The dataset is
+loaded once, by the parent, and handed to every process.
 """
 
 from __future__ import annotations
@@ -86,11 +91,16 @@ from distoptim.comm import link
 from distoptim.launch import spawn
 
 RESULTS = Path(__file__).resolve().parent / "results" / "diloco.json"
+QUICK_RESULTS = RESULTS.parent / "quick" / RESULTS.name
 WORLD = 4
+QUICK_WORLD, QUICK_EPOCHS = 2, 3
+"""``--quick``: 2 replicas, 3 epochs (66 steps each, so every contender syncs at least once);
+every process start costs seconds, so the smoke run starts as few as it can."""
 BATCH = 32
 EVAL_EVERY = 10
 LINK = link.Link(latency_ms=2.0, mbps=100.0)
-SCENARIOS: dict[str, tuple[int, float] | None] = {"slow_link": None, "straggler": (3, 3.0)}
+SCENARIOS: dict[str, float | None] = {"slow_link": None, "straggler": 3.0}
+"""Scenario -> how many times as long the last rank's steps take (None: no straggler)."""
 CONTENDERS: dict[str, dict[str, Any]] = {
     "sync": {},
     "localsgd_h10": {"sync_every": 10},
@@ -108,12 +118,12 @@ ASYNC_CONTENDERS: dict[str, dict[str, Any]] = {
     "async_diloco_h10": {"communication_period": 10},
     "async_diloco_h10_dn_dylu": {
         "communication_period": 10,
-        "delayed_momentum": WORLD,
+        "delayed_momentum": "n",
         "dynamic_local_updates": True,
     },
     "async_diloco_h10_dn_dylu_lr035": {
         "communication_period": 10,
-        "delayed_momentum": WORLD,
+        "delayed_momentum": "n",
         "dynamic_local_updates": True,
         "outer_optimizer": functools.partial(torch.optim.SGD, lr=0.35, momentum=0.9, nesterov=True),
     },
@@ -156,6 +166,7 @@ def _accuracy(
 
 def _train(
     rank: int,
+    world: int,
     scenario: str,
     epochs: int,
     data: Any,
@@ -165,22 +176,21 @@ def _train(
     sent: Any,
     snapshot: Any,
 ) -> tuple[list[tuple[int, float, int, list[torch.Tensor]]], list[int], float]:
-    """The training loop every contender runs: rank ``rank``'s quarter of the data each epoch,
+    """The training loop every contender runs: rank ``rank``'s share of the data each epoch,
     the straggler's sleep, a snapshot every ``EVAL_EVERY`` steps on rank 0. ``start_together()``
     starts the clock on every rank at once, ``sent()`` is the bytes sent so far, ``snapshot()``
     the parameters to evaluate. Returns (snapshots, bytes per step, wall seconds)."""
-    straggler = SCENARIOS[scenario]
-    slow = straggler is not None and straggler[0] == rank
-    factor = straggler[1] if straggler is not None else 1.0
+    factor = SCENARIOS[scenario] or 1.0
+    slow = factor > 1.0 and rank == world - 1
     n = int(data.x_train.shape[0])
-    steps_per_epoch = n // WORLD // BATCH
+    steps_per_epoch = n // world // BATCH
     snapshots: list[tuple[int, float, int, list[torch.Tensor]]] = []
     step_bytes: list[int] = []
     start_together()
     start = time.perf_counter()
     step = 0
     for epoch in range(epochs):
-        idx = shard_indices(n, rank, WORLD, epoch, seed=0)
+        idx = shard_indices(n, rank, world, epoch, seed=0)
         for s in range(steps_per_epoch):
             take = idx[s * BATCH : (s + 1) * BATCH]
             t0 = time.perf_counter()
@@ -213,12 +223,15 @@ def _history(
     ]
 
 
-def _one_run(rank: int, name: str, scenario: str, epochs: int, data: Any) -> dict[str, Any]:
+def _one_run(
+    rank: int, world: int, name: str, scenario: str, epochs: int, data: Any
+) -> dict[str, Any]:
     model = _model()
     opt = _optimizer(name, model)
     stats = opt.comm_stats
     snapshots, step_bytes, wall = _train(
         rank,
+        world,
         scenario,
         epochs,
         data,
@@ -257,13 +270,14 @@ def _peak_sync_bytes(name: str, opt: Any, step_bytes: list[int]) -> int:
     return max(peaks)
 
 
-def _worker(rank: int, world: int, runs: list[tuple[str, str]], epochs: int) -> list[dict]:
+def _worker(
+    rank: int, world: int, runs: list[tuple[str, str]], epochs: int, data: Any
+) -> list[dict]:
     torch.set_num_threads(1)
-    data = load_dataset("digits")
     link.set_link(LINK)
     out = []
     for scenario, name in runs:
-        record = _one_run(rank, name, scenario, epochs, data)
+        record = _one_run(rank, world, name, scenario, epochs, data)
         if record:
             out.append(record)
     return out
@@ -272,17 +286,19 @@ def _worker(rank: int, world: int, runs: list[tuple[str, str]], epochs: int) -> 
 # ---------------------------------------------------------------------------------------------
 # the asynchronous contenders, on a parameter-server cluster
 # ---------------------------------------------------------------------------------------------
-def _async_optimizer(name: str, model: nn.Module, table: str) -> Any:
+def _async_optimizer(name: str, model: nn.Module, table: str, world: int) -> Any:
     inner = torch.optim.Adam(model.parameters(), lr=1e-3)
     kwargs = dict(ASYNC_CONTENDERS[name])
+    if kwargs.get("delayed_momentum") == "n":  # the paper's N: the number of workers
+        kwargs["delayed_momentum"] = world
     if name.startswith("agn"):
-        return distoptim.AGNOptimizer(inner, WORLD, name=table, **kwargs)
-    return distoptim.AsyncDiLoCoOptimizer(inner, WORLD, name=table, **kwargs)
+        return distoptim.AGNOptimizer(inner, world, name=table, **kwargs)
+    return distoptim.AsyncDiLoCoOptimizer(inner, world, name=table, **kwargs)
 
 
-def _store_barrier(store: Any, key: str) -> None:
+def _store_barrier(store: Any, key: str, world: int) -> None:
     """Every worker arrives, then all go (bounded)."""
-    if int(store.add(f"{key}/arrived", 1)) == WORLD:
+    if int(store.add(f"{key}/arrived", 1)) == world:
         store.set(f"{key}/go", "1")
     store.wait([f"{key}/go"], timedelta(seconds=600))
 
@@ -290,9 +306,9 @@ def _store_barrier(store: Any, key: str) -> None:
 def _one_async_run(
     ctx: Any, table: str, name: str, scenario: str, epochs: int, data: Any
 ) -> dict[str, Any]:
-    task = ctx.task_index
+    task, world = ctx.task_index, ctx.num_worker
     model = _model()
-    opt = _async_optimizer(name, model, table)
+    opt = _async_optimizer(name, model, table, world)
     hook = opt.make_session_run_hook(ctx.is_chief, task)
     hook.begin()
     hook.after_create_session()
@@ -308,12 +324,13 @@ def _one_async_run(
 
     snapshots, step_bytes, wall = _train(
         task,
+        world,
         scenario,
         epochs,
         data,
         model,
         opt,
-        lambda: _store_barrier(ctx.store, f"bench/{table}/start"),
+        lambda: _store_barrier(ctx.store, f"bench/{table}/start", world),
         sent,
         snapshot,
     )
@@ -337,34 +354,40 @@ def _params(model: nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _async_worker(ctx: Any, runs: list[tuple[str, str, str]], epochs: int) -> list[dict]:
+def _async_worker(ctx: Any, runs: list[tuple[str, str, str]], epochs: int, data: Any) -> list[dict]:
     torch.set_num_threads(1)
-    data = load_dataset("digits")
     link.set_link(LINK)
     return [
         _one_async_run(ctx, table, name, scenario, epochs, data) for table, scenario, name in runs
     ]
 
 
-def _run_async(runs: list[tuple[str, str]], epochs: int, repeat: int) -> list[dict]:
-    """One cluster (one shard, WORLD workers) running ``runs`` in order; one record per run."""
+def _run_async(
+    runs: list[tuple[str, str]], epochs: int, repeat: int, world: int, data: Any
+) -> list[dict]:
+    """One cluster (one shard, ``world`` workers) running ``runs`` in order; one record per
+    run."""
     tables = [(f"{name}/{scenario}/{repeat}", scenario, name) for scenario, name in runs]
     saved = os.environ.get(link.ENV_VAR)
     os.environ[link.ENV_VAR] = LINK.to_env()  # the shard pays the link for its replies too
     try:
         result = agn.spawn(
-            _async_worker, WORLD, num_ps=1, args=(tables, epochs), timeout=3600, num_threads=1
+            _async_worker,
+            world,
+            num_ps=1,
+            args=(tables, epochs, data),
+            timeout=3600,
+            num_threads=1,
         )
     finally:
         if saved is None:
             os.environ.pop(link.ENV_VAR, None)
         else:
             os.environ[link.ENV_VAR] = saved
-    data = load_dataset("digits")
     eval_model = _model()
     records = []
     for i, (table, _, _) in enumerate(tables):
-        per_task = [result.worker_results[t][i] for t in range(WORLD)]
+        per_task = [result.worker_results[t][i] for t in range(world)]
         rec = dict(per_task[0])
         snapshots = rec.pop("snapshots")
         wall = max(r["wall_s"] for r in per_task)
@@ -513,11 +536,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--epochs", type=int, default=60)
-    parser.add_argument("--quick", action="store_true", help="1 repeat, 10 epochs (smoke run)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"{QUICK_WORLD} replicas, 1 repeat, {QUICK_EPOCHS} epochs (smoke run)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="shuffles the run order")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="where the JSON goes (default benchmarks/results/diloco.json; with --quick "
+        "benchmarks/results/quick/diloco.json, never the shipped figures)",
+    )
     args = parser.parse_args()
-    repeats, epochs = (1, 10) if args.quick else (args.repeats, args.epochs)
+    repeats, epochs = (1, QUICK_EPOCHS) if args.quick else (args.repeats, args.epochs)
+    world = QUICK_WORLD if args.quick else WORLD
+    data = load_dataset("digits")
+    out = args.out or (QUICK_RESULTS if args.quick else RESULTS)
     rng = random.Random(args.seed)
     order = []  # per repeat: [(launch, [(scenario, contender), ...]), ...] in launch order
     for _ in range(repeats):
@@ -534,9 +570,9 @@ def main() -> None:
     for repeat, launches in enumerate(order):
         for kind, runs in launches:
             if kind == "async":
-                records += _run_async(runs, epochs, repeat)
+                records += _run_async(runs, epochs, repeat, world, data)
                 continue
-            got = spawn(_worker, WORLD, args=(runs, epochs), timeout=3600, num_threads=1)[0]
+            got = spawn(_worker, world, args=(runs, epochs, data), timeout=3600, num_threads=1)[0]
             records += [{**r, "repeat": repeat} for r in got]
     elapsed = time.perf_counter() - t0
     load_after = _load()
@@ -559,13 +595,13 @@ def main() -> None:
         "load_after": load_after,
         "elapsed_s": elapsed,
         "config": {
-            "world": WORLD,
+            "world": world,
             "batch_per_replica": BATCH,
             "epochs": epochs,
             "repeats": repeats,
             "eval_every": EVAL_EVERY,
             "link": {"latency_ms": LINK.latency_ms, "mbps": LINK.mbps},
-            "scenarios": {k: v for k, v in SCENARIOS.items()},
+            "scenarios": {k: None if v is None else (world - 1, v) for k, v in SCENARIOS.items()},
             "contenders": CONTENDERS,
             "async_contenders": {
                 name: {k: repr(v) if callable(v) else v for k, v in kwargs.items()}
@@ -578,9 +614,9 @@ def main() -> None:
         "goal_straggler_time_to_target": goal,
         "runs": records,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -40,8 +40,8 @@ run() {  # run LIMIT NAME CMD...: one part, killed 20 s after its own time limit
         status=1
     fi
 }
-run 150 gpu_mesh_sgd "$PY" benchmarks/gpu_mesh_sgd.py "$OUTDIR/gpu_mesh_sgd.json" \
+run 150 gpu_mesh_sgd "$PY" benchmarks/gpu_mesh_sgd.py --out "$OUTDIR/gpu_mesh_sgd.json" \
     --dtypes fp32,bf16 --time-limit 150
-run 150 gpu_cross_shard "$PY" benchmarks/gpu_cross_shard.py "$OUTDIR/cross_shard_gpu.json" \
+run 150 gpu_cross_shard "$PY" benchmarks/gpu_cross_shard.py --out "$OUTDIR/cross_shard_gpu.json" \
     --dtypes fp32 bf16 --time-limit 150
 exit $status

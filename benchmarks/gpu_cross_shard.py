@@ -25,11 +25,14 @@ are interleaved round-robin in a shuffled order; ratios are medians of paired ra
 
 Everything runs under ``--time-limit`` seconds: timing stops early (recorded as ``rounds``)
 when the budget runs low, and a hard alarm writes what was measured so far and exits 124.
-Writes JSON to the path given; without CUDA it prints why and exits 0 (writing
-``{"skipped": ...}``)::
+Writes JSON to ``--out`` (default ``benchmarks/results/cross_shard_gpu.json``); without CUDA it
+prints why and exits 0 (writing ``{"skipped": ...}``). ``--quick`` changes the defaults to
+:data:`QUICK` -- a model of a few thousand parameters, on the GPU if there is one and on the
+CPU otherwise, so the code path runs everywhere (flags given explicitly still win) -- and
+writes ``benchmarks/results/quick/cross_shard_gpu.json`` unless ``--out`` says otherwise::
 
-    python benchmarks/gpu_cross_shard.py benchmarks/results/cross_shard_gpu.json --time-limit 150
-    python benchmarks/gpu_cross_shard.py /tmp/x.json --device cpu --width 64 --depth 4  # smoke
+    python benchmarks/gpu_cross_shard.py --time-limit 150
+    python benchmarks/gpu_cross_shard.py --quick            # a smoke run: seconds, CPU or GPU
 """
 
 from __future__ import annotations
@@ -58,6 +61,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from distoptim import CrossShardOptimizer
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+RESULTS = Path(__file__).resolve().parent / "results" / "cross_shard_gpu.json"
+QUICK_RESULTS = RESULTS.parent / "quick" / RESULTS.name
+QUICK = {
+    "device": "cuda" if torch.cuda.is_available() else "cpu",
+    "width": 32,
+    "depth": 2,
+    "batch": 4,
+    "reps": 3,
+    "time_limit": 60.0,
+}
+"""The defaults ``--quick`` changes: the code path in seconds, not the figures."""
 CONTENDERS = [
     "adam",
     "adam_fused",
@@ -105,7 +119,7 @@ def _build(name: str, model: nn.Module, device: torch.device) -> tuple[nn.Module
 
 def _state_bytes(name: str, opt: Any) -> int:
     if name.startswith("sharded"):
-        return opt._sharded.state_bytes()
+        return opt._apply.update.state_bytes()
     inner = opt.optim if name == "zero" else getattr(opt, "wrapped", opt)
     return sum(
         v.numel() * v.element_size()
@@ -229,7 +243,16 @@ def run_dtype(args: argparse.Namespace, dtype_name: str, deadline: float) -> dic
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("out", type=Path, help="where the JSON goes")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="where the JSON goes (default benchmarks/results/cross_shard_gpu.json; with "
+        "--quick benchmarks/results/quick/cross_shard_gpu.json, never the shipped figures)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke run: a tiny model, on the CPU without CUDA"
+    )
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(_DTYPES))
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke test)")
     parser.add_argument("--width", type=int, default=2048)
@@ -238,6 +261,10 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=50, help="timed rounds per dtype at most")
     parser.add_argument("--time-limit", type=float, default=150.0, help="seconds, all dtypes")
     args = parser.parse_args()
+    if args.quick:  # the quick sizes, unless given explicitly
+        parser.set_defaults(**QUICK)
+        args = parser.parse_args()
+    args.out = args.out or (QUICK_RESULTS if args.quick else RESULTS)
     result: dict[str, Any] = {"command": " ".join(sys.argv), "settings": vars(args) | {}}
     result["settings"]["out"] = str(args.out)
     if args.device.startswith("cuda") and not torch.cuda.is_available():

@@ -12,10 +12,14 @@ by default), momentum 0.9, Nesterov, constant learning rate:
 
 Everything runs under ``--time-limit`` seconds: timing stops early (recorded as ``rounds``) when
 the budget runs low, and a hard alarm writes what was measured so far and exits 124. Writes
-JSON to the path given; without CUDA it prints why and exits 0 (writing ``{"skipped": ...}``)::
+JSON to ``--out`` (default ``benchmarks/results/gpu_mesh_sgd.json``); without CUDA it prints why
+and exits 0 (writing ``{"skipped": ...}``). ``--quick`` changes the defaults to :data:`QUICK`
+-- ~20,000 elements, on the GPU if there is one and on the CPU otherwise, so the code path runs
+everywhere (flags given explicitly still win) -- and writes
+``benchmarks/results/quick/gpu_mesh_sgd.json`` unless ``--out`` says otherwise::
 
-    python benchmarks/gpu_mesh_sgd.py benchmarks/results/gpu_mesh_sgd.json --time-limit 240
-    python benchmarks/gpu_mesh_sgd.py /tmp/x.json --device cpu --elements 200000   # smoke test
+    python benchmarks/gpu_mesh_sgd.py --time-limit 240
+    python benchmarks/gpu_mesh_sgd.py --quick            # a smoke run: seconds, CPU or GPU
 """
 
 from __future__ import annotations
@@ -40,6 +44,17 @@ from distoptim.dtensor import SGD
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _MOMENTUM, _LR, _CHECK_STEPS = 0.9, 0.01, 5
+RESULTS = Path(__file__).resolve().parent / "results" / "gpu_mesh_sgd.json"
+QUICK_RESULTS = RESULTS.parent / "quick" / RESULTS.name
+QUICK = {
+    "device": "cuda" if torch.cuda.is_available() else "cpu",
+    "tensors": 20,
+    "elements": 20_000,
+    "reps": 5,
+    "warmup": 1,
+    "time_limit": 60.0,
+}
+"""The defaults ``--quick`` changes: the code path in seconds, not the figures."""
 
 
 class _OutOfTime(Exception):
@@ -140,7 +155,15 @@ def bench(shapes, dtype, dtype_name, device, args, deadline) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("out", help="where to write the JSON results")
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="where the JSON goes (default benchmarks/results/gpu_mesh_sgd.json; with --quick "
+        "benchmarks/results/quick/gpu_mesh_sgd.json, never the shipped figures)",
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help="a smoke run: tiny sizes, on the CPU without CUDA"
+    )
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu for a smoke test")
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--tensors", type=int, default=200)
@@ -150,7 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jit", action="store_true", help="also time jit_compile=True")
     ap.add_argument("--time-limit", type=float, default=240.0, help="seconds for everything")
     args = ap.parse_args(argv)
-    out = Path(args.out)
+    if args.quick:  # the quick sizes, unless given explicitly
+        ap.set_defaults(**QUICK)
+        args = ap.parse_args(argv)
+    out = Path(args.out or (QUICK_RESULTS if args.quick else RESULTS))
     out.parent.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -19,6 +19,12 @@ plain tensors, >= 1.8x torch's foreach SGD on DTensor Shard(0).
 
     python benchmarks/mesh_sgd.py                     # CPU, default sizes (~2-3 min, 2 cores)
     python benchmarks/mesh_sgd.py --device cuda --dtypes fp32,bf16 --no-dtensor   # one GPU
+    python benchmarks/mesh_sgd.py --quick             # a smoke run: seconds
+
+``--quick`` changes the defaults to :data:`QUICK` (every contender but ``jit``, whose
+compilation alone takes longer than the whole smoke run, on ~20,000 elements; flags given
+explicitly still win) and writes ``benchmarks/results/quick/mesh_sgd.json`` unless ``--out``
+says otherwise, so it never replaces the shipped figures.
 """
 
 from __future__ import annotations
@@ -42,6 +48,10 @@ from distoptim.dtensor import SGD
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _MOMENTUM, _LR = 0.9, 0.01
+RESULTS = Path(__file__).resolve().parent / "results" / "mesh_sgd.json"
+QUICK_RESULTS = RESULTS.parent / "quick" / RESULTS.name
+QUICK = {"tensors": 20, "elements": 20_000, "reps": 5, "dt_reps": 5, "warmup": 1, "no_jit": True}
+"""The defaults ``--quick`` changes: the code paths in seconds, not the figures."""
 
 
 def make_shapes(n_tensors: int, n_elements: int, seed: int = 0) -> list[tuple[int, ...]]:
@@ -289,8 +299,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--no-dtensor", action="store_true")
     ap.add_argument("--no-jit", action="store_true")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "mesh_sgd.json"))
+    ap.add_argument("--quick", action="store_true", help="a smoke run: tiny sizes, no jit")
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="where the JSON goes (default benchmarks/results/mesh_sgd.json; with --quick "
+        "benchmarks/results/quick/mesh_sgd.json, never the shipped figures)",
+    )
     args = ap.parse_args(argv)
+    if args.quick:  # the quick sizes, unless given explicitly
+        ap.set_defaults(**QUICK)
+        args = ap.parse_args(argv)
+    args.out = args.out or str(QUICK_RESULTS if args.quick else RESULTS)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda but torch.cuda.is_available() is False", file=sys.stderr)

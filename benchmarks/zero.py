@@ -27,10 +27,14 @@ the resident set and it tracks live memory.
 Run::
 
     python benchmarks/zero.py               # a few minutes on 2 quiet cores
-    python benchmarks/zero.py --quick       # a smoke run
+    python benchmarks/zero.py --quick       # a smoke run: tiny models, seconds
     python benchmarks/zero.py --foreach     # every contender with Adam(foreach=True)
 
-Prints medians and ratios; writes ``benchmarks/results/zero.json``.
+Prints medians and ratios; writes ``benchmarks/results/zero.json`` (``--out``). A ``--quick``
+run times every contender on ``cross_shard.QUICK_CASES`` (models of a few thousand parameters:
+the code paths, not the figures), measures the memory of one contender (``sharded``) on the
+first of them, and writes ``benchmarks/results/quick/zero.json`` unless ``--out`` says
+otherwise, so it never replaces the shipped figures.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ from unittest import mock
 
 import torch
 import torch.nn.functional as F
-from cross_shard import CASES, machine, model_of, paired, round_robin
+from cross_shard import CASES, QUICK_CASES, machine, model_of, paired, round_robin
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -59,6 +63,9 @@ from distoptim.launch import spawn
 
 METHODS = ["ddp", "zero", "zero_bucketview", "cross_shard", "sharded", "sharded_views"]
 RESULTS = Path(__file__).resolve().parent / "results" / "zero.json"
+QUICK_RESULTS = RESULTS.parent / "quick" / RESULTS.name
+QUICK_MEMORY = ["sharded"]
+"""``--quick``'s memory contenders (each is a process pair of its own: seconds apiece)."""
 _MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_ARENA_MAX": "2"}
 
 
@@ -67,10 +74,11 @@ def _adam(foreach: bool) -> dict[str, Any]:
 
 
 def _contender(
-    method: str, case: str, rank: int, foreach: bool
+    method: str, case: tuple[int, int, int], rank: int, foreach: bool
 ) -> tuple[Callable[[], None], nn.Module, Any]:
-    """One training iteration of ``method`` on ``case`` (closure), its model and optimizer."""
-    width, depth, batch = CASES[case]
+    """One training iteration of ``method`` on ``case`` (width, depth, batch) (closure), its
+    model and optimizer."""
+    width, depth, batch = case
     model = model_of(width, depth)
     g = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(batch, width, generator=g)
@@ -106,7 +114,7 @@ def _contender(
 def state_bytes(method: str, opt: Any) -> int:
     """Optimizer state bytes this rank holds (tensors of one or more dimensions: moments)."""
     if method.startswith("sharded"):
-        return opt._sharded.state_bytes()
+        return opt._apply.update.state_bytes()
     inner = opt.optim if method.startswith("zero") else getattr(opt, "wrapped", opt)
     return sum(
         v.numel() * v.element_size()
@@ -116,12 +124,14 @@ def state_bytes(method: str, opt: Any) -> int:
     )
 
 
-def _timing(rank: int, world: int, repeats: int, foreach: bool) -> dict[str, Any]:
+def _timing(
+    rank: int, world: int, repeats: int, foreach: bool, cases: dict[str, tuple[int, int, int]]
+) -> dict[str, Any]:
     torch.set_flush_denormal(True)
     warnings.filterwarnings("ignore", category=UserWarning)
     out: dict[str, Any] = {}
-    for case in CASES:
-        runs = {m: _contender(m, case, rank, foreach) for m in METHODS}
+    for case, dims in cases.items():
+        runs = {m: _contender(m, dims, rank, foreach) for m in METHODS}
         times = round_robin({m: r[0] for m, r in runs.items()}, 3, repeats)
         model = runs["ddp"][1]
         params = list(model.parameters())
@@ -165,7 +175,9 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _memory(rank: int, world: int, method: str, case: str, foreach: bool) -> dict[str, int]:
+def _memory(
+    rank: int, world: int, method: str, case: tuple[int, int, int], foreach: bool
+) -> dict[str, int]:
     """Peak-RSS growth of this process over steps of ``method`` alone (see the docstring)."""
     warnings.filterwarnings("ignore", category=UserWarning)
     before = _rss_bytes()
@@ -187,28 +199,38 @@ def _memory(rank: int, world: int, method: str, case: str, foreach: bool) -> dic
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=40, help="samples per contender")
-    parser.add_argument("--quick", action="store_true", help="a short smoke run")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: tiny models, seconds")
     parser.add_argument("--foreach", action="store_true", help="Adam(foreach=True) everywhere")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory processes")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON goes")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="where the JSON goes (default benchmarks/results/zero.json; with --quick "
+        "benchmarks/results/quick/zero.json, never the shipped figures)",
+    )
     parser.add_argument("--no-save", action="store_true", help="do not write the JSON")
     args = parser.parse_args()
     repeats = 4 if args.quick else args.repeats
+    cases = QUICK_CASES if args.quick else CASES
+    memory_cases = dict(list(cases.items())[:1]) if args.quick else cases
+    memory_methods = QUICK_MEMORY if args.quick else METHODS
+    out = args.out or (QUICK_RESULTS if args.quick else RESULTS)
     load_before = os.getloadavg()
     t0 = time.perf_counter()
     result: dict[str, Any] = {
-        "cases": spawn(_timing, 2, args=(repeats, args.foreach), timeout=1800)[0]
+        "cases": spawn(_timing, 2, args=(repeats, args.foreach, cases), timeout=1800)[0]
     }
     if not args.no_memory:
         with mock.patch.dict(os.environ, _MALLOC):  # read by each process's malloc at start-up
-            for case in CASES:
+            for case, dims in memory_cases.items():
                 result["cases"][case]["memory"] = {
-                    m: spawn(_memory, 2, args=(m, case, args.foreach), timeout=300)[0]
-                    for m in METHODS
+                    m: spawn(_memory, 2, args=(m, dims, args.foreach), timeout=300)[0]
+                    for m in memory_methods
                 }
     result["machine"] = machine(load_before, "gloo (loopback)")
     result["wall_s"] = time.perf_counter() - t0
-    result["settings"] = {"repeats": repeats, "adam": _adam(args.foreach)}
+    result["settings"] = {"repeats": repeats, "adam": _adam(args.foreach), "cases": cases}
     result["command"] = (
         "python benchmarks/zero.py"
         + (" --quick" if args.quick else "")
@@ -233,9 +255,9 @@ def main() -> None:
     print(f"\nload average before/after: {load_before} / {result['machine']['loadavg_after']}")
     print(f"wall time {result['wall_s']:.0f} s")
     if not args.no_save:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"saved {args.out}")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"saved {out}")
 
 
 if __name__ == "__main__":

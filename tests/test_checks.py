@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import pathlib
 
 import numpy as np
@@ -66,7 +67,21 @@ def test_check_seconds_and_path():
         checks.check_seconds("t", 0)
     with pytest.raises(ValueError, match=r"seconds"):
         checks.check_seconds("t", False, allow_zero=True)
+    # where zero is allowed, the message says so
+    with pytest.raises(ValueError, match=r"t must be a finite number >= 0 \(seconds\), got -1"):
+        checks.check_seconds("t", -1, allow_zero=True)
     assert checks.check_path("p", pathlib.Path("/tmp/x")) == "/tmp/x"
     assert checks.check_path("p", None, optional=True) is None
     with pytest.raises(TypeError, match=r"p must be a path \(str or os.PathLike\) or None"):
         checks.check_path("p", 3, optional=True)
+
+
+def test_check_type_names_what_is_allowed_and_refuses_bools_as_numbers():
+    assert checks.check_type("n", np.float32(0.5), numbers.Real, "a number") == np.float32(0.5)
+    assert checks.check_type("m", None, dict, "a dict", optional=True) is None
+    assert checks.check_type("flag", True, (bool, int), "a bool or an int") is True
+    with pytest.raises(TypeError, match=r"^mesh must be a DeviceMesh or None, got str$"):
+        checks.check_type("mesh", "cpu", dict, "a DeviceMesh", optional=True)
+    for bad in (True, "1", None, [1.0]):
+        with pytest.raises(TypeError, match=r"^rate must be a number in \[0, 1\], got "):
+            checks.check_type("rate", bad, numbers.Real, "a number in [0, 1]")

@@ -256,6 +256,23 @@ def test_spawn_bad_arguments(kwargs, exc):
         spawn(_pid, **kwargs)
 
 
+@pytest.mark.parametrize(
+    ("call", "words"),
+    [
+        (lambda: ProcessSupervisor(timeout=0), r"timeout must be a finite number > 0 \(seconds\)"),
+        (lambda: ProcessSupervisor(grace=-1), r"grace must be a finite number >= 0 \(seconds\)"),
+        (lambda: ProcessSupervisor(num_threads=0), r"num_threads must be None or an int >= 1"),
+        (lambda: spawn(_pid, 2, num_threads=0), r"num_threads must be None or an int >= 1"),
+        (lambda: spawn(_pid, True), r"nprocs must be an int >= 1, got True"),
+        # a bad entry is named, and refused before the first process starts
+        (lambda: run_processes(_pid, [(0, 1), (1, 1)], restarts=[0, -1]), r"restarts\[1\] must"),
+    ],
+)
+def test_bad_arguments_are_named_before_any_process_starts(call, words):
+    with pytest.raises(ValueError, match=words):
+        call()
+
+
 def test_torchrun_main_outside_torchrun_says_how(monkeypatch):
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)

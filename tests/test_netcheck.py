@@ -90,10 +90,21 @@ def test_without_variables_the_hostname_decides(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_unknown_transport_is_refused() -> None:
-    with pytest.raises(ValueError, match="transport must be one of"):
+    allowed = r"unknown transport 'nccl': allowed values are 'gloo', 'tensorpipe'"
+    with pytest.raises(ValueError, match=allowed):
         bind_addresses("nccl")
-    with pytest.raises(ValueError, match="transports must be among"):
+    with pytest.raises(ValueError, match=allowed):
         check_torchrun_network("t", ("nccl",))
+    with pytest.raises(TypeError, match="transport must be one of"):
+        bind_addresses(None)
+
+
+def test_bad_timeouts_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match=r"timeout must be a finite number > 0 \(seconds\)"):
+        check_torchrun_network("t", timeout=0)
+    monkeypatch.setenv("DISTOPTIM_NETCHECK_TIMEOUT", "abc")
+    with pytest.raises(ValueError, match=r"DISTOPTIM_NETCHECK_TIMEOUT='abc' must be a finite"):
+        check_torchrun_network("t")
 
 
 # ---- one node: no false alarm, and the local checks ------------------------------------------

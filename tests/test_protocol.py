@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -102,9 +103,12 @@ def test_state_dict_round_trip_keeps_iterations():
     torch.testing.assert_close(
         opt2.get_slot(w, "momentum_buffer"), opt.get_slot(w, "momentum_buffer")
     )
-    with pytest.raises(ValueError, match="iterations"):
-        opt2.load_state_dict({**sd, "iterations": -1})
+    for bad in (-1, True, 2.0):  # a bool is no step count (True was loaded as 1)
+        with pytest.raises(ValueError, match=r"state_dict\['iterations'\] must be an int >= 0"):
+            opt2.load_state_dict({**sd, "iterations": bad})
     assert opt2.iterations == 2
+    opt2.load_state_dict({**sd, "iterations": np.int64(3)})
+    assert opt2.iterations == 3 and type(opt2.iterations) is int
 
 
 def test_step_closure_zero_grad_and_lr_scheduler():

@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from distoptim import CrossShardOptimizer, DesyncError
-from distoptim import cross_shard_sharding as sharding
 from distoptim.cross_shard_sharding import ELEMENTWISE_OPTIMIZERS, elementwise
 from distoptim.launch import spawn
+from distoptim.sync import sharding
 from tests.test_cross_shard import TwoHeads, clipped_on_one_rank
 
 PER_RANK = 4
@@ -143,7 +143,7 @@ def _pair(
         )
         opt = CrossShardOptimizer(make(_groups(model)), shard_optimizer_state=shard, **mine)
         if shard and native:
-            opt._scatter.via_all_reduce = False
+            opt._rounds.comm.scatter.via_all_reduce = False
         _train(opt, model, x[:, rows], y[:, rows])
         out.append((_flat(model), opt.state_dict(), opt))
         opt.remove_hooks()
@@ -194,7 +194,7 @@ def _optimizers(rank: int, world: int, out: dict[str, Any]) -> None:
         if key == "tiny_buckets":
             out["tiny_buckets/split_params"] = any(
                 piece.numel < opt.bucket_plan.params[piece.member].numel()
-                for pieces in opt._sharded.layout.pieces
+                for pieces in opt._apply.update.layout.pieces
                 for piece in pieces
             )
 
@@ -209,7 +209,7 @@ def _memory_and_bytes(rank: int, world: int, out: dict[str, Any]) -> None:
             torch.optim.Adam(model.parameters(), lr=0.05), shard_optimizer_state=bool(shard)
         )
         if shard == "native":
-            opt._scatter.via_all_reduce = False
+            opt._rounds.comm.scatter.via_all_reduce = False
         for k in range(2):
             opt.zero_grad()
             F.mse_loss(model(x[k, rows]), y[k, rows]).backward()
@@ -217,10 +217,10 @@ def _memory_and_bytes(rank: int, world: int, out: dict[str, Any]) -> None:
         stats[shard] = opt.comm_stats.as_dict()
         if shard is True:
             bucket_bytes = max(b.padded for b in opt.bucket_plan.buckets) * 8
-            out["memory"] = (opt._sharded.state_bytes(), bucket_bytes)
+            out["memory"] = (opt._apply.update.state_bytes(), bucket_bytes)
             out["flat_params"] = all(
                 p.data_ptr() == v.data_ptr()
-                for b, flat in zip(opt.bucket_plan.buckets, opt._sharded.flats)
+                for b, flat in zip(opt.bucket_plan.buckets, opt._apply.update.flats)
                 for p, v in zip((opt.bucket_plan.params[i] for i in b.members), b.views(flat))
             )
             # the gathered slot is the whole state, equal on every rank
@@ -494,7 +494,7 @@ def test_segments_are_cut_at_the_size_limit(monkeypatch: pytest.MonkeyPatch) -> 
             F.mse_loss(m(x[k]), y[k]).backward()
             o.step()
     assert torch.equal(_flat(plain_model), _flat(model))
-    segments = opt._sharded.segments
+    segments = opt._apply.update.segments
     assert max(seg.param.numel() for seg in segments) == 7
     assert sum(seg.param.numel() for seg in segments) == sum(p.numel() for p in model.parameters())
     assert _same_state(opt.state_dict() | {"param_groups": plain.state_dict()["param_groups"]},
@@ -508,11 +508,11 @@ def test_segments_merge_per_group_and_split_where_presence_differs() -> None:
     F.mse_loss(model(x[0]), y[0]).backward()
     opt.step()
     # one bucket, two groups: [layer 4, layer 2 | layer 0] in ready order -> two segments
-    assert len(opt._sharded.segments) == 2
+    assert len(opt._apply.update.segments) == 2
     opt.zero_grad()
     F.mse_loss(model[:3](x[1])[:, :3], y[1]).backward()  # layer 4 gets no gradient
     opt.step()
-    assert len(opt._sharded.segments) == 3
+    assert len(opt._apply.update.segments) == 3
 
 
 def test_parameters_move_into_flat_buffers_and_a_replaced_one_is_taken_back() -> None:
@@ -521,7 +521,7 @@ def test_parameters_move_into_flat_buffers_and_a_replaced_one_is_taken_back() ->
     x, y = _data(1)
     F.mse_loss(model(x[0]), y[0]).backward()
     opt.step()
-    (flat,) = opt._sharded.flats
+    (flat,) = opt._apply.update.flats
     weight = model[0].weight
     assert flat.data_ptr() <= weight.data_ptr() < flat.data_ptr() + flat.numel() * 8
     weight.data = weight.data.clone() + 1.0  # the user replaces the storage

@@ -1,9 +1,9 @@
 """distoptim: TensorFlow's distributed optimizers, rebuilt on ``torch.distributed``.
 
 The public names, and the subpackages ``distoptim.launch``, ``distoptim.agn``,
-``distoptim.dtensor``, ``distoptim.comm`` and ``distoptim.cli``, are resolved lazily:
-``import distoptim`` stays cheap and loads the parameter server or DTensor only when something
-that needs them is touched.
+``distoptim.dtensor``, ``distoptim.comm``, ``distoptim.sync`` and ``distoptim.cli``, are
+resolved lazily: ``import distoptim`` stays cheap and loads the parameter server or DTensor
+only when something that needs them is touched.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from distoptim._version import __version__
 
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
-    "CrossShardOptimizer": "distoptim.cross_shard",
-    "Reduction": "distoptim.cross_shard",
+    "CrossShardOptimizer": "distoptim.sync.optimizer",
+    "Reduction": "distoptim.sync.optimizer",
     "DesyncError": "distoptim.comm.guard",
     "AGNOptimizer": "distoptim.agn.agn",
     "AGNCustomGetter": "distoptim.agn.getter",
@@ -43,6 +43,7 @@ _SUBMODULES = (
     "launch",
     "outer",
     "protocol",
+    "sync",
 )
 
 __all__ = [
@@ -64,18 +65,18 @@ __all__ = [
 ]
 
 if _typing.TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from distoptim import agn, cli, comm, dtensor, launch, outer  # noqa: F401
+    from distoptim import agn, cli, comm, dtensor, launch, outer, sync  # noqa: F401
     from distoptim.agn.agn import AGNOptimizer
     from distoptim.agn.async_diloco import AsyncDiLoCoOptimizer
     from distoptim.agn.downpour import DownpourOptimizer
     from distoptim.agn.easgd import ElasticAverageOptimizer
     from distoptim.agn.getter import AGNCustomGetter
     from distoptim.comm.guard import DesyncError
-    from distoptim.cross_shard import CrossShardOptimizer, Reduction
     from distoptim.dtensor.sgd import SGD
     from distoptim.outer.diloco import DiLoCo
     from distoptim.outer.localsgd import LocalSGD
     from distoptim.protocol import TFOptimizerProtocol, WrappedOptimizer
+    from distoptim.sync.optimizer import CrossShardOptimizer, Reduction
 
 
 def __getattr__(name: str) -> object:

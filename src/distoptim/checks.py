@@ -1,8 +1,8 @@
 """Argument checks every distoptim optimizer shares, and the words its error messages use.
 
-Owns: the rules for the values a user hands a constructor -- type names in messages, integers,
-bools, strings and choices among strings, bounded real numbers, durations, paths, and the
-hyperparameters of a wrapped ``torch.optim.Optimizer``
+Owns: the rules for the values a user hands a constructor -- type names in messages, the kind
+of a value (:func:`check_type`), integers, bools, strings and choices among strings, bounded
+real numbers, durations, paths, and the hyperparameters of a wrapped ``torch.optim.Optimizer``
 that torch itself accepts but that can only corrupt training (a NaN/Inf learning rate,
 momentum, weight decay, ...). Each check raises ``TypeError`` (wrong kind of value) or
 ``ValueError`` (right kind, impossible value), names the argument and says what is allowed, and
@@ -30,6 +30,7 @@ __all__ = [
     "check_real",
     "check_seconds",
     "check_str",
+    "check_type",
     "type_name",
 ]
 
@@ -37,6 +38,31 @@ __all__ = [
 def type_name(x: object) -> str:
     """A short name of ``x``'s type for messages (``torch.FloatTensor`` for tensors)."""
     return torch.typename(x) if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def check_type(
+    name: str,
+    value: Any,
+    kind: type | tuple[type, ...],
+    expected: str,
+    *,
+    optional: bool = False,
+) -> Any:
+    """``value`` if it is an instance of ``kind`` (or ``None`` when ``optional``).
+
+    Otherwise ``TypeError``: "``{name} must be {expected}[ or None], got {type}``" --
+    ``expected`` says what is allowed in words (``"a DeviceMesh"``, ``"a number in [0, 1]"``).
+    A bool is not a number here: it passes only where ``kind`` names ``bool`` itself. Pair it
+    with a range check (:func:`check_real`, :func:`check_int`) where wrong kinds must be
+    ``TypeError`` and impossible values ``ValueError``.
+    """
+    if value is None and optional:
+        return None
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if isinstance(value, kinds) and (bool in kinds or not isinstance(value, bool)):
+        return value
+    allowed = f"{expected} or None" if optional else expected
+    raise TypeError(f"{name} must be {allowed}, got {type_name(value)}")
 
 
 def check_int(name: str, value: Any, low: int) -> int:
@@ -124,9 +150,12 @@ def check_real(
 
 def check_seconds(name: str, value: Any, *, allow_zero: bool = False) -> float:
     """A duration in seconds: a finite number ``> 0`` (``>= 0`` with ``allow_zero``)."""
-    if allow_zero and value == 0 and not isinstance(value, bool):
-        return 0.0
-    return check_positive(name, value, "seconds")
+    if not allow_zero:
+        return check_positive(name, value, "seconds")
+    try:
+        return check_real(name, value, 0.0)
+    except ValueError:
+        raise ValueError(f"{name} must be a finite number >= 0 (seconds), got {value!r}") from None
 
 
 def check_path(name: str, value: Any, *, optional: bool = False) -> str | None:

@@ -1,7 +1,7 @@
 """Which optimizers are element-wise, so that they may run on any slice of the parameters.
 
 Owns one promise that two features rely on: weight-update sharding (each rank steps the wrapped
-optimizer on its flat slice of the parameters, :mod:`distoptim.cross_shard_sharding`) and the
+optimizer on its flat slice of the parameters, :mod:`distoptim.sync.sharding`) and the
 parameter server's chunked server optimizer (a shard steps a table's optimizer chunk by chunk,
 :mod:`distoptim.agn.server_optimizer`). Both are exact only for an *element-wise* update: the new
 value of each parameter element depends only on that element's parameter, gradient and

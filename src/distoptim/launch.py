@@ -77,6 +77,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from distoptim.checks import check_int, check_optional_int, check_seconds, check_type
 from distoptim.netcheck import check_torchrun_network
 
 __all__ = [
@@ -414,13 +415,9 @@ class ProcessSupervisor:
         on_failure: Callable[[ProcessOutcome], None] | None = None,
         on_restart: Callable[[ProcessOutcome], None] | None = None,
     ) -> None:
-        if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        if isinstance(grace, bool) or not (isinstance(grace, (int, float)) and grace >= 0):
-            raise ValueError(f"grace must be a number of seconds >= 0, got {grace!r}")
-        self.timeout = float(timeout)
-        self.grace = float(grace)
-        self.num_threads = num_threads
+        self.timeout = check_seconds("timeout", timeout)
+        self.grace = check_seconds("grace", grace, allow_zero=True)
+        self.num_threads = check_optional_int("num_threads", num_threads, 1)
         self.on_failure = on_failure
         self.on_restart = on_restart
         self._ctx = mp.get_context("spawn")
@@ -443,8 +440,7 @@ class ProcessSupervisor:
         """Start one process running ``fn(*args)``; returns its index (order of addition)."""
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-        if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 0:
-            raise ValueError(f"restarts must be an int >= 0, got {restarts!r}")
+        restarts = check_int("restarts", restarts, 0)
         with self._lock:
             if self._closed:
                 raise RuntimeError("this supervisor has ended; start a new one")
@@ -675,7 +671,10 @@ def run_processes(
         raise ValueError("run_processes needs at least one process")
     names = list(names) if names is not None else [f"rank {i}" for i in range(n)]
     envs = list(envs) if envs is not None else [{} for _ in range(n)]
-    per_restarts = [restarts] * n if isinstance(restarts, int) else list(restarts)
+    if isinstance(restarts, Sequence):  # checked before the first process starts
+        per_restarts = [check_int(f"restarts[{i}]", r, 0) for i, r in enumerate(restarts)]
+    else:
+        per_restarts = [check_int("restarts", restarts, 0)] * n
     if len(names) != n or len(envs) != n or len(per_restarts) != n:
         raise ValueError("names, envs and restarts must have one entry per process")
     sup = ProcessSupervisor(
@@ -811,12 +810,11 @@ def spawn(
     ``fn`` must be a module-level function (processes start with ``spawn``). The same ``fn``
     runs under torchrun with :func:`torchrun_main`.
     """
-    if not isinstance(nprocs, int) or isinstance(nprocs, bool) or nprocs < 1:
-        raise ValueError(f"nprocs must be an int >= 1, got {nprocs!r}")
+    nprocs = check_int("nprocs", nprocs, 1)
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-    if not isinstance(args, tuple):
-        raise TypeError(f"args must be a tuple, got {type(args).__name__}")
+    check_type("args", args, tuple, "a tuple")
+    check_seconds("timeout", timeout)  # (also the collective timeout of every rank)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     try:
         outcomes = run_processes(

@@ -73,6 +73,8 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
 
+from distoptim.checks import check_choice, check_seconds
+
 __all__ = [
     "ENVIRONMENT",
     "TRANSPORTS",
@@ -261,8 +263,7 @@ def bind_addresses(transport: str) -> list[BindAddress]:
     ``GLOO_SOCKET_IFNAME`` names an interface without an address here (gloo would fail to start;
     TensorPipe instead falls back to loopback, which is returned with that reason).
     """
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    check_choice("transport", transport, TRANSPORTS, fold_case=False)
     var = _IFNAME_VAR[transport]
     value = os.environ.get(var, "")
     ifaces = _interfaces()
@@ -315,6 +316,16 @@ def _route_source(address: str, port: int) -> str | None:
 # ---------------------------------------------------------------------------------------------
 # the job as torchrun describes it
 # ---------------------------------------------------------------------------------------------
+def _env_seconds(name: str, value: str) -> float:
+    """The environment variable ``name``'s ``value`` as seconds > 0, or an error naming it."""
+    try:
+        return check_seconds(name, float(value))
+    except ValueError:
+        raise ValueError(
+            f"{name}={value!r} must be a finite number of seconds > 0 (or unset)"
+        ) from None
+
+
 def _env_int(name: str) -> int | None:
     value = os.environ.get(name, "")
     return int(value) if value.strip().lstrip("-").isdigit() else None
@@ -790,13 +801,13 @@ def check_torchrun_network(
     code does). ``DISTOPTIM_NETCHECK=0`` turns every check off.
     """
     for t in transports:
-        if t not in TRANSPORTS:
-            raise ValueError(f"transports must be among {TRANSPORTS}, got {t!r}")
+        check_choice("transport", t, TRANSPORTS, fold_case=False)
+    timeout = check_seconds("timeout", timeout)
     if os.environ.get("DISTOPTIM_NETCHECK", "1").strip() == "0":
         return
     override = os.environ.get("DISTOPTIM_NETCHECK_TIMEOUT")
     if override:
-        timeout = float(override)
+        timeout = _env_seconds("DISTOPTIM_NETCHECK_TIMEOUT", override)
     job = _Job.from_env(caller)
     rendezvous = (job.master_addr, job.master_port, job.key)
     state = _CHECKED.get(rendezvous)

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from distoptim.checks import check_int, check_type
 from distoptim.checks import type_name as _type_name
 
 Loss = torch.Tensor | Callable[[], torch.Tensor]
@@ -54,11 +55,12 @@ def _resolve_loss(loss: Loss) -> torch.Tensor:
     """Evaluate a callable loss and check that the result is a differentiable scalar."""
     if callable(loss) and not isinstance(loss, torch.Tensor):
         loss = run_closure(loss)
-    if not isinstance(loss, torch.Tensor):
-        raise TypeError(
-            "loss must be a scalar torch.Tensor or a zero-argument callable returning one, "
-            f"got {_type_name(loss)}"
-        )
+    check_type(
+        "loss",
+        loss,
+        torch.Tensor,
+        "a scalar torch.Tensor or a zero-argument callable returning one",
+    )
     if loss.numel() != 1:
         raise ValueError(
             f"loss must be a scalar (one element), got a tensor of shape {tuple(loss.shape)}; "
@@ -77,8 +79,7 @@ def _check_var_list(var_list: Iterable[Any]) -> list[torch.Tensor]:
         raise TypeError("var_list must be a list or tuple of tensors, not a single tensor")
     vars_ = list(var_list)
     for i, v in enumerate(vars_):
-        if not isinstance(v, torch.Tensor):
-            raise TypeError(f"var_list[{i}] must be a torch.Tensor, got {_type_name(v)}")
+        check_type(f"var_list[{i}]", v, torch.Tensor, "a torch.Tensor")
     if not vars_:
         raise ValueError("var_list is empty: give at least one tensor to differentiate")
     return vars_
@@ -97,12 +98,8 @@ def _check_pairs(grads_and_vars: Iterable[Any]) -> GradsAndVars:
                 f"grads_and_vars[{i}] must be a (grad, var) pair, got {_type_name(pair)}"
             )
         g, v = pair
-        if not isinstance(v, torch.Tensor):
-            raise TypeError(f"grads_and_vars[{i}]: var must be a torch.Tensor, got {_type_name(v)}")
-        if g is not None and not isinstance(g, torch.Tensor):
-            raise TypeError(
-                f"grads_and_vars[{i}]: grad must be a torch.Tensor or None, got {_type_name(g)}"
-            )
+        check_type(f"grads_and_vars[{i}]: var", v, torch.Tensor, "a torch.Tensor")
+        check_type(f"grads_and_vars[{i}]: grad", g, torch.Tensor, "a torch.Tensor", optional=True)
         if g is not None and g.shape != v.shape:
             raise ValueError(
                 f"grads_and_vars[{i}]: grad shape {tuple(g.shape)} does not match "
@@ -223,8 +220,7 @@ class TFOptimizerProtocol:
                 )
         else:
             vars_ = _check_var_list(var_list)
-        if grad_loss is not None and not isinstance(grad_loss, torch.Tensor):
-            raise TypeError(f"grad_loss must be a tensor or None, got {_type_name(grad_loss)}")
+        check_type("grad_loss", grad_loss, torch.Tensor, "a tensor", optional=True)
         loss_t = _resolve_loss(loss)
         if grad_loss is not None and grad_loss.numel() != 1:
             raise ValueError(
@@ -339,8 +335,8 @@ class TFOptimizerProtocol:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         sd = dict(state_dict)
         iterations = sd.pop("iterations", None)
-        if iterations is not None and (not isinstance(iterations, int) or iterations < 0):
-            raise ValueError(f"state_dict['iterations'] must be an int >= 0, got {iterations!r}")
+        if iterations is not None:
+            iterations = check_int("state_dict['iterations']", iterations, 0)
         super().load_state_dict(sd)  # type: ignore[misc]
         if iterations is not None:
             self.iterations = iterations
@@ -368,8 +364,7 @@ class WrappedOptimizer(TFOptimizerProtocol, torch.optim.Optimizer):
             raise TypeError(
                 f"{type(self).__name__} wraps a torch.optim.Optimizer, got {_type_name(opt)}"
             )
-        if name is not None and not isinstance(name, str):
-            raise TypeError(f"name must be a str, got {_type_name(name)}")
+        check_type("name", name, str, "a str", optional=True)
         self._wrapped_ready = False
         super().__init__(opt.param_groups, opt.defaults)
         self._wrapped = opt
@@ -450,8 +445,7 @@ class WrappedOptimizer(TFOptimizerProtocol, torch.optim.Optimizer):
         optimizer (wrapped one included) untouched. Subclasses with wrapper state override it
         together with :meth:`_load_wrapper_state_dict`.
         """
-        if not isinstance(state, dict):
-            raise TypeError(f"state_dict['wrapper'] must be a dict, got {_type_name(state)}")
+        check_type("state_dict['wrapper']", state, dict, "a dict")
         if state:
             raise ValueError(
                 f"{type(self).__name__} keeps no wrapper state, got keys {sorted(state)}"
@@ -467,13 +461,12 @@ class WrappedOptimizer(TFOptimizerProtocol, torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if not isinstance(state_dict, dict):
-            raise TypeError(f"state_dict must be a dict, got {_type_name(state_dict)}")
+        check_type("state_dict", state_dict, dict, "a dict")
         sd = dict(state_dict)
         iterations = sd.pop("iterations", None)
         wrapper = sd.pop("wrapper", {})
-        if iterations is not None and (not isinstance(iterations, int) or iterations < 0):
-            raise ValueError(f"state_dict['iterations'] must be an int >= 0, got {iterations!r}")
+        if iterations is not None:
+            iterations = check_int("state_dict['iterations']", iterations, 0)
         self._check_wrapper_state_dict(wrapper)  # validate everything before changing anything
         check_inner_state_dict(self._wrapped, sd)
         self._wrapped.load_state_dict(sd)

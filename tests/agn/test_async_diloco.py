@@ -207,7 +207,7 @@ _OPT_ERRORS = [
     ({"delayed_momentum": -1}, ValueError, "delayed_momentum must be an int >= 0"),
     ({"delayed_momentum": 1.5}, ValueError, "delayed_momentum must be an int"),
     ({"delayed_momentum": True}, ValueError, "delayed_momentum must be an int"),
-    ({"dynamic_local_updates": 1}, TypeError, "dynamic_local_updates must be a bool"),
+    ({"dynamic_local_updates": 1}, TypeError, "dynamic_local_updates must be True or False"),
     ({"outer_optimizer": "sgd"}, TypeError, "outer_optimizer must be a factory"),
     (
         {"outer_optimizer": lambda ps: torch.optim.SGD(ps, lr=0.7)},

@@ -17,7 +17,7 @@ import distoptim
 from distoptim.agn import AGNCustomGetter, Cluster, ParameterServer, ShardLink, spawn
 from distoptim.agn.flat import FlatLayout
 from distoptim.agn.rules import AddUpdate, ApplyOptimizer, ElasticUpdate
-from distoptim.agn.transport import wire
+from distoptim.agn.transport import framing
 from distoptim.agn.transport.messages import (
     Commit,
     ErrorReply,
@@ -53,7 +53,7 @@ def _sgd(m, **kw):
         ({"custom_getter": lambda *a: None}, TypeError, "custom_getter must be"),
         ({"custom_getter": "round_robin"}, TypeError, "custom_getter must be"),
         ({"update_rule": "momentum"}, ValueError, "update_rule must be one of"),
-        ({"use_locking": "yes"}, TypeError, "use_locking must be a bool"),
+        ({"use_locking": "yes"}, TypeError, "use_locking must be True or False"),
         ({"name": ""}, TypeError, "name must be a non-empty str"),
     ],
 )
@@ -101,7 +101,7 @@ def test_hook_outside_a_cluster_and_bad_hook_arguments():
     opt = distoptim.AGNOptimizer(_sgd(_model()), 2)
     with pytest.raises(RuntimeError, match="not part of an AGN cluster"):
         opt.make_session_run_hook(True, 0).begin()
-    with pytest.raises(TypeError, match="is_chief must be a bool"):
+    with pytest.raises(TypeError, match="is_chief must be True or False"):
         opt.make_session_run_hook("yes", 0)
     with pytest.raises(ValueError, match="task_index"):
         opt.make_session_run_hook(True, -1)
@@ -141,7 +141,7 @@ def test_cluster_and_spawn_bad_input():
         ({"num_worker": 1, "checkpoint_every": 5}, "needs checkpoint_dir"),
         ({"num_worker": 1, "checkpoint_every": 0, "checkpoint_dir": "/tmp/x"}, "checkpoint_every"),
         ({"num_worker": 1, "strategy": "random"}, "strategy"),
-        ({"num_worker": 1, "transport": "tcp"}, "transport must be one of"),
+        ({"num_worker": 1, "transport": "tcp"}, "unknown transport .tcp."),
         ({"num_worker": 1, "max_restarts": 1}, "max_restarts needs checkpoint_dir"),
         ({"num_worker": 1, "max_restarts": -1}, "max_restarts"),
         (
@@ -478,17 +478,17 @@ def test_reply_buffer_reuse_never_touches_optimizer_state_or_live_center():
     assert torch.equal(r.flats["float32"], torch.ones(4)) and r.version == 1
 
 
-# ---- the p2p wire format and the extension point -----------------------------------------------
-def test_wire_roundtrip_inline_and_large_metadata():
+# ---- the p2p framing and the extension point -----------------------------------------------
+def test_framing_roundtrip_inline_and_large_metadata():
     flats = {"float32": torch.arange(5.0), "float64": torch.ones(2, dtype=torch.float64)}
     for hparams in (None, {0: {f"k{i}": float(i) for i in range(100)}}):  # fits / does not fit
         msg = Commit("opt", 3, 7, flats, hparams, False)
-        header, extra, buffers = wire.encode(msg)
-        assert header.numel() == wire.HEADER_BYTES and (extra is None) == (hparams is None)
-        n, meta = wire.decode_header(header)
+        header, extra, buffers = framing.encode(msg)
+        assert header.numel() == framing.HEADER_BYTES and (extra is None) == (hparams is None)
+        n, meta = framing.decode_header(header)
         meta = meta if meta is not None else bytes(extra.numpy())
         assert len(meta) == n
-        bare, specs, stream = wire.finish_decode(meta)
+        bare, specs, stream = framing.finish_decode(meta)
         assert stream is None
         assert bare.flats == {} and bare.hparams == hparams and bare.pulled_version == 7
         assert [(b.key, b.dtype, b.numel) for b in specs] == [
@@ -497,14 +497,14 @@ def test_wire_roundtrip_inline_and_large_metadata():
         ]
         assert [b.data_ptr() for b in buffers] == [t.data_ptr() for t in flats.values()]
     # a streamed message: no buffer goes whole, the plan travels in the metadata
-    header, extra, buffers = wire.encode(msg, stream=wire.StreamInfo(16, 40))
-    _, meta = wire.decode_header(header)
+    header, extra, buffers = framing.encode(msg, stream=framing.StreamInfo(16, 40))
+    _, meta = framing.decode_header(header)
     if meta is None:
         meta = bytes(extra.numpy())
-    assert buffers == [] and wire.finish_decode(meta)[2] == wire.StreamInfo(16, 40)
-    bad = torch.zeros(wire.HEADER_BYTES, dtype=torch.uint8)
-    with pytest.raises(wire.WireError, match="bad message header"):
-        wire.decode_header(bad)
+    assert buffers == [] and framing.finish_decode(meta)[2] == framing.StreamInfo(16, 40)
+    bad = torch.zeros(framing.HEADER_BYTES, dtype=torch.uint8)
+    with pytest.raises(framing.FramingError, match="bad message header"):
+        framing.decode_header(bad)
 
 
 def test_shard_link_is_the_public_extension_point():
@@ -515,6 +515,9 @@ def test_shard_link_is_the_public_extension_point():
     assert torch.equal(p[1].detach(), torch.tensor([4.0, 5.0, 6.0]))
     assert torch.equal(link.local()["float32"], torch.arange(7.0))
     assert link.reply_buffers() is link.reply_buffers()
+    # docs/agn.md's whole-buffer algorithm commits link.delta(divisor=2): (θ - θ_pulled) / 2
+    link.pulled = {"float32": torch.ones(7)}
+    assert torch.equal(link.delta(divisor=2)["float32"], (torch.arange(7.0) - 1) / 2)
 
 
 def _serve_with_store(world_size: int, prepare: Callable[[Any], None]) -> tuple[Any, float]:

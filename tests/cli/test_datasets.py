@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from distoptim.cli.config import RunConfig
 from distoptim.cli.datasets import DatasetError, batches_per_epoch, load_dataset, shard_indices
-from distoptim.cli.worker import _batches
+from distoptim.cli.runconfig import RunConfig
+from distoptim.cli.training import _batches
 
 
 def test_digits_split_is_fixed_stratified_and_scaled():

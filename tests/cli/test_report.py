@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from distoptim.cli.config import RunConfig
 from distoptim.cli.plot import accuracy_range, plot_accuracy
 from distoptim.cli.record import RunRecord, build_history
 from distoptim.cli.report import (
@@ -21,6 +20,7 @@ from distoptim.cli.report import (
     temporal_efficiency,
     write_results,
 )
+from distoptim.cli.runconfig import RunConfig
 
 
 def _hist(points):

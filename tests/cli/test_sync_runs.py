@@ -8,11 +8,11 @@ import os
 import numpy as np
 import pytest
 
-from distoptim.cli.config import RunConfig
 from distoptim.cli.datasets import load_dataset
 from distoptim.cli.main import main
 from distoptim.cli.record import RunRecord, finish_record, record_collective
-from distoptim.cli.worker import collective_rank
+from distoptim.cli.runconfig import RunConfig
+from distoptim.cli.training import collective_rank
 from distoptim.comm.link import ENV_VAR
 from distoptim.launch import spawn
 

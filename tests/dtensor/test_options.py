@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -71,6 +72,31 @@ def test_schedules_follow_keras():
         PiecewiseConstantDecay([2, 5], [1.0, 0.5])
     with pytest.raises(ValueError):
         ExponentialDecay(0.1, 0, 0.5)
+
+
+@pytest.mark.parametrize(
+    "make, err, match",
+    [
+        (lambda: ExponentialDecay(True, 10, 0.5), ValueError, "initial_learning_rate"),
+        (lambda: ExponentialDecay(0.1, 10, 0.5, staircase=1), TypeError, "staircase"),
+        (lambda: PiecewiseConstantDecay([2, 5], [1.0, "0.5", 0.1]), ValueError, r"values\[1\]"),
+        (lambda: PiecewiseConstantDecay([2.0, 5], [1.0, 0.5, 0.1]), TypeError, "boundaries"),
+        (lambda: PiecewiseConstantDecay([True, 5], [1.0, 0.5, 0.1]), TypeError, "boundaries"),
+    ],
+)
+def test_schedules_refuse_bools_and_strings_as_numbers(make, err, match):
+    """A bool is no learning rate and "0.5" no value: refused, not read as 1 or 0.5."""
+    with pytest.raises(err, match=match):
+        make()
+
+
+def test_schedules_take_numpy_scalars_and_serialize_python_numbers():
+    s = ExponentialDecay(np.float32(0.5), np.int64(10), np.float64(0.5))
+    p = PiecewiseConstantDecay(np.array([2, 5]), np.array([1.0, 0.5, 0.1], dtype=np.float32))
+    for sched in (s, p):
+        cfg = json.loads(json.dumps(sched.get_config()))
+        assert type(sched).from_config(cfg) == sched
+    assert s(10) == 0.25 and p(3) == 0.5
 
 
 _pos = st.floats(1e-6, 1e6, allow_nan=False, allow_infinity=False)

@@ -5,6 +5,10 @@ The DTensor / multi-rank behaviour is in test_mesh.py."""
 from __future__ import annotations
 
 import copy
+import inspect
+import json
+import pydoc
+import re
 import warnings
 
 import numpy as np
@@ -232,6 +236,26 @@ def test_update_step_is_public_and_overridable():
     base = SGD([p], lr=0.25, momentum=0.5)
     base.update_step(torch.ones(2), p)
     assert torch.equal(p.detach(), torch.full((2,), 0.75)) and base.iterations == 0
+
+
+# ---- the signature, as help() and IDEs show it ------------------------------------------------
+def test_signature_shows_real_defaults():
+    """help(SGD) shows ``learning_rate=0.01`` (not a sentinel ``<object object at 0x...>``),
+    while ``lr=`` still stands in only when ``learning_rate`` is not given."""
+    sig = inspect.signature(SGD)
+    text = str(sig)
+    assert " at 0x" not in text, text
+    assert re.search(r"learning_rate: '[^']*' = 0\.01, ", text), text
+    assert "lr: 'float | Callable[[int], float] | None' = None" in text, text
+    assert "= 0.01" in pydoc.render_doc(SGD, renderer=pydoc.plaintext)
+    p = torch.ones(1, requires_grad=True)
+    default = SGD([p])
+    assert type(default.learning_rate) is float and default.learning_rate == 0.01
+    assert type(default.param_groups[0]["lr"]) is float
+    assert json.loads(json.dumps(default.get_config()))["learning_rate"] == 0.01
+    assert SGD([p], lr=0.2).learning_rate == 0.2
+    with pytest.raises(ValueError, match="not both"):  # an explicit 0.01 is a given rate
+        SGD([p], learning_rate=0.01, lr=0.2)
 
 
 # ---- jit ---------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The step plan that SGD keeps between steps of plain tensors (``sgd._StepPlan``).
+"""The step plan that SGD keeps between steps of plain tensors (``plan.StepPlan``).
 
 Every scenario runs twice from the same start: once as a user would (the plan kept and reused)
 and once with the plan dropped before every step (built afresh, as on the first step). Whatever
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from distoptim.dtensor import SGD, EMAOption, ExponentialDecay, GradientsClipOption
-from distoptim.dtensor import sgd as sgd_module
+from distoptim.dtensor import plan as plan_module
 
 STEPS = 7
 
@@ -71,13 +71,13 @@ def _same(x, y) -> bool:
 
 def _check_twins(make, event, monkeypatch) -> None:
     builds = []
-    real_build = sgd_module._StepPlan.build.__func__
+    real_build = plan_module.StepPlan.build.__func__
 
-    def counting_build(cls, opt, params, ends):
+    def counting_build(cls, params, *args):
         builds.append(len(params))
-        return real_build(cls, opt, params, ends)
+        return real_build(cls, params, *args)
 
-    monkeypatch.setattr(sgd_module._StepPlan, "build", classmethod(counting_build))
+    monkeypatch.setattr(plan_module.StepPlan, "build", classmethod(counting_build))
     kept = _run(make, event, keep_plan=True)
     kept_builds = len(builds)
     fresh = _run(make, event, keep_plan=False)

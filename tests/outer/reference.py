@@ -2,8 +2,10 @@
 
 One local model copy and inner optimizer per replica, one global model copy and outer
 optimizer; each sync follows the algorithm as the papers write it (no distoptim code except
-the fragment partition, which ``test_fragments.py`` checks on its own). Shared by the
-single-process and the multi-rank tests (spawned children import this module).
+the fragment partition, which ``test_fragments.py`` checks on its own). A lossy wire averages
+each fragment's pseudo-gradients, flattened in parameter order (one bucket), with the wire
+formats' own reference (:class:`tests.comm.reference.Mean`, residuals per fragment). Shared by
+the single-process and the multi-rank tests (spawned children import this module).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distoptim.outer.fragments import partition
+from tests.comm.reference import Mean
 
 STEPS_MAX = 128
 BATCH = 4
@@ -67,6 +70,7 @@ class Config:
     alpha: float = 0.0
     steps: int = 9
     wire: str = "fp32"
+    error_feedback: bool = True
 
     def kwargs(self) -> dict[str, Any]:
         return {
@@ -75,6 +79,7 @@ class Config:
             "fragment_sync_delay": self.delay,
             "fragment_update_alpha": self.alpha,
             "wire": self.wire,
+            "error_feedback": self.error_feedback,
         }
 
 
@@ -133,6 +138,8 @@ def simulate(
     frags = partition(sizes, cfg.fragments)
     period = cfg.sync_every // cfg.fragments
     pending: tuple[int, int, list[torch.Tensor]] | None = None
+    lossy = cfg.outer is not None and cfg.wire.lower() != "fp32" and replicas > 1
+    wires = [Mean(cfg.wire, replicas, cfg.error_feedback) for _ in frags] if lossy else []
 
     def apply(p: int, mean: list[torch.Tensor]) -> None:
         lo, hi = frags[p]
@@ -162,12 +169,18 @@ def simulate(
         if t % period == 0:
             p = (t // period - 1) % cfg.fragments
             lo, hi = frags[p]
-            mean = [
-                torch.stack(
-                    [gparams[i].detach() - list(m.parameters())[i].detach() for m in models]
-                ).mean(0)
+            deltas = [
+                [gparams[i].detach() - list(m.parameters())[i].detach() for m in models]
                 for i in range(lo, hi)
             ]
+            if lossy:  # the fragment flattened, as its one bucket travels
+                flat_mean = wires[p]([flat(d[r] for d in deltas) for r in range(replicas)])
+                sizes = [gparams[i].numel() for i in range(lo, hi)]
+                mean = [
+                    v.view_as(gparams[i]) for i, v in zip(range(lo, hi), flat_mean.split(sizes))
+                ]
+            else:
+                mean = [torch.stack(d).mean(0) for d in deltas]
             pending = (p, t, mean)
             if cfg.delay == 0:
                 apply(p, mean)

@@ -1,9 +1,11 @@
 """DiLoCo / LocalSGD on real process groups: replays against the references, wires, checkpoints.
 
-One 2-rank spawn runs every 2-replica check (the exact replays, the lossy wires, error
-feedback over 50 syncs, checkpoints with a sync in flight through torch.save and
-torch.distributed.checkpoint, the agreement check); one 4-rank spawn (slow) runs subgroups and
-a 4-way quantized mean. The parent compares against :mod:`tests.outer.reference`.
+One 2-rank spawn runs every 2-replica check (the exact replays, every wire format of the
+registry replayed against the reference with its own averaging math, ``topk:1.0`` against
+``fp32`` bit for bit, error feedback over 50 syncs, checkpoints with a sync in flight -- and
+residuals -- through torch.save for every format and torch.distributed.checkpoint, finite
+syncs of huge pseudo-gradients, the agreement check); one 4-rank spawn (slow) runs subgroups
+and 4-way lossy means. The parent compares against :mod:`tests.outer.reference`.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from distoptim import DiLoCo
 from distoptim.comm.guard import CHUNKS, DesyncError
-from distoptim.comm.quantize import Int8Codec, QuantizedMean
 from distoptim.comm.stats import CommStats, ring_allreduce_bytes
+from distoptim.comm.wire import parse_wire
 from distoptim.launch import spawn
+from tests.comm import reference as wire_ref
 from tests.outer import reference as ref
 from tests.outer.reference import Config
 
@@ -35,6 +39,15 @@ EXACT = {
 FIRST_SYNC = Config(sync_every=3, steps=3)  # one sync: the wire's error is visible alone
 DRIFT = Config(inner="adamw", sync_every=2, steps=100)  # 50 syncs
 NUMEL = 57  # parameters of reference.mlp()
+# every format of the registry, replayed against the reference (F = 2; and delay 1, alpha 0.5)
+LOSSY = ["fp16", "bf16", "int8", "int4", "int2", "topk:0.1", "topk:0.25+int2", "topk:1.0"]
+NO_FEEDBACK = ["int4", "topk:0.25+int2"]
+REPLAYS = {"fragments2": EXACT["fragments2"], "streaming": EXACT["streaming"]}
+HUGE = 0.75 * torch.finfo(torch.float32).max  # finite, above FLT_MAX / 2
+
+
+def _with(cfg: Config, **changes: Any) -> Config:
+    return Config(**{**vars(cfg), **changes})
 
 
 def _run(cfg: Config, rank: int, world: int, **extra: Any) -> dict[str, Any]:
@@ -83,18 +96,64 @@ def _expect_mismatch(fn: Any) -> str:
     return "no error"
 
 
+def _huge_sync(wire: str) -> torch.Tensor:
+    """The global copy after one sync whose pseudo-gradients are ±0.75 FLT_MAX (float32)."""
+    p = torch.nn.Parameter(torch.zeros(64))
+    opt = DiLoCo(torch.optim.SGD([p], lr=1.0), torch.optim.SGD([p], lr=1.0), 1, wire=wire)
+    p.grad = torch.full_like(p, HUGE)
+    p.grad[1::2] *= -1
+    opt.step()  # θ_r = -g, so Δ = θ_g - θ_r = g on both replicas; θ_g' = -mean Δ
+    return opt.global_parameters[0].clone()
+
+
+def _residuals_refused(rank: int, world: int) -> str:
+    """A checkpoint whose residuals have another scheme's names is refused before loading."""
+    cfg = _with(EXACT["fragments2"], wire="topk:0.25+int2", steps=4)
+    _, opt = ref.run(cfg, rank, world)
+    sd = copy.deepcopy(opt.state_dict())
+    entry = sd["wrapper"]["residuals"][0][0]
+    entry["shard"] = entry["local"].clone()  # as a two-phase format would have
+    try:
+        opt.load_state_dict(sd)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def _formats(rank: int, world: int) -> dict[str, Any]:
+    """Every format of the registry: replays, resumes with a sync in flight, huge values."""
+    out: dict[str, Any] = {}
+    for wire in LOSSY:
+        for name, cfg in REPLAYS.items():
+            out["replay", wire, name, True] = _run(_with(cfg, wire=wire), rank, world)
+        stream = _with(EXACT["streaming"], wire=wire)
+        out["resume", wire] = _round_trip(stream, rank, world, 6, None)
+        out["residual_names", wire] = [
+            sorted(r)
+            for r in ref.run(stream, rank, world)[1].state_dict()["wrapper"]["residuals"][0]
+        ]
+    for wire in NO_FEEDBACK:
+        for name, cfg in REPLAYS.items():
+            cfg = _with(cfg, wire=wire, error_feedback=False)
+            out["replay", wire, name, False] = _run(cfg, rank, world)
+    for wire in ("fp32", *LOSSY):
+        out["huge", wire] = _huge_sync(wire)
+    out["residuals_refused"] = _residuals_refused(rank, world)
+    return out
+
+
 def _two_ranks(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
     out: dict[str, Any] = {name: _run(cfg, rank, world) for name, cfg in EXACT.items()}
     for wire in ("fp32", "bf16", "int8"):
-        out["first", wire] = _run(Config(**{**vars(FIRST_SYNC), "wire": wire}), rank, world)
+        out["first", wire] = _run(_with(FIRST_SYNC, wire=wire), rank, world)
         for ef in (True, False) if wire != "fp32" else (True,):
-            drift = Config(**{**vars(DRIFT), "wire": wire})
-            out["drift", wire, ef] = _run(drift, rank, world, error_feedback=ef)["local"]
-    stream_int8 = Config(**{**vars(EXACT["streaming"]), "wire": "int8"})
+            drift = _with(DRIFT, wire=wire, error_feedback=ef)
+            out["drift", wire, ef] = _run(drift, rank, world)["local"]
+    stream_int8 = _with(EXACT["streaming"], wire="int8")
     out["stream_int8"] = _run(stream_int8, rank, world)
     out["resume", "fp32"] = _round_trip(EXACT["streaming"], rank, world, 6, None)
-    out["resume", "int8"] = _round_trip(stream_int8, rank, world, 6, None)
     out["resume", "dcp"] = _round_trip(EXACT["streaming"], rank, world, 6, f"{ckpt_dir}/a")
+    out.update(_formats(rank, world))
 
     # options that differ on one rank, and checkpoints of different steps
     other = Config(sync_every=2 if rank == 0 else 4, steps=4)
@@ -159,7 +218,7 @@ def test_first_sync_error_is_bounded_by_the_quantization_step(two_ranks, wire):
     deltas = [theta0 - ref.flat(ref.run(unsynced, r, 2)[0].parameters()) for r in range(2)]
     mean = (deltas[0] + deltas[1]) / 2
     if wire == "int8":
-        layout = Int8Codec().layout(NUMEL, 2)
+        layout = parse_wire("int8").codec.layout(NUMEL, 2, torch.float64)
 
         def step(x):  # per element: absmax of its chunk / 127
             padded = torch.zeros(layout.padded, dtype=x.dtype)
@@ -195,9 +254,56 @@ def test_streaming_int8_stays_close_and_moves_fewer_bytes(two_ranks):
     assert lossy["bytes"] < exact["bytes"]
 
 
-@pytest.mark.parametrize("how", ["fp32", "int8", "dcp"])
+@pytest.mark.parametrize("how", ["fp32", "dcp", *LOSSY])
 def test_resume_with_a_sync_in_flight(two_ranks, how):
+    # the payload slots and every replica's residuals travel in the checkpoint
     assert two_ranks[0]["resume", how] and two_ranks[1]["resume", how]
+
+
+@pytest.mark.parametrize(
+    ("wire", "ef", "name"),
+    [(w, True, n) for w in LOSSY for n in REPLAYS]
+    + [(w, False, n) for w in NO_FEEDBACK for n in REPLAYS],
+)
+def test_every_format_matches_the_reference(two_ranks, wire, ef, name):
+    cfg = _with(REPLAYS[name], wire=wire, error_feedback=ef)
+    local, global_ = ref.simulate(cfg, 2)
+    for rank in range(2):
+        got = two_ranks[rank]["replay", wire, name, ef]
+        torch.testing.assert_close(got["local"], local[rank], rtol=0, atol=ATOL)
+        torch.testing.assert_close(got["global"], global_, rtol=0, atol=ATOL)
+    assert torch.equal(
+        two_ranks[0]["replay", wire, name, ef]["global"],
+        two_ranks[1]["replay", wire, name, ef]["global"],
+    )
+    if wire != "topk:1.0":  # the wire is really lossy: the run differs from the exact one
+        exact = ref.simulate(REPLAYS[name], 2)[1]
+        assert (global_ - exact).abs().max() > 1e-12
+
+
+@pytest.mark.parametrize("name", sorted(REPLAYS))
+def test_topk_at_density_one_is_the_fp32_sync_bit_for_bit(two_ranks, name):
+    for rank in range(2):
+        dense, sparse = two_ranks[rank][name], two_ranks[rank]["replay", "topk:1.0", name, True]
+        assert torch.equal(dense["local"], sparse["local"])
+        assert torch.equal(dense["global"], sparse["global"])
+
+
+def test_residuals_are_in_the_state_dict_by_scheme(two_ranks):
+    for wire in LOSSY:
+        names = ["local"] if wire.startswith("topk") else ["local", "shard"]
+        assert two_ranks[0]["residual_names", wire] == [names], wire
+    text = two_ranks[0]["residuals_refused"]
+    assert "residuals'][0][0] must be a dict of ['local']" in text, text
+
+
+@pytest.mark.parametrize("wire", ["fp32", *LOSSY])
+def test_huge_finite_pseudo_gradients_give_a_finite_global_copy(two_ranks, wire):
+    got = two_ranks[0]["huge", wire]
+    assert torch.isfinite(got).all(), got[:4]
+    assert torch.equal(got, two_ranks[1]["huge", wire])
+    if wire in ("fp32", "bf16", "int8", "int4", "int2", "topk:1.0"):
+        torch.testing.assert_close(got.abs(), torch.full_like(got, HUGE), rtol=2**-7, atol=0)
 
 
 @pytest.mark.parametrize(
@@ -228,12 +334,12 @@ def _four_ranks(rank: int, world: int) -> dict[str, Any]:
     out["localsgd"] = _run(EXACT["localsgd"], rank, world, group=pg)
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(1000, generator=g, dtype=torch.float64)
-    qm = QuantizedMean(Int8Codec(), None, world, CommStats())
-    layout = qm.layout(x.numel())
-    res = qm.new_residuals(layout, x)
-    mean = torch.empty_like(x)
-    qm.finish(qm.launch(x, res, None), mean, res)
-    out["mean"] = mean
+    for wire in ("int8", "topk:0.1+int2"):
+        mean = parse_wire(wire).mean(None, world, CommStats(), True)
+        buffers = mean.buffers(x.clone(), keep_payload=False)
+        payload = x.clone()
+        mean.finish(mean.launch(payload, buffers), payload, buffers)
+        out["mean", wire] = payload
     return out
 
 
@@ -256,7 +362,9 @@ def test_four_ranks_two_subgroups():
         torch.randn(1000, generator=torch.Generator().manual_seed(r), dtype=torch.float64)
         for r in range(4)
     ]
-    exact = torch.stack(xs).mean(0)
-    assert all(torch.equal(outs[0]["mean"], o["mean"]) for o in outs)
-    steps = torch.stack([x.abs().max() for x in xs]).max() / 127  # a coarse, safe bound
-    assert 0 < (outs[0]["mean"] - exact).abs().max() <= steps
+    for wire in ("int8", "topk:0.1+int2"):
+        got = outs[0]["mean", wire]
+        assert all(torch.equal(got, o["mean", wire]) for o in outs)
+        reference = wire_ref.Mean(wire, 4)(xs)  # the 4-way sum in rank order
+        torch.testing.assert_close(got, reference, rtol=0, atol=1e-12)
+        assert (got - torch.stack(xs).mean(0)).abs().max() > 0

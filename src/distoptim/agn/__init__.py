@@ -4,14 +4,15 @@ Owns nothing itself; the public names of the package:
 
 * :func:`spawn`, :class:`LocalCluster` (late workers, shard restarts), :class:`Cluster`
   (``Cluster.from_env`` under torchrun, ``Cluster.join`` for a late worker),
-  :class:`ClusterResult`, :class:`ClusterStats`, :class:`ShardReport`,
-  :class:`ParameterServerError` -- the cluster (:mod:`distoptim.agn.cluster`), on the transports
-  of :mod:`distoptim.agn.transport` (``"p2p"``, the default, or ``"rpc"``);
+  :class:`ClusterOptions` (what every process of a cluster runs with), :class:`ClusterResult`,
+  :class:`ClusterStats`, :class:`ShardReport`, :class:`ParameterServerError` -- the cluster
+  (:mod:`distoptim.agn.cluster`; local clusters: :mod:`distoptim.agn.local_cluster`), on the
+  transports of :mod:`distoptim.agn.transport` (``"p2p"``, the default, or ``"rpc"``);
 * :class:`AGNOptimizer` (:mod:`~distoptim.agn.agn`), :class:`DownpourOptimizer`
   (:mod:`~distoptim.agn.downpour`), :class:`ElasticAverageOptimizer`
   (:mod:`~distoptim.agn.easgd`), :class:`AsyncDiLoCoOptimizer`
   (:mod:`~distoptim.agn.async_diloco`) -- the algorithms, all on :mod:`distoptim.agn.worker`;
-* :class:`ShardLink` (:mod:`~distoptim.agn.link`) and the server rules
+* :class:`ShardLink` (:mod:`~distoptim.agn.shard_link`) and the server rules
   (:mod:`~distoptim.agn.rules`) -- the extension point for new algorithms;
 * :class:`AGNCustomGetter` (:mod:`~distoptim.agn.getter`) -- placement of center variables;
 * :class:`ParameterServer` (:mod:`~distoptim.agn.server`) -- a shard.
@@ -24,18 +25,15 @@ from distoptim.agn.async_diloco import AsyncDiLoCoOptimizer
 from distoptim.agn.cluster import (
     TRANSPORTS,
     Cluster,
-    ClusterResult,
+    ClusterOptions,
     ClusterStats,
-    LocalCluster,
     ShardReport,
-    WorkerStartupError,
     current_cluster,
-    spawn,
 )
 from distoptim.agn.downpour import DownpourOptimizer
 from distoptim.agn.easgd import ElasticAverageOptimizer
 from distoptim.agn.getter import AGNCustomGetter
-from distoptim.agn.link import ShardLink
+from distoptim.agn.local_cluster import ClusterResult, LocalCluster, WorkerStartupError, spawn
 from distoptim.agn.rules import (
     AddUpdate,
     ApplyOptimizer,
@@ -44,6 +42,7 @@ from distoptim.agn.rules import (
     ServerRule,
 )
 from distoptim.agn.server import ParameterServer
+from distoptim.agn.shard_link import ShardLink
 from distoptim.agn.transport import ParameterServerError, ShardLostError
 
 __all__ = [
@@ -54,6 +53,7 @@ __all__ = [
     "ApplyOptimizer",
     "AsyncDiLoCoOptimizer",
     "Cluster",
+    "ClusterOptions",
     "ClusterResult",
     "ClusterStats",
     "DelayedNesterov",

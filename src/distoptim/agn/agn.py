@@ -11,8 +11,8 @@ import torch
 
 from distoptim.agn.flat import Chunk
 from distoptim.agn.getter import AGNCustomGetter
-from distoptim.agn.link import ShardLink
 from distoptim.agn.rules import AddUpdate, ApplyOptimizer, ServerRule
+from distoptim.agn.shard_link import ShardLink
 from distoptim.agn.worker import AsyncWorkerOptimizer
 
 __all__ = ["UPDATE_RULES", "AGNOptimizer"]

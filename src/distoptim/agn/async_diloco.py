@@ -29,11 +29,17 @@ import torch.distributed as dist
 
 from distoptim.agn.flat import Chunk
 from distoptim.agn.getter import AGNCustomGetter
-from distoptim.agn.link import ShardLink
 from distoptim.agn.rules import ApplyOptimizer, DelayedNesterov, ServerRule
+from distoptim.agn.shard_link import ShardLink
 from distoptim.agn.transport.messages import TableSpec
 from distoptim.agn.worker import AsyncWorkerOptimizer
-from distoptim.checks import check_finite_hyperparameters, check_int, type_name
+from distoptim.checks import (
+    check_bool,
+    check_finite_hyperparameters,
+    check_int,
+    check_real,
+    type_name,
+)
 
 __all__ = ["DEFAULT_OUTER", "AsyncDiLoCoOptimizer", "local_updates"]
 
@@ -229,15 +235,10 @@ class AsyncDiLoCoOptimizer(AsyncWorkerOptimizer):
     ) -> None:
         check_int("communication_period", communication_period, 1)
         n = check_int("delayed_momentum", delayed_momentum, 0)
-        if not isinstance(dynamic_local_updates, bool):
-            raise TypeError(
-                f"dynamic_local_updates must be a bool, got {type_name(dynamic_local_updates)}"
-            )
+        check_bool("dynamic_local_updates", dynamic_local_updates)
         if not callable(clock):
             raise TypeError(f"clock must be a callable returning seconds, got {type_name(clock)}")
-        c = momentum_activation
-        if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c):
-            raise ValueError(f"momentum_activation must be a finite number, got {c!r}")
+        c = check_real("momentum_activation", momentum_activation)
         if n == 0 and c != 0:
             raise ValueError(
                 "momentum_activation (Delayed Nesterov's c) needs delayed_momentum >= 1, got "

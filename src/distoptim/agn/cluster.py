@@ -1,20 +1,21 @@
-"""The AGN cluster: roles, membership, the transport, and local clusters (spawn, LocalCluster).
+"""The AGN cluster: roles, membership, the transport (of one process, under any launcher).
 
 Owns: who is a parameter-server shard and who is a worker, the cluster's keys in the job's
 ``TCPStore``, the requests a worker makes to the shards (each bounded; a clear error, or a
 bounded reconnection, when a shard is gone), the serving loop of a shard (it ends when every
 worker the cluster knows of finished, failed or died; dead workers are detected, never waited
-for), and local clusters: :class:`LocalCluster` (shards restarted from their checkpoints, late
-workers added while it runs) and :func:`spawn`.
+for). Local clusters (:func:`~distoptim.agn.local_cluster.spawn`,
+:class:`~distoptim.agn.local_cluster.LocalCluster`) run these roles as local processes.
 
-Roles (the same under :func:`spawn` and under ``torchrun``)
-------------------------------------------------------------
+Roles (the same under :func:`~distoptim.agn.local_cluster.spawn` and under ``torchrun``)
+----------------------------------------------------------------------------------------
 ``WORLD_SIZE = num_ps + num_worker`` processes. Ranks ``0 .. num_ps-1`` are the parameter-server
 shards, ranks ``num_ps ..`` the workers (``task_index = rank - num_ps``; task 0 is the chief).
 ``num_worker`` is the *expected* count: with the ``"p2p"`` transport a worker may also join a
 running cluster later (:meth:`Cluster.join`; ``DISTOPTIM_AGN_JOIN=host:port`` makes
 :meth:`Cluster.from_env` do it, e.g. for a torchrun job started later on another node;
-:meth:`LocalCluster.add_worker` locally); it gets the next task index after the expected ones.
+:meth:`~distoptim.agn.local_cluster.LocalCluster.add_worker` locally); it gets the next task
+index after the expected ones.
 
 Keys in the store (under ``distoptim.agn/<TORCHELASTIC_RESTART_COUNT>``: a torchrun restart of
 the whole job starts afresh; ``distoptim.agn/current`` names the namespace for late joiners)
@@ -42,11 +43,10 @@ import contextlib
 import json
 import os
 import pickle
-import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
@@ -60,33 +60,27 @@ from distoptim.agn.transport import TRANSPORTS
 from distoptim.agn.transport.base import ParameterServerError, Pending, Stream, Transport
 from distoptim.agn.transport.messages import ErrorReply, Finish, Reply, Request
 from distoptim.agn.transport.p2p import DEFAULT_IDLE_TIMEOUT, P2PTransport
-from distoptim.checks import check_positive
-from distoptim.launch import (
-    DEFAULT_GRACE,
-    ProcessOutcome,
-    ProcessSupervisor,
-    RankFailedError,
-    report_failure,
-    require_torchrun_env,
-    root_cause,
-    torchrun_env,
+from distoptim.checks import (
+    check_choice,
+    check_int,
+    check_optional_int,
+    check_path,
+    check_seconds,
+    type_name,
 )
+from distoptim.launch import require_torchrun_env
 from distoptim.netcheck import check_torchrun_network
 
 __all__ = [
     "JOIN_ENV",
-    "STARTUP_POLICIES",
     "TRANSPORTS",
     "Cluster",
-    "ClusterResult",
+    "ClusterOptions",
     "ClusterStats",
-    "LocalCluster",
     "ParameterServerError",
     "ShardReport",
-    "WorkerStartupError",
     "current_cluster",
     "merge_reports",
-    "spawn",
 ]
 
 DEFAULT_RPC_TIMEOUT = 60.0
@@ -99,13 +93,11 @@ JOIN_ENV = "DISTOPTIM_AGN_JOIN"
 TASK_ENV = "DISTOPTIM_AGN_TASK"
 """The task index a launcher reserved for a late worker (with :data:`JOIN_ENV`)."""
 
-STARTUP_POLICIES = ("fail", "drop")
-"""What a local cluster does when a worker dies before it joined: fail the run, or drop it."""
-
 _CURRENT_KEY = "distoptim.agn/current"
 
 
-def _namespace() -> str:
+def store_namespace() -> str:
+    """This run's namespace in the job's store (a torchrun restart of the job starts afresh)."""
     return f"distoptim.agn/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
@@ -127,8 +119,9 @@ class ClusterStats:
     * ``global_step``: accepted commits (the center's version), summed over optimizers.
     * ``dead_workers``: tasks whose process died (killed, crashed) or vanished without a word.
     * ``failed_workers``: tasks that stopped because they raised (their exception is re-raised
-      by :func:`spawn`).
-    * ``shard_restarts``: how many times shards were restarted (:class:`LocalCluster`).
+      by :func:`~distoptim.agn.local_cluster.spawn`).
+    * ``shard_restarts``: how many times shards were restarted
+      (:class:`~distoptim.agn.local_cluster.LocalCluster`).
     * ``per_optimizer``: the same figures per optimizer name.
     """
 
@@ -148,24 +141,6 @@ class ClusterStats:
     def as_dict(self) -> dict[str, Any]:
         """A JSON-serializable copy (dict keys become strings)."""
         return json.loads(json.dumps(asdict(self)))
-
-
-@dataclass
-class ClusterResult:
-    """What :func:`spawn` returns.
-
-    ``worker_results``: each worker's return value in task order, late workers after the
-    expected ones (``None`` for a dead worker). ``center``: the final center tensors in
-    parameter order (of the only optimizer; with several optimizers, of the first one seeded --
-    see ``centers``). ``centers``/``placement``: per optimizer name, the center tensors and the
-    shard that held each parameter.
-    """
-
-    worker_results: list[Any]
-    center: list[torch.Tensor] | None
-    stats: ClusterStats
-    centers: dict[str, list[torch.Tensor]] = field(default_factory=dict)
-    placement: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -258,40 +233,72 @@ def current_cluster() -> Cluster:
     return _CURRENT
 
 
-def _check_checkpointing(checkpoint_dir: Any, checkpoint_every: Any) -> None:
-    if checkpoint_dir is not None and not isinstance(checkpoint_dir, (str, os.PathLike)):
-        raise TypeError(
-            f"checkpoint_dir must be a path or None, got {type(checkpoint_dir).__name__}"
-        )
-    if checkpoint_every is not None:
-        if (
-            isinstance(checkpoint_every, bool)
-            or not isinstance(checkpoint_every, int)
-            or checkpoint_every < 1
-        ):
-            raise ValueError(
-                f"checkpoint_every must be None or an int >= 1, got {checkpoint_every!r}"
-            )
-        if checkpoint_dir is None:
+@dataclass(frozen=True, kw_only=True)
+class ClusterOptions:
+    """How every process of one AGN cluster behaves: the options :class:`Cluster` takes (as
+    keywords, or this record), the same on every process of a cluster (a local cluster hands its
+    record to each of its processes, :mod:`distoptim.agn.local_cluster`).
+
+    Validated once, here, through :mod:`distoptim.checks` (a record holds no impossible value):
+
+    * ``rpc_timeout``: seconds any single request may take (also how long a worker waits for the
+      shards and the chief's seed at start-up);
+    * ``checkpoint_dir``: where each shard writes ``ps<shard>.pt`` (None: no checkpoints);
+      ``checkpoint_every``: also every that many accepted commits of a table (None: only when
+      the shard stops; needs ``checkpoint_dir``);
+    * ``strategy``: the default placement (:data:`~distoptim.agn.getter.STRATEGIES`);
+    * ``probe_period_s``: how often a shard without news asks which pending workers ended;
+    * ``transport``: ``"p2p"`` or ``"rpc"`` (:data:`~distoptim.agn.transport.TRANSPORTS`);
+    * ``reconnect_timeout``: seconds a worker waits for a restarted shard (0: it does not);
+    * ``idle_timeout``: seconds a p2p shard waits for a connected worker's next request (None:
+      :data:`~distoptim.agn.transport.p2p.DEFAULT_IDLE_TIMEOUT`).
+    """
+
+    rpc_timeout: float = DEFAULT_RPC_TIMEOUT
+    checkpoint_dir: str | os.PathLike[str] | None = None
+    checkpoint_every: int | None = None
+    strategy: str = "round_robin"
+    probe_period_s: float = 1.0
+    transport: str = "p2p"
+    reconnect_timeout: float = 0.0
+    idle_timeout: float | None = None
+
+    def __post_init__(self) -> None:
+        idle = DEFAULT_IDLE_TIMEOUT if self.idle_timeout is None else self.idle_timeout
+        valid = {
+            "rpc_timeout": check_seconds("rpc_timeout", self.rpc_timeout),
+            "strategy": check_choice("strategy", self.strategy, STRATEGIES, fold_case=False),
+            "probe_period_s": check_seconds("probe_period_s", self.probe_period_s),
+            "reconnect_timeout": check_seconds(
+                "reconnect_timeout", self.reconnect_timeout, allow_zero=True
+            ),
+            "idle_timeout": check_seconds("idle_timeout", idle),
+            "checkpoint_dir": check_path("checkpoint_dir", self.checkpoint_dir, optional=True),
+            "checkpoint_every": check_optional_int("checkpoint_every", self.checkpoint_every, 1),
+            "transport": check_choice("transport", self.transport, TRANSPORTS, fold_case=False),
+        }
+        if valid["checkpoint_every"] is not None and valid["checkpoint_dir"] is None:
             raise ValueError("checkpoint_every needs checkpoint_dir (where to write checkpoints)")
+        for name, value in valid.items():
+            object.__setattr__(self, name, value)
 
 
-def _check_transport(transport: Any) -> str:
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-    return transport
-
-
-def _check_seconds(name: str, value: Any, allow_zero: bool = False) -> float:
-    if allow_zero and value == 0 and not isinstance(value, bool):
-        return 0.0
-    return check_positive(name, value, "seconds")
+def _options(options: ClusterOptions | None, fields: dict[str, Any]) -> ClusterOptions:
+    """``options``, or a record of ``fields`` (the keywords of :class:`ClusterOptions`)."""
+    if options is None:
+        return ClusterOptions(**fields)
+    if not isinstance(options, ClusterOptions):
+        raise TypeError(f"options must be a ClusterOptions, got {type_name(options)}")
+    if fields:
+        raise TypeError(f"pass options or its fields {sorted(fields)}, not both")
+    return options
 
 
 class Cluster:
     """This process's place in an AGN cluster (one PS shard or one worker).
 
-    Build it with :meth:`from_env` (torchrun, or the children of :func:`spawn`) or
+    Build it with :meth:`from_env` (torchrun, or the children of
+    :func:`~distoptim.agn.local_cluster.spawn`) or
     :meth:`join` (a late worker). Attributes: ``is_ps``, ``is_worker``, ``task_index`` (worker
     index, or shard index on a PS), ``is_chief`` (worker 0), ``is_late``, ``num_ps``,
     ``num_worker`` (the expected count), ``custom_getter`` (the default placement),
@@ -308,19 +315,13 @@ class Cluster:
         num_ps: int,
         master_addr: str,
         master_port: int,
-        rpc_timeout: float = DEFAULT_RPC_TIMEOUT,
-        checkpoint_dir: str | os.PathLike[str] | None = None,
-        checkpoint_every: int | None = None,
-        strategy: str = "round_robin",
-        probe_period_s: float = 1.0,
-        transport: str = "p2p",
-        reconnect_timeout: float = 0.0,
-        idle_timeout: float | None = None,
         late_task: int | None = None,
+        options: ClusterOptions | None = None,
+        **fields: Any,
     ) -> None:
         global _CURRENT
-        if isinstance(num_ps, bool) or not isinstance(num_ps, int) or num_ps < 1:
-            raise ValueError(f"num_ps must be an int >= 1, got {num_ps!r}")
+        opts = _options(options, fields)
+        num_ps = check_int("num_ps", num_ps, 1)
         if world_size - num_ps < 1:
             raise ValueError(
                 f"an AGN cluster needs at least one worker: WORLD_SIZE={world_size} processes "
@@ -329,21 +330,17 @@ class Cluster:
             )
         if late_task is None and not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-        self.rpc_timeout = _check_seconds("rpc_timeout", rpc_timeout)
-        self.probe_period_s = _check_seconds("probe_period_s", probe_period_s)
-        self.reconnect_timeout = _check_seconds("reconnect_timeout", reconnect_timeout, True)
-        idle = DEFAULT_IDLE_TIMEOUT if idle_timeout is None else idle_timeout
-        self.idle_timeout = _check_seconds("idle_timeout", idle)
-        _check_checkpointing(checkpoint_dir, checkpoint_every)
-        kind = _check_transport(transport)
-        if late_task is not None and kind != "p2p":
+        if late_task is not None and opts.transport != "p2p":
             raise ValueError("late workers need transport='p2p' (rpc's world is fixed at start)")
         if _CURRENT is not None:
             raise RuntimeError(
                 "this process already belongs to an AGN cluster (shut it down first)"
             )
+        self.options = opts
+        self.rpc_timeout = opts.rpc_timeout
+        self.probe_period_s = opts.probe_period_s
+        self.reconnect_timeout = opts.reconnect_timeout
+        self.idle_timeout = opts.idle_timeout
         self.rank = rank
         self.world_size = world_size
         self.num_ps = num_ps
@@ -356,14 +353,14 @@ class Cluster:
         else:
             self.task_index = rank if self.is_ps else rank - num_ps
         self.is_chief = self.is_worker and self.task_index == 0
-        self.strategy = strategy
-        self.custom_getter = AGNCustomGetter(num_ps=num_ps, strategy=strategy)
+        self.strategy = opts.strategy
+        self.custom_getter = AGNCustomGetter(num_ps=num_ps, strategy=opts.strategy)
         self.name = f"ps {self.task_index}" if self.is_ps else f"worker {self.task_index}"
-        self.transport_name = kind
+        self.transport_name = opts.transport
         self._closed = False
         self._server: ParameterServer | None = None
         self._late_seen: dict[int, float] = {}  # task -> when this shard first saw it starting
-        self.namespace = _namespace()
+        self.namespace = store_namespace()
         self._root = dist.TCPStore(
             master_addr, master_port, is_master=False, timeout=timedelta(seconds=self.rpc_timeout)
         )
@@ -373,13 +370,14 @@ class Cluster:
         self.transport: Transport
         if self.is_ps:
             self._server = ParameterServer(
-                self.task_index, num_ps, self.num_worker, checkpoint_dir, checkpoint_every
+                self.task_index, num_ps, self.num_worker, opts.checkpoint_dir, opts.checkpoint_every
             )
             if self.task_index == 0:
                 self._root.set(_CURRENT_KEY, self.namespace)
-                config = {"num_ps": num_ps, "num_worker": self.num_worker, "transport": kind}
-                self._store.set("config", pickle.dumps({**config, "strategy": strategy}))
-        if kind == "p2p":
+                config = {"num_ps": num_ps, "num_worker": self.num_worker}
+                config |= {"transport": opts.transport, "strategy": opts.strategy}
+                self._store.set("config", pickle.dumps(config))
+        if opts.transport == "p2p":
             p2p = P2PTransport(
                 master_addr,
                 master_port,
@@ -412,24 +410,17 @@ class Cluster:
 
     @classmethod
     def from_env(
-        cls,
-        num_ps: int = 1,
-        *,
-        rpc_timeout: float = DEFAULT_RPC_TIMEOUT,
-        checkpoint_dir: str | os.PathLike[str] | None = None,
-        checkpoint_every: int | None = None,
-        strategy: str = "round_robin",
-        probe_period_s: float = 1.0,
-        transport: str = "p2p",
-        reconnect_timeout: float = 0.0,
-        idle_timeout: float | None = None,
+        cls, num_ps: int = 1, *, options: ClusterOptions | None = None, **fields: Any
     ) -> Cluster:
         """Join the cluster described by torchrun's environment (``RANK``, ``WORLD_SIZE``,
         ``MASTER_ADDR``, ``MASTER_PORT``): the first ``num_ps`` ranks serve, the rest work.
+        ``fields``: the options of :class:`ClusterOptions` as keywords (``rpc_timeout``,
+        ``checkpoint_dir``, ``transport``, ...), or ``options``, a record of them.
 
         With ``DISTOPTIM_AGN_JOIN=host:port`` set, this process instead joins the running
         cluster whose store is there, as a late worker (:meth:`join`).
         """
+        opts = _options(options, fields)
         join = os.environ.get(JOIN_ENV)
         if join:
             host, _, port = join.rpartition(":")
@@ -438,29 +429,20 @@ class Cluster:
                 host,
                 int(port),
                 task_index=None if task is None else int(task),
-                rpc_timeout=rpc_timeout,
-                reconnect_timeout=reconnect_timeout,
-                idle_timeout=idle_timeout,
+                rpc_timeout=opts.rpc_timeout,
+                reconnect_timeout=opts.reconnect_timeout,
+                idle_timeout=opts.idle_timeout,
             )
         require_torchrun_env("Cluster.from_env", "distoptim.agn.spawn")
-        kind = _check_transport(transport)
-        check_torchrun_network(
-            "Cluster.from_env", ("gloo",) if kind == "p2p" else ("gloo", "tensorpipe"), rpc_timeout
-        )
+        backends = ("gloo",) if opts.transport == "p2p" else ("gloo", "tensorpipe")
+        check_torchrun_network("Cluster.from_env", backends, opts.rpc_timeout)
         return cls(
             rank=int(os.environ["RANK"]),
             world_size=int(os.environ["WORLD_SIZE"]),
             num_ps=num_ps,
             master_addr=os.environ["MASTER_ADDR"],
             master_port=int(os.environ["MASTER_PORT"]),
-            rpc_timeout=rpc_timeout,
-            checkpoint_dir=checkpoint_dir,
-            checkpoint_every=checkpoint_every,
-            strategy=strategy,
-            probe_period_s=probe_period_s,
-            transport=kind,
-            reconnect_timeout=reconnect_timeout,
-            idle_timeout=idle_timeout,
+            options=opts,
         )
 
     @classmethod
@@ -477,8 +459,11 @@ class Cluster:
         """Join a running cluster (``"p2p"``) as a late worker, through its store at
         ``host:port``. Its task index is the next one after the expected workers (or
         ``task_index``, when a launcher reserved it); it pulls the current center like any
-        worker and commits from then on."""
-        timeout = _check_seconds("rpc_timeout", rpc_timeout)
+        worker and commits from then on. The other options come from the running cluster."""
+        opts = ClusterOptions(
+            rpc_timeout=rpc_timeout, reconnect_timeout=reconnect_timeout, idle_timeout=idle_timeout
+        )
+        timeout = opts.rpc_timeout
         root = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
         try:
             namespace = root.get(_CURRENT_KEY).decode()
@@ -502,12 +487,8 @@ class Cluster:
             num_ps=config["num_ps"],
             master_addr=host,
             master_port=port,
-            rpc_timeout=timeout,
-            strategy=config["strategy"],
-            transport="p2p",
-            reconnect_timeout=reconnect_timeout,
-            idle_timeout=idle_timeout,
             late_task=task_index,
+            options=replace(opts, strategy=config["strategy"], transport="p2p"),
         )
 
     def __repr__(self) -> str:
@@ -678,365 +659,3 @@ class Cluster:
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self.shutdown(failed=exc_type is not None)
-
-
-# ---------------------------------------------------------------------------------------------
-# local clusters
-# ---------------------------------------------------------------------------------------------
-def _spawn_main(
-    num_ps: int, options: dict[str, Any], worker_fn: Callable[..., Any], args: tuple[Any, ...]
-) -> Any:
-    """A local cluster process: serve (shard) or run ``worker_fn(ctx, *args)`` (worker)."""
-    cluster = Cluster.from_env(num_ps=num_ps, **options)
-    if cluster.is_ps:
-        try:
-            return cluster.serve()
-        except BaseException as exc:
-            report_failure(exc)
-            raise
-        finally:
-            cluster.shutdown()
-    ok = False
-    try:
-        value = worker_fn(cluster, *args)
-        ok = True
-        return value
-    except BaseException as exc:
-        report_failure(exc)  # before leaving the cluster: the cause reaches the launcher first
-        raise
-    finally:
-        cluster.shutdown(failed=not ok)
-
-
-class WorkerStartupError(RankFailedError):
-    """A worker process died before it had joined the cluster (``on_startup_failure="fail"``)."""
-
-
-class LocalCluster:
-    """A cluster of local processes: ``num_ps`` shards and ``num_worker`` workers running
-    ``worker_fn(ctx, *args)``; more workers may join while it runs.
-
-    ``start()`` starts every process and returns; :meth:`add_worker` adds a late worker
-    (``"p2p"``); :meth:`wait` blocks until the run is over and returns its
-    :class:`ClusterResult`. :func:`spawn` is ``LocalCluster(...).start().wait()``. The
-    arguments are those of :func:`spawn`; a ``with`` block kills whatever still runs at its end.
-    """
-
-    def __init__(
-        self,
-        worker_fn: Callable[..., Any],
-        num_worker: int,
-        num_ps: int = 1,
-        args: tuple[Any, ...] = (),
-        timeout: float = 300.0,
-        checkpoint_dir: str | os.PathLike[str] | None = None,
-        checkpoint_every: int | None = None,
-        *,
-        rpc_timeout: float | None = None,
-        strategy: str = "round_robin",
-        num_threads: int | None = None,
-        transport: str = "p2p",
-        max_restarts: int = 0,
-        reconnect_timeout: float | None = None,
-        on_startup_failure: str = "fail",
-        idle_timeout: float | None = None,
-        grace: float = DEFAULT_GRACE,
-    ) -> None:
-        if not callable(worker_fn):
-            raise TypeError(f"worker_fn must be callable, got {type(worker_fn).__name__}")
-        for label, v in (("num_worker", num_worker), ("num_ps", num_ps)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{label} must be an int >= 1, got {v!r}")
-        if not isinstance(args, tuple):
-            raise TypeError(f"args must be a tuple, got {type(args).__name__}")
-        timeout = _check_seconds("timeout", timeout)
-        rpc_timeout = _check_seconds(
-            "rpc_timeout",
-            min(DEFAULT_RPC_TIMEOUT, timeout) if rpc_timeout is None else rpc_timeout,
-        )
-        _check_checkpointing(checkpoint_dir, checkpoint_every)
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-        kind = _check_transport(transport)
-        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
-            raise ValueError(f"max_restarts must be an int >= 0, got {max_restarts!r}")
-        if max_restarts and kind != "p2p":
-            raise ValueError("restarting a shard needs transport='p2p' (rpc's world is fixed)")
-        if max_restarts and checkpoint_dir is None:
-            raise ValueError(
-                "max_restarts needs checkpoint_dir: a restarted shard resumes its center from "
-                "its last checkpoint"
-            )
-        if reconnect_timeout is None:
-            reconnect_timeout = rpc_timeout if max_restarts else 0.0
-        reconnect_timeout = _check_seconds("reconnect_timeout", reconnect_timeout, True)
-        if on_startup_failure not in STARTUP_POLICIES:
-            raise ValueError(
-                f"on_startup_failure must be one of {STARTUP_POLICIES}, got {on_startup_failure!r}"
-            )
-        if on_startup_failure == "drop" and kind != "p2p":
-            raise ValueError("on_startup_failure='drop' needs transport='p2p' (rpc starts as one)")
-        self.worker_fn = worker_fn
-        self.num_worker = num_worker
-        self.num_ps = num_ps
-        self.args = args
-        self.timeout = timeout
-        self.transport = kind
-        self.max_restarts = max_restarts
-        self.on_startup_failure = on_startup_failure
-        self.grace = grace
-        self.num_threads = (
-            num_threads
-            if num_threads is not None
-            else max(1, (os.cpu_count() or 1) // (num_ps + num_worker))
-        )
-        self._options = {
-            "rpc_timeout": rpc_timeout,
-            "checkpoint_dir": None if checkpoint_dir is None else os.fspath(checkpoint_dir),
-            "checkpoint_every": checkpoint_every,
-            "strategy": strategy,
-            "transport": kind,
-            "reconnect_timeout": reconnect_timeout,
-            "idle_timeout": timeout if idle_timeout is None else idle_timeout,
-        }
-        self._store: dist.TCPStore | None = None
-        self._sup: ProcessSupervisor | None = None
-        self._thread: threading.Thread | None = None
-        self._tasks: dict[int, int] = {}  # supervisor index -> worker task
-        self._outcomes: list[ProcessOutcome] | None = None
-        self._error: BaseException | None = None
-        self._started = 0.0
-        self._lock = threading.Lock()
-
-    # ---- running --------------------------------------------------------------------------------
-    @property
-    def store_address(self) -> tuple[str, int]:
-        """``(host, port)`` of the cluster's store (for :meth:`Cluster.join` from elsewhere)."""
-        if self._store is None:
-            raise RuntimeError("the cluster is not started")
-        return "127.0.0.1", self._store.port
-
-    def _env(self, rank: int) -> dict[str, str]:
-        assert self._store is not None
-        env = torchrun_env(rank, self.num_ps + self.num_worker, self._store.port)
-        if self.transport == "rpc" and "TORCH_CPP_LOG_LEVEL" not in os.environ:
-            # a local rpc shut-down without a global barrier makes TensorPipe log a "pipe
-            # closed" warning per connection: expected here and says nothing useful
-            env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
-        return env
-
-    def start(self) -> LocalCluster:
-        """Start the shards and the expected workers; returns at once."""
-        if self._sup is not None:
-            raise RuntimeError("this cluster was started already")
-        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        self._sup = ProcessSupervisor(
-            timeout=self.timeout,
-            grace=self.grace,
-            num_threads=self.num_threads,
-            on_failure=self._on_worker_failure,
-        )
-        self._started = time.monotonic()
-        main = (self.num_ps, self._options, self.worker_fn, self.args)
-        try:
-            for s in range(self.num_ps):
-                self._sup.add(
-                    _spawn_main,
-                    main,
-                    name=f"ps {s}",
-                    env=self._env(s),
-                    restarts=self.max_restarts,
-                    critical=True,
-                )
-            for t in range(self.num_worker):
-                index = self._sup.add(
-                    _spawn_main,
-                    main,
-                    name=f"worker {t}",
-                    env=self._env(self.num_ps + t),
-                    critical=False,
-                )
-                self._tasks[index] = t
-        except BaseException:
-            self._sup.close()
-            raise
-        self._thread = threading.Thread(target=self._supervise, name="agn-local-cluster")
-        self._thread.start()
-        return self
-
-    def _supervise(self) -> None:
-        assert self._sup is not None
-        try:
-            self._outcomes = self._sup.run()
-        except BaseException as exc:
-            self._error = exc
-
-    def add_worker(self, args: tuple[Any, ...] | None = None) -> int:
-        """Start a late worker running ``worker_fn(ctx, *args)`` (default: the cluster's
-        ``args``); returns its task index. It joins the running cluster, pulls the current
-        center and commits like the others; ``"p2p"`` only."""
-        if self.transport != "p2p":
-            raise ValueError("late workers need transport='p2p' (rpc's world is fixed at start)")
-        if self._sup is None or self._store is None:
-            raise RuntimeError("start() the cluster before adding workers")
-        if args is not None and not isinstance(args, tuple):
-            raise TypeError(f"args must be a tuple, got {type(args).__name__}")
-        with self._lock:
-            task = self.num_worker + int(self._store.add(f"{_namespace()}/late", 1)) - 1
-            env = {
-                **self._env(0),
-                JOIN_ENV: f"127.0.0.1:{self._store.port}",
-                TASK_ENV: str(task),
-            }
-            for k in ("RANK", "LOCAL_RANK"):
-                env.pop(k, None)
-            main = (self.num_ps, self._options, self.worker_fn, self.args if args is None else args)
-            index = self._sup.add(_spawn_main, main, name=f"worker {task}", env=env, critical=False)
-            self._tasks[index] = task
-        return task
-
-    def _on_worker_failure(self, outcome: ProcessOutcome) -> None:
-        """A worker process failed: mark it in the store; a death at start-up fails the run."""
-        assert self._store is not None
-        task = self._tasks[outcome.index]
-        ns = _namespace()
-        up = self._store.check([f"{ns}/worker/{task}/up"])
-        if not outcome.raised and not up and self.on_startup_failure == "fail":
-            raise WorkerStartupError(
-                outcome.index,
-                outcome.name,
-                f"died during start-up, before it joined the cluster ({outcome.headline()}); "
-                "pass on_startup_failure='drop' to go on without it",
-                None,
-            )
-        key = f"{ns}/worker/{task}/end"
-        if not self._store.check([key]):
-            self._store.set(key, "failed" if outcome.raised else "dead")
-
-    def wait(self) -> ClusterResult:
-        """Block until the run is over; its :class:`ClusterResult`.
-
-        Raises what failed: a shard (after its restarts), a worker that died at start-up
-        (``on_startup_failure="fail"``), or -- once every process ended -- the exception of a
-        worker that raised (the root cause among failures, see :mod:`distoptim.launch`).
-        """
-        if self._thread is None:
-            raise RuntimeError("start() the cluster first")
-        self._thread.join()
-        try:
-            if self._error is not None:
-                raise self._error
-            assert self._outcomes is not None
-            return self._result(self._outcomes)
-        finally:
-            self.close()
-
-    def _result(self, outcomes: list[ProcessOutcome]) -> ClusterResult:
-        wall = time.monotonic() - self._started
-        shards = outcomes[: self.num_ps]
-        workers = sorted((self._tasks[o.index], o) for o in outcomes[self.num_ps :])
-        failures = [o for o in outcomes if not o.ok]
-        raised = [o for _, o in workers if not o.ok and o.raised]
-        if raised or any(not o.ok for o in shards):
-            root = root_cause(failures)
-            others = [o for o in failures if o is not root]
-            raise RankFailedError(
-                root.index, root.name, root.headline(), root.error, others
-            ) from root.exception
-        reports = [o.value for o in shards]
-        num_tasks = len(workers)
-        stats, centers, placement = merge_reports(reports, num_tasks, wall)
-        dead = set(stats.dead_workers) | {t for t, o in workers if not o.ok}
-        stats.dead_workers = sorted(dead)
-        stats.shard_restarts = sum(o.restarts for o in shards)
-        return ClusterResult(
-            worker_results=[o.value if o.ok else None for _, o in workers],
-            center=next(iter(centers.values()), None),
-            stats=stats,
-            centers=centers,
-            placement=placement,
-        )
-
-    def pid(self, name: str) -> int | None:
-        """The process id of ``"ps 0"``, ``"worker 1"``, ... (it changes when a shard restarts)."""
-        if self._sup is None:
-            return None
-        names = self._sup.names
-        return self._sup.pid(names.index(name)) if name in names else None
-
-    def close(self) -> None:
-        """Kill whatever still runs (idempotent)."""
-        if self._sup is not None:
-            self._sup.close()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(30)
-        self._store = None
-
-    def __enter__(self) -> LocalCluster:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-
-def spawn(
-    worker_fn: Callable[..., Any],
-    num_worker: int,
-    num_ps: int = 1,
-    args: tuple[Any, ...] = (),
-    timeout: float = 300.0,
-    checkpoint_dir: str | os.PathLike[str] | None = None,
-    checkpoint_every: int | None = None,
-    *,
-    rpc_timeout: float | None = None,
-    strategy: str = "round_robin",
-    num_threads: int | None = None,
-    transport: str = "p2p",
-    max_restarts: int = 0,
-    reconnect_timeout: float | None = None,
-    on_startup_failure: str = "fail",
-    idle_timeout: float | None = None,
-    grace: float = DEFAULT_GRACE,
-) -> ClusterResult:
-    """Run a local AGN cluster: ``num_ps`` shard processes and ``num_worker`` worker processes.
-
-    Each worker runs ``worker_fn(ctx, *args)`` (``ctx``: its :class:`Cluster`, with
-    ``task_index``, ``is_chief``, ``num_worker``, ``num_ps``, ``custom_getter``); shards serve
-    until every worker returned, raised or died. ``worker_fn`` must be a module-level function.
-
-    * A worker that **dies** (killed, crashed) after it joined does not stop the others: its
-      result is ``None`` and ``stats.dead_workers`` names it. One that dies **during start-up**
-      (before it connected to every shard) fails the run at once with
-      :class:`WorkerStartupError` naming it, unless ``on_startup_failure="drop"`` (p2p).
-    * A worker that **raises** does not stop the others either, but its exception is re-raised
-      here (:class:`~distoptim.launch.RankFailedError`, the root cause first) once the run ends.
-    * A shard that dies is restarted up to ``max_restarts`` times (p2p; needs
-      ``checkpoint_dir``) from its latest checkpoint: workers wait for it (``reconnect_timeout``,
-      default ``rpc_timeout`` when restarts are allowed), reconnect, pull the resumed center and
-      go on; commits accepted after that checkpoint are lost (at most ``checkpoint_every``). A
-      shard that fails beyond its restarts fails the run.
-
-    ``timeout`` bounds the whole run (every process is killed after it); ``rpc_timeout``
-    (default ``min(60, timeout)``) bounds each request; ``transport``: ``"p2p"`` (default) or
-    ``"rpc"`` (see :mod:`distoptim.agn.transport`). Late workers: use :class:`LocalCluster`.
-    """
-    cluster = LocalCluster(
-        worker_fn,
-        num_worker,
-        num_ps,
-        args,
-        timeout,
-        checkpoint_dir,
-        checkpoint_every,
-        rpc_timeout=rpc_timeout,
-        strategy=strategy,
-        num_threads=num_threads,
-        transport=transport,
-        max_restarts=max_restarts,
-        reconnect_timeout=reconnect_timeout,
-        on_startup_failure=on_startup_failure,
-        idle_timeout=idle_timeout,
-        grace=grace,
-    )
-    with cluster:
-        return cluster.start().wait()

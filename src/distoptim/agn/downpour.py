@@ -10,8 +10,8 @@ import torch
 
 from distoptim.agn.flat import Chunk
 from distoptim.agn.getter import AGNCustomGetter
-from distoptim.agn.link import ShardLink
 from distoptim.agn.rules import AddUpdate, ServerRule
+from distoptim.agn.shard_link import ShardLink
 from distoptim.agn.worker import AsyncWorkerOptimizer
 
 __all__ = ["DownpourOptimizer"]

@@ -8,15 +8,14 @@ Averaging SGD", NeurIPS 2015; ``tf.contrib.opt.ElasticAverageOptimizer``.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from distoptim.agn.flat import Chunk
 from distoptim.agn.getter import AGNCustomGetter
-from distoptim.agn.link import ShardLink
 from distoptim.agn.rules import ElasticUpdate, ServerRule, elastic_difference
+from distoptim.agn.shard_link import ShardLink
 from distoptim.agn.worker import AsyncWorkerOptimizer
+from distoptim.checks import check_real
 
 __all__ = ["ElasticAverageOptimizer", "ElasticUpdate"]
 
@@ -52,13 +51,8 @@ class ElasticAverageOptimizer(AsyncWorkerOptimizer):
         use_locking: bool = True,
         name: str = "ElasticAverageOptimizer",
     ) -> None:
-        if moving_rate is not None and (
-            isinstance(moving_rate, bool)
-            or not isinstance(moving_rate, (int, float))
-            or not math.isfinite(moving_rate)
-            or not 0 < moving_rate <= 1
-        ):
-            raise ValueError(f"moving_rate must be None or a number in (0, 1], got {moving_rate!r}")
+        if moving_rate is not None:
+            check_real("moving_rate (None: the default)", moving_rate, 0.0, 1.0, low_open=True)
         super().__init__(
             optimizer, num_worker, custom_getter, communication_period, use_locking, name
         )

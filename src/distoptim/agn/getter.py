@@ -26,6 +26,8 @@ from collections.abc import Sequence
 
 import torch
 
+from distoptim.checks import check_choice, check_optional_int
+
 __all__ = ["STRATEGIES", "AGNCustomGetter"]
 
 STRATEGIES = ("round_robin", "size_balanced")
@@ -39,14 +41,8 @@ class AGNCustomGetter:
     """
 
     def __init__(self, num_ps: int | None = None, strategy: str = "round_robin") -> None:
-        if num_ps is not None and (
-            not isinstance(num_ps, int) or isinstance(num_ps, bool) or num_ps < 1
-        ):
-            raise ValueError(f"num_ps must be None or an int >= 1, got {num_ps!r}")
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-        self.num_ps = num_ps
-        self.strategy = strategy
+        self.num_ps = check_optional_int("num_ps", num_ps, 1)
+        self.strategy = check_choice("strategy", strategy, STRATEGIES, fold_case=False)
 
     def __repr__(self) -> str:
         return f"AGNCustomGetter(num_ps={self.num_ps!r}, strategy={self.strategy!r})"

@@ -1,47 +1,20 @@
-"""The parameter-server shard: center variables, counters, checkpoints, workers' membership.
+"""The parameter-server shard: its tables, the requests it serves, checkpoints, membership.
 
 Owns: everything one PS process keeps and does, independent of the transport. A shard holds
 one *table* per distributed optimizer (keyed by the optimizer's ``name``, so one cluster can
-serve several optimizers, e.g. a generator and a discriminator). A table is
-
-* the **center variables** of the parameters placed on this shard (``AGNCustomGetter``), stored
-  as one flat buffer per dtype (:class:`~distoptim.agn.flat.FlatLayout`), in parameter order;
-* the **server rule** the chief seeded it with (:mod:`distoptim.agn.rules`) and, for rules that
-  use one, the **server optimizer**: a new instance of the worker's wrapped optimizer class with
-  its hyperparameters (per param group), whose state lives here, over views into the center;
-* counters: ``version`` (accepted commits = the global step), commits per worker, refused
-  commits (and how many for a non-finite *result*), the staleness histogram, bytes in/out.
+serve several optimizers, e.g. a generator and a discriminator): the center variables of the
+parameters placed on this shard (``AGNCustomGetter``), the server rule the chief seeded it with
+(:mod:`distoptim.agn.rules`) and its server optimizer, under the table's lock, with its counters
+(:class:`~distoptim.agn.table.Table`).
 
 Requests arrive as typed messages (:mod:`distoptim.agn.transport.messages`);
-:meth:`ParameterServer.handle` gives each type its own method.
-
-Concurrency and math of a commit (:meth:`ParameterServer.commit`), one request per shard per
-worker commit::
-
-    with the table's write lock (if use_locking, or the rule uses an optimizer):
-        staleness = version - version_at_workers_last_pull
-        for each chunk k of the payload, as it arrives (flat.Chunk):
-            the backup of chunk k is current (taken ahead while idle, else copied now)
-            center[k] <- rule(center[k], payload[k]); check center[k] is finite (in cache)
-            reply chunk k <- center[k] (the backup's, i.e. the old one, for EASGD); publish it
-        accepted (every chunk finite, the worker's verdict "ok"): version += 1
-        refused: every updated chunk restored from the backup -- center, optimizer state and
-                 hyperparameters exactly as before; the reply is the (unchanged) center
-
-A rule applies chunk by chunk when it is element-wise (``ServerRule.elementwise``; with a server
-optimizer, that optimizer too: :mod:`distoptim.agn.server_optimizer`); otherwise the shard waits
-for the whole payload, applies it whole, then checks and publishes chunk by chunk. A transport
-that streams (p2p) overlaps all of this with the transfer; one that does not (rpc) hands over the
-whole payload and takes the reply from the spent payload buffers.
-
-Replies from the live center: when the transport sends a reply before anything else can change
-the center (p2p), reply chunks are sent from the center itself (no copy) or copied into the
-connection's shared segment while in cache; the write lock is then downgraded to a read lock,
-held until the reply's bytes are out. Readers (replies, pulls) proceed together; a commit waits
-for them (writers first, so commits are not starved). With ``use_locking=False`` additive rules
-run without the lock (Hogwild!-style: a concurrent pull may see a partly applied update, as with
-TF's ``use_locking=False``), whole, guarded by a bound (:func:`~distoptim.agn.rules.
-apply_unlocked`). Counters are always exact (their own lock).
+:meth:`ParameterServer.handle` gives each type its own method. A commit goes down the floors:
+:meth:`ParameterServer.commit` finds its table; :meth:`Table.commit
+<distoptim.agn.table.Table.commit>` takes the table's lock and counts it (the concurrency and
+the math are there); :class:`~distoptim.agn.center_guard.GuardedCommit` applies it chunk by
+chunk as it arrives, guarded, with the table's :class:`~distoptim.agn.rules.ServerRule` (and
+server optimizer, :mod:`distoptim.agn.server_optimizer`); back here, a due checkpoint is
+written before the table's lock is released, and the answer goes out.
 
 Between requests (:meth:`ParameterServer.idle`) a shard takes the backups of its tables' current
 versions ahead, chunk by chunk, and stops as soon as a request arrives or a commit waits.
@@ -52,50 +25,30 @@ died). :meth:`wait_for_workers` returns once every worker the cluster knows of i
 ``num_worker`` is the expected count and late workers add to it (elastic clusters). A dead
 worker that reconnects (p2p) is alive again.
 
-Checkpoints (``checkpoint_dir``): ``ps{shard}.pt`` holds every table (center, rule, optimizer
-class/hyperparameters/state, counters). It is written to a temporary file and renamed over the
-old one (atomic on POSIX), every ``checkpoint_every`` accepted commits of a table -- before that
-table accepts its next commit, so a restart loses at most ``checkpoint_every`` of its accepted
-commits (plus the commits in flight, which their workers see fail) -- and when the shard stops.
-A shard started with an existing checkpoint loads it (after removing temporary files a killed
-shard may have left): its tables are seeded already, so the chief's seed is ignored (the chief
+Checkpoints (``checkpoint_dir``, :mod:`distoptim.agn.shard_checkpoint`): every
+``checkpoint_every`` accepted commits of a table -- before that table accepts its next commit, so a
+restart loses at most ``checkpoint_every`` of its accepted commits (plus the commits in flight,
+which their workers see fail) -- and when the shard stops. A shard started with an existing
+checkpoint loads it: its tables are seeded already, so the chief's seed is ignored (the chief
 pulls the resumed center like everyone else) and ``version`` continues.
 """
 
 from __future__ import annotations
 
-import contextlib
-import glob
-import io
-import math
 import os
 import socket
-import tempfile
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from distoptim.agn.flat import DEFAULT_CHUNK_BYTES, Chunk, nbytes
-from distoptim.agn.rules import (
-    Backup,
-    BackupUnit,
-    Bound,
-    Refusal,
-    apply_unlocked,
-    finite_tensor,
-    unalias_state,
-)
-from distoptim.agn.server_optimizer import ServerOptimizer
-from distoptim.agn.transport.base import Arrived, Handled, Inflow
+from distoptim.agn.flat import DEFAULT_CHUNK_BYTES, nbytes
+from distoptim.agn.shard_checkpoint import CHECKPOINT_FORMAT, ShardCheckpoint
+from distoptim.agn.table import Table
+from distoptim.agn.transport.base import Handled, Inflow
 from distoptim.agn.transport.messages import (
     Ack,
     Commit,
-    CommitReply,
     Echo,
     EchoReply,
     ErrorReply,
@@ -114,8 +67,6 @@ from distoptim.comm.link import transmit
 
 __all__ = ["CHECKPOINT_FORMAT", "CHUNK_ENV", "ParameterServer"]
 
-CHECKPOINT_FORMAT = 1
-
 CHUNK_ENV = "DISTOPTIM_AGN_CHUNK_BYTES"
 """Overrides :data:`~distoptim.agn.flat.DEFAULT_CHUNK_BYTES` for a shard started with it set."""
 
@@ -131,323 +82,6 @@ def _chunk_bytes_from_env() -> int:
     if value < 1:
         raise ValueError(f"{CHUNK_ENV} must be a positive number of bytes, got {raw!r}")
     return value
-
-
-class _ReadWriteLock:
-    """Many readers or one writer; a waiting writer blocks new readers (no writer starvation).
-
-    ``downgrade()`` turns the caller's write lock into a read lock atomically.
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._readers = 0
-        self._writer = False
-        self._writers_waiting = 0
-
-    def acquire_read(self) -> None:
-        with self._cond:
-            while self._writer or self._writers_waiting:
-                self._cond.wait()
-            self._readers += 1
-
-    def release_read(self) -> None:
-        with self._cond:
-            self._readers -= 1
-            if self._readers == 0:
-                self._cond.notify_all()
-
-    def acquire_write(self) -> None:
-        with self._cond:
-            self._writers_waiting += 1
-            try:
-                while self._writer or self._readers:
-                    self._cond.wait()
-            finally:
-                self._writers_waiting -= 1
-            self._writer = True
-
-    def release_write(self) -> None:
-        with self._cond:
-            self._writer = False
-            self._cond.notify_all()
-
-    def downgrade(self) -> None:
-        with self._cond:
-            self._writer = False
-            self._readers += 1
-            self._cond.notify_all()
-
-    @property
-    def writers_waiting(self) -> bool:
-        """Whether a writer waits (a reader doing optional work should make way)."""
-        return self._writers_waiting > 0
-
-
-class _Table:
-    def __init__(
-        self, name: str, spec: TableSpec, flats: Mapping[str, torch.Tensor], chunk_bytes: int
-    ) -> None:
-        self.name = name
-        self.spec = spec
-        self.layout = spec.layout()
-        self.flats = {k: v.detach().clone().contiguous() for k, v in flats.items()}
-        self.views = self.layout.views(self.flats)
-        self.chunks = self.layout.chunks(chunk_bytes)
-        rule = spec.rule
-        self.server_opt = (
-            ServerOptimizer(spec, self.views, self.chunks, self.flats, rule.elementwise)
-            if rule.uses_optimizer
-            else None
-        )
-        self.optimizer = None if self.server_opt is None else self.server_opt.optimizer
-        self.chunkwise = rule.elementwise and (self.server_opt is None or self.server_opt.chunkwise)
-        self.backup: Backup | None = None
-        if self.locking:
-            units = [
-                BackupUnit(
-                    [(c.key, c.start, c.stop)],
-                    self.server_opt.chunk_params[c.index]
-                    if self.server_opt is not None and self.chunkwise
-                    else [],
-                )
-                for c in self.chunks
-            ]
-            if self.server_opt is not None and not self.chunkwise:
-                units.append(BackupUnit([], list(self.server_opt.params)))
-            self.backup = Backup(self.flats, units, self.optimizer)
-        self.bound = Bound()
-        self.saved_state: dict[str, Any] | None = None  # as of its latest checkpoint
-        self.refreshing = threading.Lock()
-        self.rw = _ReadWriteLock()
-        self.stats_lock = threading.Lock()
-        self.version = 0
-        self.commits: Counter[int] = Counter()
-        self.refused = 0
-        self.refused_result = 0
-        self.staleness: Counter[int] = Counter()
-        self.bytes_in = 0
-        self.bytes_out = 0
-
-    @property
-    def locking(self) -> bool:
-        """Whether commits take the write lock (see the module docstring)."""
-        return self.spec.use_locking or self.spec.rule.uses_optimizer
-
-    def refresh_backup(self, interrupted: Callable[[], bool] = lambda: False) -> None:
-        """Take the backup units that are not current now, unit by unit, until ``interrupted()``
-        or a commit waits for the lock (unless another thread is taking them already)."""
-        backup = self.backup
-        if backup is None or not self.refreshing.acquire(blocking=False):
-            return
-        try:
-            self.rw.acquire_read()
-            try:
-                for u in range(len(backup.units)):
-                    if self.rw.writers_waiting or interrupted():
-                        return
-                    if backup.versions[u] != self.version:
-                        backup.take(u, self.flats, self.version)
-            finally:
-                self.rw.release_read()
-        finally:
-            self.refreshing.release()
-
-    def _fresh(self, unit: int) -> None:
-        """Backup unit ``unit`` shows the current version (the caller holds the write lock)."""
-        assert self.backup is not None
-        if self.backup.versions[unit] != self.version:
-            self.backup.take(unit, self.flats, self.version)
-
-    def apply_chunk(
-        self, chunk: Chunk, payload: Mapping[str, torch.Tensor], storages: set[int]
-    ) -> Refusal | None:
-        """Update chunk ``chunk`` of the center with the payload's, checked (write lock held;
-        its backup unit is current)."""
-        rule = self.spec.rule
-        if self.server_opt is not None:
-            with self.server_opt.only(chunk.index) as params:
-                rule.apply(params, chunk.piece_views(payload), self.server_opt.optimizer)
-            unalias_state(self.server_opt.optimizer, params, storages)
-        else:
-            rule.apply([chunk.of(self.flats)], [chunk.of(payload)], None)
-        return None if finite_tensor(chunk.of(self.flats)) else Refusal("result")
-
-    def apply_whole(self, payload: Mapping[str, torch.Tensor], storages: set[int]) -> None:
-        """Update the whole center at once (a rule or optimizer that is not element-wise; the
-        backup is current)."""
-        rule = self.spec.rule
-        update = self.layout.views(payload)
-        if self.server_opt is not None:
-            order = self.server_opt.params
-            by_id = {id(v): g for v, g in zip(self.views, update)}
-            rule.apply(order, [by_id[id(p)] for p in order], self.server_opt.optimizer)
-            unalias_state(self.server_opt.optimizer, order, storages)
-        else:
-            rule.apply(self.views, update, None)
-
-    def restore(self, units: list[int]) -> None:
-        assert self.backup is not None
-        for u in units:
-            self.backup.restore(u, self.flats)
-
-    def snapshot(self) -> dict[str, torch.Tensor]:
-        return {k: v.clone() for k, v in self.flats.items()}
-
-    def check_worker(self, algorithm: str, signature: tuple, task: int) -> None:
-        if algorithm != self.spec.algorithm:
-            raise ValueError(
-                f"worker {task} runs {algorithm} but optimizer {self.name!r} was seeded by the "
-                f"chief as {self.spec.algorithm}: every worker must wrap the same algorithm"
-            )
-        if signature != self.layout.signature():
-            raise ValueError(
-                f"worker {task}'s parameters for optimizer {self.name!r} on this shard are "
-                f"{list(signature)}, the chief seeded {list(self.layout.signature())}: every "
-                "worker must build the same model (same parameter order, shapes and dtypes)"
-            )
-
-    def counters(self) -> dict[str, Any]:
-        with self.stats_lock:
-            return {
-                "version": self.version,
-                "commits": dict(self.commits),
-                "refused": self.refused,
-                "refused_result": self.refused_result,
-                "staleness": dict(self.staleness),
-                "bytes_in": self.bytes_in,
-                "bytes_out": self.bytes_out,
-            }
-
-    def load_counters(self, c: dict[str, Any]) -> None:
-        self.version = int(c["version"])
-        self.commits = Counter({int(k): int(v) for k, v in c["commits"].items()})
-        self.refused = int(c["refused"])
-        self.refused_result = int(c.get("refused_result", 0))
-        self.staleness = Counter({int(k): int(v) for k, v in c["staleness"].items()})
-        self.bytes_in = int(c["bytes_in"])
-        self.bytes_out = int(c["bytes_out"])
-
-    def state(self, locked: bool = False) -> dict[str, Any]:
-        """Everything a checkpoint keeps, consistent: taken under the read lock, or under the
-        write lock the caller holds (``locked``)."""
-        if not locked:
-            self.rw.acquire_read()
-        try:
-            opt_state = None
-            if self.server_opt is not None:
-                buf = io.BytesIO()  # deep copy of the state, detached from live tensors
-                torch.save(self.server_opt.state_dict(), buf)
-                opt_state = buf.getvalue()
-            return {
-                "spec": self.spec,
-                "flats": self.snapshot(),
-                "optimizer": opt_state,
-                "counters": self.counters(),
-            }
-        finally:
-            if not locked:
-                self.rw.release_read()
-
-    @classmethod
-    def from_state(cls, name: str, state: dict[str, Any], chunk_bytes: int) -> _Table:
-        t = cls(name, state["spec"], state["flats"], chunk_bytes)
-        if t.server_opt is not None and state["optimizer"] is not None:
-            t.server_opt.load_state_dict(torch.load(io.BytesIO(state["optimizer"])))
-        t.load_counters(state["counters"])
-        return t
-
-
-@dataclass
-class _Touched:
-    """What a commit's application changed: the backup units it updated, and its refusal."""
-
-    units: list[int] = field(default_factory=list)
-    refusal: Refusal | None = None
-    source: Mapping[str, torch.Tensor] = field(default_factory=dict)  # where the reply is read
-
-    def blame(self, payload: torch.Tensor) -> None:
-        """A commit refused for its result was refused for its payload if this chunk of it holds
-        NaN/Inf (checked only once refused)."""
-        refused_for_result = self.refusal is not None and self.refusal.reason == "result"
-        if refused_for_result and not finite_tensor(payload):
-            self.refusal = Refusal("payload")
-
-    def verdict(self, word: str) -> None:
-        """Fold in the worker's verdict on a streamed commit."""
-        if self.refusal is None and word == "refuse":
-            self.refusal = Refusal("payload")
-        elif self.refusal is None and word == "abort":
-            self.refusal = Refusal("abandoned")
-
-
-def _count_commit(
-    table: _Table,
-    task: int,
-    staleness: int,
-    refusal: Refusal | None,
-    payload: Mapping[str, torch.Tensor],
-) -> int:
-    """Count one finished commit in ``table``'s statistics (accepted: a new version, the
-    worker's commit and its staleness; refused for a reason other than being abandoned: a
-    refusal) and the bytes it moved; returns the table's version after it."""
-    with table.stats_lock:
-        if refusal is None:
-            table.version += 1
-            table.commits[task] += 1
-            table.staleness[staleness] += 1
-        elif refusal.reason != "abandoned":
-            table.refused += 1
-            table.refused_result += int(refusal.reason == "result")
-        table.bytes_in += nbytes(payload)
-        table.bytes_out += nbytes(table.flats)
-        return table.version
-
-
-def _commit_reply(
-    table: _Table,
-    version: int,
-    staleness: int,
-    flats: dict[str, torch.Tensor],
-    refusal: Refusal | None,
-    streamed: bool,
-) -> CommitReply:
-    """The reply to a finished commit (its bytes, the size of the center, go through the
-    emulated link): refused or not, the table's version after it, the reply buffers (empty when
-    the reply chunks were already streamed) and why it was refused."""
-    transmit(nbytes(table.flats))
-    return CommitReply(
-        refused=refusal is not None,
-        version=version,
-        staleness=staleness,
-        flats=flats,
-        reason="" if refusal is None else refusal.describe(),
-        streamed=streamed,
-    )
-
-
-def _restore_hparams(table: _Table, kept: list[dict[str, Any]]) -> None:
-    assert table.optimizer is not None
-    for group, old in zip(table.optimizer.param_groups, kept):
-        group.update(old)
-
-
-def _set_hparams(table: _Table, hparams: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
-    """Follow the workers' hyperparameters (LR schedules) on the server optimizer's groups;
-    returns the previous values (to restore if the commit is refused)."""
-    assert table.optimizer is not None
-    kept = [{k: v for k, v in g.items() if k != "params"} for g in table.optimizer.param_groups]
-    for group, (worker_group, _, _) in zip(table.optimizer.param_groups, table.spec.groups):
-        hp = hparams.get(worker_group)
-        if hp:
-            for k, v in hp.items():
-                if (
-                    k != "params"
-                    and isinstance(v, (int, float))
-                    and not (isinstance(v, float) and math.isnan(v))
-                ):
-                    group[k] = v
-    return kept
 
 
 class ParameterServer:
@@ -480,19 +114,23 @@ class ParameterServer:
             raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes!r}")
         self.checkpoint_dir = None if checkpoint_dir is None else os.fspath(checkpoint_dir)
         self.checkpoint_every = checkpoint_every
-        self._tables: dict[str, _Table] = {}
+        self._tables: dict[str, Table] = {}
         self._resumed: set[str] = set()
         self._cond = threading.Condition()
         self._finished: set[int] = set()
         self._failed: set[int] = set()
         self._dead: set[int] = set()
         self._hosts: dict[int, str] = {}
-        self._ckpt_lock = threading.Lock()
         self.started = time.monotonic()
+        self._checkpoint: ShardCheckpoint | None = None
         if self.checkpoint_dir is not None:
-            os.makedirs(self.checkpoint_dir, exist_ok=True)
-            self.removed_temporaries = self._remove_temporaries()
-            self._load_checkpoint()
+            self._checkpoint = ShardCheckpoint(self.checkpoint_dir, shard, num_ps)
+            self.removed_temporaries = self._checkpoint.remove_temporaries()
+            for name, state in self._checkpoint.load().items():
+                table = Table.from_state(name, state, self.chunk_bytes)
+                table.saved_state = state
+                self._tables[name] = table
+                self._resumed.add(name)
 
     # ---- requests ----------------------------------------------------------------------------
     def handle(
@@ -529,7 +167,7 @@ class ParameterServer:
 
     def idle(self, interrupted: Callable[[], bool] = lambda: False) -> None:
         """Between requests: copy ahead what the next commit would copy on its critical path
-        (each locked table's backup, :class:`~distoptim.agn.rules.Backup`), chunk by chunk,
+        (each locked table's backup, :class:`~distoptim.agn.center_guard.Backup`), chunk by chunk,
         stopping as soon as ``interrupted()`` (a request arrived) or a commit waits. A transport
         calls this after a reply is out, while the worker is busy with its next steps."""
         with self._cond:
@@ -559,7 +197,7 @@ class ParameterServer:
         with self._cond:
             table = self._tables.get(request.table)
             if table is None:
-                table = _Table(request.table, spec, flats, self.chunk_bytes)
+                table = Table(request.table, spec, flats, self.chunk_bytes)
                 table.saved_state = table.state() if self.checkpoint_dir is not None else None
                 self._tables[request.table] = table
                 self._cond.notify_all()
@@ -602,181 +240,24 @@ class ParameterServer:
     def commit(
         self, request: Commit, live_reply: bool = False, inflow: Inflow | None = None
     ) -> Handled:
-        """Apply one commit of worker ``request.task`` (see the module docstring for the math).
-
-        ``request.flats`` is consumed: its buffers may carry the reply. ``inflow``: the
-        transport's end of a streamed commit (None: the payload is all here, and the reply is
-        written into it).
-        """
+        """Apply one commit of worker ``request.task`` to its table
+        (:meth:`Table.commit <distoptim.agn.table.Table.commit>`: the math and the arguments) and
+        answer it; every ``checkpoint_every`` accepted commits of a table, the checkpoint is on
+        disk before the table's lock is released -- before it accepts another commit, so a
+        restart loses at most ``checkpoint_every`` of its accepted commits."""
         table = self._table(request.table)
-        payload = request.flats
-        if not request.refused_by_worker:
-            table.layout.check(payload, "commit payload")
-        if inflow is None:  # the reply goes from the center (live) or in the spent payload
-            whole = payload and not request.refused_by_worker and not live_reply
-            inflow = Arrived(payload if whole else None)
-        if not table.locking:
-            return self._commit_unlocked(table, request, inflow)
-        table.rw.acquire_write()
-        release: Callable[[], None] | None = table.rw.release_write
-        try:
-            staleness = table.version - request.pulled_version
-            refusal: Refusal | None = Refusal("payload") if request.refused_by_worker else None
-            kept_hparams = None
-            if refusal is None and request.hparams and table.optimizer is not None:
-                kept_hparams = _set_hparams(table, request.hparams)
-            touched = _Touched()
-
-            def undo() -> None:  # the center as it was; a commit's hyperparameters do not stick
-                table.restore(touched.units)
-                if kept_hparams is not None:
-                    _restore_hparams(table, kept_hparams)
-
+        applied = table.commit(request, live_reply, inflow)
+        every = self.checkpoint_every
+        if applied.held and applied.accepted and every is not None and applied.version % every == 0:
             try:
-                self._apply(table, payload, inflow, refusal is not None, touched)
-            except BaseException:  # the worker vanished mid-stream, or the rule raised
-                undo()
-                raise
-            refusal = refusal or touched.refusal
-            if refusal is not None:
-                undo()
-            accepted = refusal is None
-            version = _count_commit(table, request.task, staleness, refusal, payload)
-            every = self.checkpoint_every
-            if accepted and every is not None and version % every == 0:
-                # on disk before this table accepts another commit: a restart loses at most
-                # checkpoint_every of its accepted commits
                 self.checkpoint(held=table)
-            if accepted and inflow.streamed:
-                reply_flats: dict[str, torch.Tensor] = {}  # the published chunks are the reply
-            elif accepted:
-                reply_flats = inflow.reply_buffers() or dict(touched.source)
-            elif live_reply:
-                reply_flats = table.flats  # sent before the center can change (read lock)
-            elif payload and not request.refused_by_worker:
-                reply_flats = payload  # the spent payload buffers carry the center
-                torch._foreach_copy_(list(payload.values()), [table.flats[k] for k in payload])
-            else:
-                reply_flats = table.snapshot()
-            if live_reply:
-                table.rw.downgrade()
-                release = table.rw.release_read
-            else:
-                release()
-                release = None
-        except BaseException:
-            if release is not None:
-                release()
-            raise
-        reply = _commit_reply(
-            table, version, staleness, reply_flats, refusal, accepted and inflow.streamed
-        )
-        return Handled(reply, release)
-
-    def _apply(
-        self,
-        table: _Table,
-        payload: Mapping[str, torch.Tensor],
-        inflow: Inflow,
-        refused: bool,
-        touched: _Touched,
-    ) -> None:
-        """Apply ``payload`` chunk by chunk as it arrives (write lock held), publishing each reply
-        chunk; ``touched`` records what was updated (as it goes) and why it was refused."""
-        assert table.backup is not None
-        source = table.backup.center if table.spec.rule.reply_before_update else table.flats
-        touched.source = source
-        storages = {t.untyped_storage().data_ptr() for t in payload.values()}
-        target = inflow.reply_buffers()
-        chunks = table.chunks if payload else []
-        if table.chunkwise:
-            for chunk in chunks:
-                inflow.wait(chunk.index)
-                if not refused and touched.refusal is None:
-                    table._fresh(chunk.index)
-                    touched.units.append(chunk.index)
-                    touched.refusal = table.apply_chunk(chunk, payload, storages)
-                elif table.spec.rule.reply_before_update:
-                    table._fresh(chunk.index)  # the reply is the backup's
-                touched.blame(chunk.of(payload))  # before the reply may overwrite it
-                self._publish(chunk, source, target, inflow)
-            touched.verdict(inflow.verdict() if chunks else "ok")
-            return
-        for chunk in chunks:
-            inflow.wait(chunk.index)
-        verdict = inflow.verdict() if chunks else "ok"
-        applying = not refused and verdict == "ok"
-        every_unit = list(range(len(table.backup.units)))
-        if applying or table.spec.rule.reply_before_update:  # to restore from, or the reply
-            for u in every_unit:
-                table._fresh(u)
-        if applying:
-            touched.units = every_unit
-            table.apply_whole(payload, storages)
-        for chunk in chunks:
-            checked = touched.units and touched.refusal is None
-            if checked and not finite_tensor(chunk.of(table.flats)):
-                touched.refusal = Refusal("result")
-            touched.blame(chunk.of(payload))
-            self._publish(chunk, source, target, inflow)
-        touched.verdict(verdict)
-
-    @staticmethod
-    def _publish(
-        chunk: Chunk,
-        source: Mapping[str, torch.Tensor],
-        target: Mapping[str, torch.Tensor] | None,
-        inflow: Inflow,
-    ) -> None:
-        data = chunk.of(source)
-        if target is not None:
-            out = chunk.of(target)
-            out.copy_(data)
-            data = out
-        inflow.publish(chunk.index, data)
-
-    def _commit_unlocked(self, table: _Table, request: Commit, inflow: Inflow) -> Handled:
-        """A commit to a table without the lock (``use_locking=False``, bounded rules):
-        applied whole once it arrived, guarded by a bound; the reply is the center as it is."""
-        payload = request.flats
-        rule = table.spec.rule
-        chunks = table.chunks if payload and not request.refused_by_worker else []
-        for chunk in chunks:
-            inflow.wait(chunk.index)
-        verdict = inflow.verdict() if chunks else "ok"
-        staleness = table.version - request.pulled_version
-        refusal: Refusal | None = None
-        if request.refused_by_worker or verdict == "refuse":
-            refusal = Refusal("payload")
-        elif verdict == "abort":
-            refusal = Refusal("abandoned")
-        source = table.flats
-        if refusal is None:
-            if rule.reply_before_update:
-                source = table.snapshot()  # others may change the center meanwhile
-            refusal = apply_unlocked(
-                rule, table.flats, table.views, payload, table.layout.views(payload), table.bound
-            )
-            if refusal is not None:
-                source = table.flats
-        target = inflow.reply_buffers()
-        if not inflow.streamed:
-            target = None  # the reply is the center as it is (Hogwild!), or the snapshot
-        for chunk in chunks:
-            self._publish(chunk, source, target, inflow)
-        accepted = refusal is None
-        version = _count_commit(table, request.task, staleness, refusal, payload)
-        if inflow.streamed and chunks and accepted:
-            reply_flats: dict[str, torch.Tensor] = {}
-        elif target is not None and chunks:
-            reply_flats = dict(target)
-        else:
-            reply_flats = dict(source)
-        streamed = inflow.streamed and bool(chunks) and accepted
-        return Handled(_commit_reply(table, version, staleness, reply_flats, refusal, streamed))
+            except BaseException:
+                applied.abandon()
+                raise
+        return applied.answer()
 
     # ---- tables --------------------------------------------------------------------------------
-    def _table(self, name: str, wait_s: float = 0.0) -> _Table:
+    def _table(self, name: str, wait_s: float = 0.0) -> Table:
         deadline = time.monotonic() + wait_s
         with self._cond:
             while name not in self._tables:
@@ -794,86 +275,17 @@ class ParameterServer:
     # ---- checkpoints ---------------------------------------------------------------------------
     @property
     def checkpoint_path(self) -> str | None:
-        if self.checkpoint_dir is None:
-            return None
-        return os.path.join(self.checkpoint_dir, f"ps{self.shard}.pt")
+        return None if self._checkpoint is None else self._checkpoint.path
 
-    def _remove_temporaries(self) -> list[str]:
-        """Delete temporary checkpoint files a killed shard left (``.ps{shard}.*``)."""
-        assert self.checkpoint_dir is not None
-        removed = []
-        for path in glob.glob(os.path.join(self.checkpoint_dir, f".ps{self.shard}.*")):
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-                removed.append(path)
-        return removed
-
-    def _load_checkpoint(self) -> None:
-        path = self.checkpoint_path
-        assert path is not None
-        if not os.path.exists(path):
-            return
-        blob = torch.load(path, weights_only=False)
-        if blob.get("format") != CHECKPOINT_FORMAT or blob.get("num_ps") != self.num_ps:
-            raise ValueError(
-                f"checkpoint {path} was written by a cluster with num_ps={blob.get('num_ps')} "
-                f"(format {blob.get('format')}); this one has num_ps={self.num_ps}: restart "
-                "with the same number of parameter servers or use another checkpoint_dir"
-            )
-        for name, state in blob["tables"].items():
-            self._tables[name] = _Table.from_state(name, state, self.chunk_bytes)
-            self._tables[name].saved_state = state
-            self._resumed.add(name)
-
-    def checkpoint(self, held: _Table | None = None) -> str | None:
-        """Write every table to ``ps{shard}.pt`` atomically (temp file + rename).
-
-        Each table is written as it is now, except while a commit of table ``held`` (whose
-        write lock the caller holds) makes this checkpoint: then ``held`` is written as it is
-        now and the others as of their own latest checkpoint (taking their locks here could
-        deadlock with their own commits). A table's newest state always wins, so a slower
-        writer never replaces a newer state with an older one.
-        """
-        path = self.checkpoint_path
-        if path is None:
+    def checkpoint(self, held: Table | None = None) -> str | None:
+        """Write every table to this shard's checkpoint file (:meth:`ShardCheckpoint.write
+        <distoptim.agn.shard_checkpoint.ShardCheckpoint.write>`: ``held``'s write lock is the
+        caller's); its path, or None without ``checkpoint_dir``."""
+        if self._checkpoint is None:
             return None
         with self._cond:
             tables = dict(self._tables)
-        fresh = {}
-        for name, t in tables.items():
-            if held is None or t is held:
-                fresh[name] = t.state(locked=t is held)
-        with self._ckpt_lock:
-            states = {}
-            for name, t in tables.items():
-                new = fresh.get(name)
-                old = t.saved_state
-                newer = old is None or (
-                    new is not None and new["counters"]["version"] >= old["counters"]["version"]
-                )
-                if newer and new is not None:
-                    t.saved_state = new
-                if t.saved_state is None:  # not checkpointed yet and locked by its owner
-                    continue
-                states[name] = t.saved_state
-            blob = {
-                "format": CHECKPOINT_FORMAT,
-                "shard": self.shard,
-                "num_ps": self.num_ps,
-                "tables": states,
-            }
-            fd, tmp = tempfile.mkstemp(prefix=f".ps{self.shard}.", dir=self.checkpoint_dir)
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    torch.save(blob, f)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
-        return path
+        return self._checkpoint.write(tables, held)
 
     # ---- workers' lifecycle ----------------------------------------------------------------------
     def finish(self, task: int, failed: bool) -> Ack:

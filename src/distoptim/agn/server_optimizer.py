@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -100,6 +101,7 @@ class ServerOptimizer:
         pieces: bool = True,
     ) -> None:
         group_vars = [list(pos) for _, _, pos in spec.groups]
+        self._worker_groups = [g for g, _, _ in spec.groups]
         probe = build_optimizer(spec, [[variables[i] for i in pos] for pos in group_vars])
         self.chunkwise = pieces and is_elementwise(probe)
         self._group_vars = group_vars
@@ -141,6 +143,30 @@ class ServerOptimizer:
     @property
     def state(self) -> Any:
         return self.optimizer.state
+
+    def follow(self, hparams: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+        """Follow the workers' hyperparameters (LR schedules): each param group takes the numeric,
+        non-NaN values ``hparams`` holds for its worker param group; returns every group's
+        previous values, for :meth:`restore_hyperparameters` (a refused commit's hyperparameters
+        do not stick)."""
+        groups = self.optimizer.param_groups
+        kept = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+        for group, worker_group in zip(groups, self._worker_groups):
+            hp = hparams.get(worker_group)
+            if hp:
+                for k, v in hp.items():
+                    if (
+                        k != "params"
+                        and isinstance(v, (int, float))
+                        and not (isinstance(v, float) and math.isnan(v))
+                    ):
+                        group[k] = v
+        return kept
+
+    def restore_hyperparameters(self, kept: list[dict[str, Any]]) -> None:
+        """Put back the values :meth:`follow` returned."""
+        for group, old in zip(self.optimizer.param_groups, kept):
+            group.update(old)
 
     @contextlib.contextmanager
     def only(self, chunk: int) -> Iterator[list[torch.Tensor]]:

@@ -7,8 +7,9 @@ the cluster of its process, places each parameter's center variable on a shard
 and, every ``communication_period`` (λ) steps, sends **one request per shard** carrying one
 flat buffer per dtype and receives that shard's center in the same round trip. The algorithms
 (:mod:`~distoptim.agn.agn`, :mod:`~distoptim.agn.downpour`, :mod:`~distoptim.agn.easgd`)
-differ only in three small pieces a subclass provides, per :class:`~distoptim.agn.link.ShardLink`
-and per chunk of its plan (the extension point, documented there):
+differ only in three small pieces a subclass provides, per
+:class:`~distoptim.agn.shard_link.ShardLink` and per chunk of its plan (the extension point,
+documented there):
 
 * ``_payload_part(link, chunk, dst)``: what it commits (e.g. ``a/λ``, ``θ - θ_pulled``, ``θ``);
 * ``_absorb_part(link, chunk, reply)``: what the local copy becomes (default: the center);
@@ -28,8 +29,8 @@ chunk by chunk once it is back.
 Refused commits: with several shards the worker checks its payload as it writes it (a ``sum`` of
 each chunk while in cache) and, if any value is NaN/Inf, tells every shard to refuse it
 (verdict ``refuse``, or an empty "refused" commit when not streaming) so that *no* shard applies
-a part of it; a shard also refuses a commit whose *result* would not be finite (the center guard
-of :mod:`distoptim.agn.rules`). Either way that shard's center is untouched, it counts a
+a part of it; a shard also refuses a commit whose *result* would not be finite
+(:mod:`distoptim.agn.center_guard`). Either way that shard's center is untouched, it counts a
 refusal, and the worker warns (``RuntimeWarning``, with the reason) and takes the center as its
 local copy.
 
@@ -49,11 +50,12 @@ from typing import Any
 
 import torch
 
+from distoptim.agn.center_guard import finite, finite_tensor
 from distoptim.agn.cluster import Cluster, current_cluster
 from distoptim.agn.flat import Chunk, FlatLayout, nbytes
 from distoptim.agn.getter import AGNCustomGetter
-from distoptim.agn.link import ShardLink
-from distoptim.agn.rules import ServerRule, finite, finite_tensor
+from distoptim.agn.rules import ServerRule
+from distoptim.agn.shard_link import ShardLink
 from distoptim.agn.transport.base import Pending, ShardLostError, Stream
 from distoptim.agn.transport.messages import (
     Commit,
@@ -65,7 +67,7 @@ from distoptim.agn.transport.messages import (
     Seed,
     TableSpec,
 )
-from distoptim.checks import check_finite_hyperparameters, check_int
+from distoptim.checks import check_bool, check_finite_hyperparameters, check_int
 from distoptim.comm.link import transmit
 from distoptim.protocol import WrappedOptimizer
 
@@ -195,8 +197,7 @@ class AsyncWorkerOptimizer(WrappedOptimizer):
                 "custom_getter must be a distoptim.AGNCustomGetter or None (the cluster's "
                 f"default placement), got {type(custom_getter).__name__}"
             )
-        if not isinstance(use_locking, bool):
-            raise TypeError(f"use_locking must be a bool, got {type(use_locking).__name__}")
+        check_bool("use_locking", use_locking)
         if not isinstance(name, str) or not name:
             raise TypeError(f"name must be a non-empty str, got {name!r}")
         check_finite_hyperparameters(optimizer, type(self).__name__)
@@ -411,8 +412,7 @@ class AsyncWorkerOptimizer(WrappedOptimizer):
     # ---- TF API ---------------------------------------------------------------------------------
     def make_session_run_hook(self, is_chief: bool, task_index: int) -> SessionRunHook:
         """The hook that initializes the centers (see :class:`SessionRunHook`)."""
-        if not isinstance(is_chief, bool):
-            raise TypeError(f"is_chief must be a bool, got {type(is_chief).__name__}")
+        check_bool("is_chief", is_chief)
         check_int("task_index", task_index, 0)
         return SessionRunHook(self, is_chief, task_index)
 

@@ -2,7 +2,7 @@
 
 Owns: the name, table title and family of every algorithm, how its optimizer is built from the
 library's public API around the torch optimizer every worker has, which options it uses, and
-what it records. The training loop is the same for all (:mod:`distoptim.cli.worker`)::
+what it records. The training loop is the same for all (:mod:`distoptim.cli.training`)::
 
     opt.zero_grad(); loss = cross_entropy(model(x), y); loss.backward(); opt.step()
 
@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from distoptim.cli.config import AGN_RULES, MOVING_RATE_RULES, RunConfig
+from distoptim.cli.runconfig import AGN_RULES, MOVING_RATE_RULES, RunConfig
 
 __all__ = [
     "ALGORITHMS",

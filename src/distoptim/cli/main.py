@@ -25,7 +25,7 @@ def _usage_error(command: str | None, message: str) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with ``argv`` (default ``sys.argv[1:]``); return the exit code."""
-    from distoptim.cli.options import UsageError, build_parser, make_plan
+    from distoptim.cli.arguments import UsageError, build_parser, make_plan
     from distoptim.cli.session import exit_code, run_plan, sigterm_as_interrupt
 
     started = time.monotonic()
@@ -58,7 +58,7 @@ def torchrun_train(argv: Sequence[str]) -> int:
     the other ranks print nothing and create no folder.
     """
     from distoptim.cli import algorithms
-    from distoptim.cli.options import UsageError, build_parser, make_plan
+    from distoptim.cli.arguments import UsageError, build_parser, make_plan
     from distoptim.cli.session import run_torchrun_plan
     from distoptim.netcheck import check_torchrun_network
 

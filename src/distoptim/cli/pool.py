@@ -57,6 +57,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from distoptim.checks import check_int
 from distoptim.launch import (
     DEFAULT_GRACE,
     ProcessOutcome,
@@ -169,9 +170,7 @@ class ProcessPool:
     """
 
     def __init__(self, size: int, context: Any = None, *, lifetime: float = 86_400.0) -> None:
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"pool size must be an int >= 1, got {size!r}")
-        self.size = size
+        self.size = check_int("pool size", size, 1)
         self._context = context
         self._lifetime = lifetime
         self._conns: list[Connection] = []

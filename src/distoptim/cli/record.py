@@ -36,9 +36,9 @@ from typing import Any
 import torch
 
 from distoptim.cli import algorithms
-from distoptim.cli.config import RunConfig
 from distoptim.cli.datasets import Dataset
 from distoptim.cli.model import build_model, evaluate, load_parameters
+from distoptim.cli.runconfig import RunConfig
 
 __all__ = [
     "RunRecord",

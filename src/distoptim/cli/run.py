@@ -1,4 +1,4 @@
-"""One run, from :class:`~distoptim.cli.config.RunConfig` to :class:`RunRecord`.
+"""One run, from :class:`~distoptim.cli.runconfig.RunConfig` to :class:`RunRecord`.
 
 Owns: running a configuration on local processes of a :class:`~distoptim.cli.pool.ProcessPool`
 (:func:`run_on_pool`), or as this process's rank of a torchrun job (:func:`run_torchrun`), and
@@ -31,11 +31,11 @@ from datetime import timedelta
 from typing import Any
 
 from distoptim.cli import algorithms
-from distoptim.cli.config import RunConfig
 from distoptim.cli.datasets import Dataset
 from distoptim.cli.pool import ProcessPool, Task
 from distoptim.cli.record import RunRecord, finish_record, record_collective, record_server
-from distoptim.cli.worker import cluster_role, collective_rank, collective_task, server_task
+from distoptim.cli.runconfig import RunConfig
+from distoptim.cli.training import cluster_role, collective_rank, collective_task, server_task
 from distoptim.launch import (
     RankFailedError,
     from_bytes,

@@ -29,7 +29,7 @@ import torch
 
 from distoptim._version import __version__
 from distoptim.cli import algorithms
-from distoptim.cli.options import RESULTS_JSON, Plan
+from distoptim.cli.arguments import RESULTS_JSON, Plan
 from distoptim.cli.pool import ProcessPool
 from distoptim.cli.progress import EventQueue, LineSink, ProgressDisplay
 from distoptim.cli.record import RunRecord, partial_record
@@ -41,7 +41,7 @@ from distoptim.cli.report import (
     write_results,
 )
 from distoptim.cli.run import run_on_pool, run_torchrun
-from distoptim.cli.worker import use_link
+from distoptim.cli.training import use_link
 
 __all__ = [
     "PLOT_PNG",

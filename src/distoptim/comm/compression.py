@@ -1,6 +1,7 @@
-"""Wire compression: the dtype gradients travel in, separate from the dtype they live in.
+"""Wire casts: the dtype a buffer travels in through a SUM all-reduce, separate from its own.
 
-Owns the mapping ``compression -> wire dtype`` and the encode/decode pair around a collective.
+Owns the cast formats of the wire registry (:mod:`distoptim.comm.wire`: ``fp32``, ``fp16``,
+``bf16``) as they ride a plain SUM all-reduce, and the encode/decode pair around it.
 ``None`` sends buckets as they are; ``"fp16"`` / ``"bf16"`` send real floating buckets that are
 *wider* than 16 bits (float32, float64) as float16 / bfloat16 and write the reduced values back
 into the bucket's own dtype, so everything after the wire (scaling, the optimizer update) runs
@@ -15,14 +16,14 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["COMPRESSIONS", "WireFormat"]
+__all__ = ["CASTS", "COMPRESSIONS", "WireFormat"]
 
 COMPRESSIONS: dict[str | None, torch.dtype | None] = {
     None: None,
     "fp16": torch.float16,
     "bf16": torch.bfloat16,
 }
-"""Accepted ``compression`` values and the wire dtype each one means."""
+"""Accepted ``compression`` values of :meth:`WireFormat.parse` and the wire dtype of each."""
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,11 @@ class WireFormat:
 
     @classmethod
     def parse(cls, compression: object) -> WireFormat:
-        """``None``, ``"fp16"`` or ``"bf16"`` (case-insensitive); anything else is an error."""
+        """``None``, ``"fp16"`` or ``"bf16"`` (case-insensitive); anything else is an error.
+
+        The registry's spelling, which also takes ``"fp32"``, is
+        :func:`distoptim.comm.wire.parse_allreduce`.
+        """
         if compression is not None and not isinstance(compression, str):
             raise TypeError(
                 "compression must be None, 'fp16' or 'bf16', got "
@@ -67,3 +72,11 @@ class WireFormat:
         """Write the reduced ``wire`` values back into ``buffer`` (no-op if they are one)."""
         if wire is not buffer:
             buffer.copy_(wire)
+
+
+CASTS: dict[str, WireFormat] = {
+    "fp32": WireFormat("fp32", None),
+    "fp16": WireFormat("fp16", torch.float16),
+    "bf16": WireFormat("bf16", torch.bfloat16),
+}
+"""The registry's cast formats as they ride a SUM all-reduce (``fp32``: the buffer's dtype)."""

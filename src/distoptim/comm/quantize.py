@@ -1,206 +1,52 @@
-"""Low-precision wire formats for averaging flat buffers, with error feedback.
+"""The two-phase quantized mean: averaging dense buffers whose values travel encoded.
 
-Owns the lossy wires of the outer-optimizer family (``"bf16"``, ``"int8"``), how values are
-encoded for them, and the collective scheme that averages quantized buffers over a group
-honestly: a quantized value cannot simply be all-reduced with SUM (int8 codes overflow, and
-every rank quantizes with its own scales), so the mean is computed in two quantized phases,
-the way a ring all-reduce is a reduce-scatter followed by an all-gather:
+Owns the averaging scheme of the dense lossy formats (``fp16``, ``bf16``, ``int8``, ``int4``,
+``int2``; codecs in :mod:`distoptim.comm.codecs`). An encoded buffer cannot simply be
+all-reduced with SUM (integer codes overflow, every rank encodes with its own scales, and a
+16-bit sum rounds at every hop), so the mean is computed in two encoded phases, the way a ring
+all-reduce is a reduce-scatter followed by an all-gather:
 
 1. *scatter*: every rank encodes its whole buffer ``x_r`` (padded to ``n`` equal shards) and an
    ``all_to_all`` hands shard ``j`` of every rank to rank ``j``;
-2. rank ``j`` decodes the ``n`` copies of its shard, averages them in full precision
-   (``m_j = (1/n) Σ_r D(Q(x_r))_j``) and encodes ``m_j`` once more;
+2. rank ``j`` decodes the ``n`` copies of its shard, averages them in full precision (at least
+   float32) -- ``m_j = Σ_r (D(Q(x_r))_j / n)``, each copy divided by ``n`` before the sum, so
+   finite copies give a finite mean -- and encodes ``m_j`` once more;
 3. *gather*: an ``all_gather`` gives every rank every encoded ``m_j``; all decode the same codes,
    so the result is bit-identical on every rank.
 
 Each rank sends ``(n - 1)`` encoded shards per phase, ``2 (n - 1) W`` bytes in all for a shard of
 ``W`` wire bytes -- the ring all-reduce's ``2 (n - 1) / n`` of the buffer, in the wire format.
-Both phases are counted (and the emulated link paid) through :meth:`CommStats.send`.
+Both phases are counted (and the emulated link paid) as they are launched, in
+:meth:`QuantizedMean._collective`, the scheme's one place for collectives.
 
-Formats (``Q`` encode, ``D`` decode):
+Error feedback (:mod:`distoptim.comm.feedback`) applies at both encodings: rank ``r`` keeps
+``e_r ← (x_r + e_r) - D(Q(x_r + e_r))`` over its padded buffer (residual ``"local"``) and the
+owner of shard ``j`` keeps ``ε_j ← (m_j + ε_j) - D(Q(m_j + ε_j))`` (residual ``"shard"``). Over
+``K`` rounds the applied means then sum to the exact means' sum minus only the current
+residuals (``mean_r e_r + ε``). Residuals are per rank.
 
-* ``bf16``: ``Q(x)`` = ``x`` rounded to bfloat16 (8 significant bits, so a relative error of at
-  most ``2^-8``): 2 bytes per value.
-* ``int8``: per-chunk absmax scaling. A shard is cut into chunks of ``C`` values (``C`` = 256,
-  smaller for small buffers); a chunk with largest magnitude ``a`` has the scale
-  ``s = a / 127`` (stored as float32) and codes ``q = round(x / s)`` in ``[-127, 127]``, so
-  ``|x - q s| <= s / 2``: 1 byte per value plus 4 bytes per chunk.
-
-Error feedback (Seide et al. 2014; Karimireddy et al. 2019, "EF-SGD"): what a quantization
-dropped is added to the next buffer quantized at the same place. Rank ``r`` keeps
-``e_r ← (x_r + e_r) - D(Q(x_r + e_r))`` for phase 1 and the owner of shard ``j`` keeps
-``ε_j ← (m_j + ε_j) - D(Q(m_j + ε_j))`` for phase 2. Over ``K`` rounds the applied means then sum
-to the exact means' sum minus only the current residuals (``mean_r e_r + ε``): the quantization
-error stays bounded instead of accumulating. Residuals are per rank (they differ across ranks).
-
-A group of one rank has nothing to average; callers skip the wire then (nothing is sent or
-quantized).
+A group of one rank has nothing to average: its callers use the plain scheme (nothing is sent
+or quantized).
 """
 
 from __future__ import annotations
 
-import abc
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from distoptim.comm.averaging import Mean, MeanBuffers, Pending, all_gather_single
+from distoptim.comm.codecs import DenseCodec, ShardLayout
+from distoptim.comm.feedback import feedback_for
 from distoptim.comm.stats import CommStats
 
-__all__ = [
-    "WIRES",
-    "BF16Codec",
-    "Codec",
-    "Int8Codec",
-    "PendingMean",
-    "QuantizedMean",
-    "Residuals",
-    "ShardLayout",
-    "codec_for",
-    "parse_wire",
-]
-
-WIRES = ("fp32", "bf16", "int8")
-"""Accepted wire formats: ``fp32`` (lossless, the buffer's own dtype), ``bf16``, ``int8``."""
-
-_INT8_MAX = 127
-_INT8_CHUNK = 256
-
-
-def parse_wire(wire: object) -> str:
-    """``wire`` (lower-cased) if it is one of :data:`WIRES`; else ``TypeError``/``ValueError``."""
-    if not isinstance(wire, str):
-        raise TypeError(f"wire must be one of {', '.join(map(repr, WIRES))}, got {wire!r}")
-    key = wire.lower()
-    if key not in WIRES:
-        raise ValueError(f"unknown wire {wire!r}: allowed values are {', '.join(map(repr, WIRES))}")
-    return key
-
-
-@dataclass(frozen=True)
-class ShardLayout:
-    """How a flat buffer of ``numel`` values is padded and cut for a group of ``shards`` ranks.
-
-    The padded buffer has ``shards * shard`` values (zeros past ``numel``); each shard has
-    ``shard`` values, a multiple of ``chunk``, and travels as ``width`` wire elements.
-    """
-
-    numel: int
-    shards: int
-    shard: int
-    chunk: int
-    width: int
-
-    @property
-    def padded(self) -> int:
-        return self.shards * self.shard
-
-
-class Codec(abc.ABC):
-    """Encoding of ``(rows, shard)`` blocks of values into ``(rows, width)`` wire blocks."""
-
-    name: str
-    wire_dtype: torch.dtype
-
-    @abc.abstractmethod
-    def layout(self, numel: int, shards: int) -> ShardLayout:
-        """The padding and shard sizes of a buffer of ``numel`` values over ``shards`` ranks."""
-
-    @abc.abstractmethod
-    def encode(self, x: torch.Tensor, out: torch.Tensor, layout: ShardLayout) -> None:
-        """Write ``Q(x)`` of ``x`` (rows x ``shard`` values) into ``out`` (rows x ``width``)."""
-
-    @abc.abstractmethod
-    def decode(self, wire: torch.Tensor, dtype: torch.dtype, layout: ShardLayout) -> torch.Tensor:
-        """``D(wire)`` as a new ``(rows, layout.shard)`` tensor of ``dtype``."""
-
-
-class BF16Codec(Codec):
-    """``Q(x)`` = ``x`` rounded to bfloat16 (round to nearest even)."""
-
-    name = "bf16"
-    wire_dtype = torch.bfloat16
-
-    def layout(self, numel: int, shards: int) -> ShardLayout:
-        shard = -(-numel // shards)
-        return ShardLayout(numel, shards, shard, 1, shard)
-
-    def encode(self, x: torch.Tensor, out: torch.Tensor, layout: ShardLayout) -> None:
-        out.copy_(x)
-
-    def decode(self, wire: torch.Tensor, dtype: torch.dtype, layout: ShardLayout) -> torch.Tensor:
-        return wire.to(dtype)
-
-
-class Int8Codec(Codec):
-    """Per-chunk absmax int8: codes then the chunks' float32 scales, in one int8 block per row.
-
-    Row layout (``S`` = ``layout.shard`` values, ``C`` = ``layout.chunk``)::
-
-        [ q_0 ... q_{S-1} (int8) | s_0 ... s_{S/C-1} (float32, as 4 bytes each) ]
-    """
-
-    name = "int8"
-    wire_dtype = torch.int8
-
-    def __init__(self, chunk: int = _INT8_CHUNK) -> None:
-        if chunk < 4 or chunk % 4:
-            raise ValueError(f"chunk must be a multiple of 4, got {chunk}")
-        self.chunk = chunk
-
-    def layout(self, numel: int, shards: int) -> ShardLayout:
-        per_rank = -(-numel // shards)
-        chunk = min(self.chunk, max(4, -(-per_rank // 4) * 4))  # small buffers: smaller chunks
-        shard = -(-per_rank // chunk) * chunk
-        return ShardLayout(numel, shards, shard, chunk, shard + 4 * (shard // chunk))
-
-    def _split(self, wire: torch.Tensor, layout: ShardLayout) -> tuple[torch.Tensor, torch.Tensor]:
-        codes = wire[:, : layout.shard]
-        scales = wire[:, layout.shard :].view(torch.float32)  # rows x (S / C)
-        return codes, scales
-
-    def encode(self, x: torch.Tensor, out: torch.Tensor, layout: ShardLayout) -> None:
-        rows = x.shape[0]
-        chunks = x.reshape(rows, -1, layout.chunk)
-        codes, scales = self._split(out, layout)
-        # the scale that travels (float32) is the one the codes are computed with
-        scales.copy_(chunks.abs().amax(dim=-1).div_(_INT8_MAX))
-        scale = scales.to(x.dtype).unsqueeze(-1)
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = chunks.div(safe).round_().clamp_(-_INT8_MAX, _INT8_MAX)
-        codes.copy_(q.reshape(rows, -1))
-
-    def decode(self, wire: torch.Tensor, dtype: torch.dtype, layout: ShardLayout) -> torch.Tensor:
-        codes, scales = self._split(wire, layout)
-        rows = wire.shape[0]
-        values = codes.to(dtype).reshape(rows, -1, layout.chunk)
-        return values.mul_(scales.to(dtype).unsqueeze(-1)).reshape(rows, layout.shard)
-
-
-def codec_for(wire: str) -> Codec | None:
-    """The codec of a lossy wire, ``None`` for ``fp32`` (sent as it is)."""
-    wire = parse_wire(wire)
-    if wire == "bf16":
-        return BF16Codec()
-    if wire == "int8":
-        return Int8Codec()
-    return None
+__all__ = ["PendingMean", "QuantizedMean"]
 
 
 @dataclass
-class Residuals:
-    """Error-feedback state of one buffer on one rank.
-
-    ``local``: phase 1's residual over the whole padded buffer (``layout.padded`` values);
-    ``shard``: phase 2's residual of the shard this rank owns (``layout.shard`` values).
-    """
-
-    local: torch.Tensor
-    shard: torch.Tensor
-
-
-@dataclass
-class PendingMean:
+class PendingMean(Pending):
     """One launched two-phase mean: phase 1's work and buffers, then its settled shard mean.
 
     ``shard_mean`` is set once phase 1 has been waited for (:meth:`QuantizedMean.settle`); a
@@ -208,24 +54,24 @@ class PendingMean:
     """
 
     layout: ShardLayout
-    dtype: torch.dtype
     received: torch.Tensor | None
     work: dist.Work | None
     shard_mean: torch.Tensor | None = None
 
 
-class QuantizedMean:
-    """Two-phase quantized mean of flat buffers over ``group`` (see the module docstring).
+class QuantizedMean(Mean):
+    """Two-phase encoded mean of flat buffers over ``group`` (see the module docstring).
 
     ``launch`` encodes and starts phase 1 (asynchronously); ``settle`` waits for it and forms
     this rank's shard mean (local, no collective); ``finish`` runs phase 2 and writes the mean
-    into the caller's buffer. ``error_feedback=False`` keeps no residuals. A group of one rank
-    has nothing to average: ``group_size`` must be at least 2.
+    into the payload. ``error_feedback=False`` keeps no residuals. ``group_size >= 2``.
     """
+
+    finishes_with_collective = True
 
     def __init__(
         self,
-        codec: Codec,
+        codec: DenseCodec,
         group: dist.ProcessGroup | None,
         group_size: int,
         stats: CommStats,
@@ -233,70 +79,58 @@ class QuantizedMean:
     ) -> None:
         if group_size < 2:
             raise ValueError(f"a quantized mean needs a group of >= 2 ranks, got {group_size}")
+        super().__init__(group, group_size, stats)
         self.codec = codec
-        self.group = group
-        self.group_size = group_size
-        self.stats = stats
-        self.error_feedback = error_feedback
+        self.feedback = feedback_for(error_feedback)
 
-    def layout(self, numel: int) -> ShardLayout:
-        return self.codec.layout(numel, self.group_size)
+    def layout(self, numel: int, dtype: torch.dtype) -> ShardLayout:
+        return self.codec.layout(numel, self.group_size, dtype)
 
-    def new_residuals(self, layout: ShardLayout, like: torch.Tensor) -> Residuals:
-        """Zero residuals for a buffer of ``layout`` with ``like``'s dtype and device."""
-        return Residuals(local=like.new_zeros(layout.padded), shard=like.new_zeros(layout.shard))
-
-    def wire_bytes(self, layout: ShardLayout) -> int:
-        """Bytes this rank sends for one mean of a buffer of ``layout`` (both phases)."""
-        item = torch.empty((), dtype=self.codec.wire_dtype).element_size()
-        return 2 * (self.group_size - 1) * layout.width * item
-
-    def launch(
-        self, values: torch.Tensor, residuals: Residuals | None, scratch: torch.Tensor | None
-    ) -> PendingMean:
-        """Encode ``values`` (1-D, read only) plus the phase-1 residual and start phase 1.
-
-        With error feedback ``residuals`` is required (updated in place); without it
-        ``scratch`` (``layout.padded`` values, zero past ``values``) holds the padded input.
-        """
-        layout = self.layout(values.numel())
-        if self.error_feedback:
-            if residuals is None:
-                raise ValueError("error feedback needs the buffer's residuals")
-            x = residuals.local
-            x[: layout.numel].add_(values)
+    def buffers(self, payload: torch.Tensor, keep_payload: bool) -> MeanBuffers:
+        """``"local"`` (padded buffer) and ``"shard"`` residuals, or a padded scratch buffer."""
+        layout = self.layout(payload.numel(), payload.dtype)
+        out = MeanBuffers()
+        if self.feedback.keeps_residuals:
+            out.residuals = {
+                "local": payload.new_zeros(layout.padded),
+                "shard": payload.new_zeros(layout.shard),
+            }
         else:
-            if scratch is None:
-                raise ValueError("without error feedback a padded scratch buffer is needed")
-            x = scratch
-            x[: layout.numel].copy_(values)
-        rows = x.view(layout.shards, layout.shard)
-        wire = self.codec.wire_dtype
-        sent = torch.empty(layout.shards, layout.width, dtype=wire, device=x.device)
-        self.codec.encode(rows, sent, layout)
-        if self.error_feedback:
-            rows.sub_(
-                self.codec.decode(sent, x.dtype, layout)
-            )  # what Q dropped, kept for next time
+            out.scratch = payload.new_zeros(layout.padded)
+        if keep_payload:
+            out.slot = payload.new_zeros(layout.shard)
+        return out
+
+    def launch(self, payload: torch.Tensor, buffers: MeanBuffers) -> PendingMean:
+        """Encode ``payload`` (1-D, read only) with the ``"local"`` residual; start phase 1."""
+        layout = self.layout(payload.numel(), payload.dtype)
+        into = buffers.residuals.get("local", buffers.scratch)
+        assert into is not None, "buffers() made either a residual or a scratch buffer"
+        rows = self.feedback.combine(payload, into).view(layout.shards, layout.shard)
+        sent = torch.empty(layout.shards, layout.width, dtype=torch.uint8, device=rows.device)
+        self.feedback.encode(self.codec, rows, sent, layout)
         received = torch.empty_like(sent)
-        self.stats.send((self.group_size - 1) * sent[0].numel() * sent.element_size())
-        work = dist.all_to_all_single(received, sent, group=self.group, async_op=True)
-        return PendingMean(layout, values.dtype, received, work)
+        return PendingMean(layout, received, self._collective(1, sent, received))
 
-    def settle(self, pending: PendingMean, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Wait for phase 1; this rank's shard mean ``(1/n) Σ_r D(Q(x_r))_j`` (idempotent).
+    def settle(self, pending: Pending, buffers: MeanBuffers) -> None:
+        """Wait for phase 1 and keep this rank's shard mean in ``buffers.slot``."""
+        assert isinstance(pending, PendingMean)
+        self._shard_mean(pending, buffers.slot)
 
-        The mean is written into ``out`` (``layout.shard`` values) when given.
-        """
+    def _shard_mean(self, pending: PendingMean, out: torch.Tensor | None) -> torch.Tensor:
+        """This rank's shard mean ``Σ_r (D(Q(x_r))_j / n)``, written into ``out`` if given."""
         if pending.shard_mean is None:
             if pending.received is None or pending.work is None:
                 raise ValueError("this pending mean has neither a launched phase 1 nor a result")
             pending.work.wait()
-            acc = torch.promote_types(pending.dtype, torch.float32)
-            copies = self.codec.decode(pending.received, acc, pending.layout)
-            mean = copies.sum(dim=0).div_(self.group_size)
+            layout = pending.layout
+            acc = torch.promote_types(layout.dtype, torch.float32)
+            copies = self.codec.decode(pending.received, acc, layout)
+            # divide before summing: n finite copies of at most FLT_MAX / n each cannot
+            # overflow, while their sum (divided afterwards) could
+            mean = copies.div_(self.group_size).sum(dim=0)
             if out is None:
-                out = torch.empty(pending.layout.shard, dtype=pending.dtype, device=mean.device)
+                out = torch.empty(layout.shard, dtype=layout.dtype, device=mean.device)
             out.copy_(mean)
             pending.shard_mean = out
             pending.work = None
@@ -305,26 +139,43 @@ class QuantizedMean:
             out.copy_(pending.shard_mean)
         return pending.shard_mean
 
-    def finish(self, pending: PendingMean, out: torch.Tensor, residuals: Residuals | None) -> None:
-        """Run phase 2 (a blocking all-gather) and write the group mean into ``out`` (1-D)."""
+    def finish(self, pending: Pending, payload: torch.Tensor, buffers: MeanBuffers) -> None:
+        """Run phase 2 (encode the shard mean with the ``"shard"`` residual, all-gather) and
+        write the group mean into ``payload`` (1-D)."""
+        assert isinstance(pending, PendingMean)
         layout = pending.layout
-        mean = self.settle(pending)
-        if self.error_feedback:
-            if residuals is None:
-                raise ValueError("error feedback needs the buffer's residuals")
-            mean = residuals.shard.add_(mean)
-        row = mean.view(1, layout.shard)
-        wire = self.codec.wire_dtype
-        mine = torch.empty(1, layout.width, dtype=wire, device=mean.device)
-        self.codec.encode(row, mine, layout)
-        if self.error_feedback:
-            row.sub_(self.codec.decode(mine, mean.dtype, layout))
-        gathered = torch.empty(layout.shards, layout.width, dtype=wire, device=mean.device)
-        self.stats.send((self.group_size - 1) * mine.numel() * mine.element_size())
-        _all_gather_single(gathered, mine, group=self.group)
-        full = self.codec.decode(gathered, out.dtype, layout).reshape(-1)
-        out.copy_(full[: layout.numel])
+        mean = self._shard_mean(pending, buffers.slot)
+        x = self.feedback.combine(mean, buffers.residuals.get("shard", mean))
+        row = x.view(1, layout.shard)
+        mine = torch.empty(1, layout.width, dtype=torch.uint8, device=row.device)
+        self.feedback.encode(self.codec, row, mine, layout)
+        gathered = torch.empty(layout.shards, layout.width, dtype=torch.uint8, device=row.device)
+        self._collective(2, mine, gathered).wait()
+        full = self.codec.decode(gathered, payload.dtype, layout).reshape(-1)
+        payload.copy_(full[: layout.numel])
+
+    def restore(self, payload: torch.Tensor, buffers: MeanBuffers) -> PendingMean:
+        """Phase 1 settled: its shard mean is in ``buffers.slot`` (loaded from a checkpoint)."""
+        if buffers.slot is None:
+            raise ValueError("restoring a settled mean needs its payload slot")
+        layout = self.layout(payload.numel(), payload.dtype)
+        return PendingMean(layout, None, None, shard_mean=buffers.slot)
+
+    def _collective(self, phase: int, sent: torch.Tensor, received: torch.Tensor) -> dist.Work:
+        """The scheme's collectives: phase 1's all-to-all, phase 2's all-gather (both async).
+
+        This rank sends ``(n - 1)`` of its rows, each ``layout.width`` bytes, in either phase.
+        """
+        self.stats.send((self.group_size - 1) * sent[0].numel() * sent.element_size())
+        if phase == 1:
+            return dist.all_to_all_single(received, sent, group=self.group, async_op=True)
+        return all_gather_single(received, sent, group=self.group, async_op=True)
 
 
-# torch >= 2.13 names it all_gather_single; all_gather_into_tensor before (deprecated after)
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+def __getattr__(name: str) -> Any:
+    """0.2.0's ``WIRES`` (the fixed wire names), now the registry's (:mod:`~.wire`)."""
+    if name == "WIRES":
+        from distoptim.comm.wire import NAMES
+
+        return NAMES
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,10 +1,10 @@
 """What a valid mesh-aware SGD configuration is, and its (de)serialization, Keras' included.
 
-Owns: the checks of SGD's hyperparameters (``learning_rate``, ``momentum``, booleans), the
-JSON form of a configuration (:func:`to_config`), and the parsing of a configuration dict into
-constructor arguments (:func:`parse_config`) -- from distoptim's own form or from a Keras 2
-``tf.keras.optimizers.SGD(...).get_config()`` dict -- with the learning-rate schedules and the
-device mesh they carry.
+Owns: the checks of SGD's hyperparameters (``learning_rate``, ``momentum``; the generic rules
+are :mod:`distoptim.checks`'), the JSON form of a configuration (:func:`to_config`), and the
+parsing of a configuration dict into constructor arguments (:func:`parse_config`) -- from
+distoptim's own form or from a Keras 2 ``tf.keras.optimizers.SGD(...).get_config()`` dict --
+with the learning-rate schedules and the device mesh they carry.
 
 distoptim's form (``SGD.get_config()``)::
 
@@ -43,14 +43,13 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from distoptim.checks import type_name
+from distoptim.checks import check_bool, check_real, check_type
 from distoptim.dtensor.options import EMAOption, GradientsClipOption
 from distoptim.dtensor.schedules import ExponentialDecay, PiecewiseConstantDecay
 
 __all__ = [
     "CONFIG_KEYS",
     "KERAS_KEYS",
-    "check_bool",
     "check_lr",
     "check_momentum",
     "parse_config",
@@ -97,32 +96,21 @@ def _real(value: Any) -> bool:
 
 
 def check_lr(value: Any, what: str = "learning_rate") -> float:
-    """``value`` as a float if it is a finite number >= 0 (numpy scalars too)."""
-    if not _real(value):
-        raise TypeError(
-            f"{what} must be a number >= 0 or a callable schedule of iterations, "
-            f"got {type_name(value)}"
-        )
-    value = float(value)
-    if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"{what} must be a finite number >= 0, got {value!r}")
-    return value
+    """``value`` as a float if it is a finite number >= 0 (numpy scalars too): ``TypeError``
+    for anything but a number (the message mentions schedules, which the constructor and the
+    ``learning_rate`` setter also take), ``ValueError`` for NaN, +-Inf or a negative rate."""
+    if type(value) is float and 0.0 <= value < math.inf:  # every step, per group: quickly
+        return value
+    check_type(what, value, numbers.Real, "a number >= 0 or a callable schedule of iterations")
+    return check_real(what, float(value), 0.0)
 
 
 def check_momentum(value: Any) -> float:
-    """``value`` as a float if it is a number in [0, 1]."""
-    if not _real(value):
-        raise TypeError(f"momentum must be a number in [0, 1], got {type_name(value)}")
-    if not 0.0 <= float(value) <= 1.0:  # also rejects NaN
-        raise ValueError(f"momentum must be in [0, 1], got {value!r}")
-    return float(value)
-
-
-def check_bool(name: str, value: Any) -> bool:
-    """``value`` if it is a bool (not 0/1)."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type_name(value)}")
-    return value
+    """``value`` as a float if it is a number in [0, 1] (Keras' range for ``momentum``)."""
+    if type(value) is float and 0.0 <= value <= 1.0:  # every step, per group (NaN fails)
+        return value
+    check_type("momentum", value, numbers.Real, "a number in [0, 1]")
+    return check_real("momentum", value, 0.0, 1.0)
 
 
 # ---- to JSON ------------------------------------------------------------------------------------
@@ -179,12 +167,9 @@ def parse_config(config: Any) -> dict[str, Any]:
     Raises ``TypeError``/``ValueError`` naming the offending key; builds nothing but the
     schedule and the mesh.
     """
-    if not isinstance(config, dict):
-        raise TypeError(f"config must be a dict, got {type_name(config)}")
+    check_type("config", config, dict, "a dict")
     if _is_keras_serialized_optimizer(config):
-        config = config["config"]
-        if not isinstance(config, dict):
-            raise TypeError(f"config['config'] must be a dict, got {type_name(config)}")
+        config = check_type("config['config']", config["config"], dict, "a dict")
     if "decay" in config:
         raise ValueError(
             "this looks like a config of the legacy tf.keras.optimizers.legacy.SGD (it has "
@@ -197,8 +182,8 @@ def parse_config(config: Any) -> dict[str, Any]:
     mesh = kwargs.get("mesh")
     if isinstance(mesh, dict):
         kwargs["mesh"] = _mesh_from_config(mesh)
-    elif mesh is not None and not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"config['mesh'] must be a dict or None, got {type_name(mesh)}")
+    else:
+        check_type("config['mesh']", mesh, DeviceMesh, "a dict", optional=True)
     return kwargs
 
 
@@ -290,13 +275,9 @@ def _keras_schedule_from_config(spec: dict[str, Any]) -> Callable[[int], float]:
             f"Keras schedule {name!r} is not supported; supported: {sorted(_KERAS_SCHEDULES)} "
             "(or pass any callable step -> learning rate as learning_rate)"
         )
-    cfg = spec["config"]
-    if not isinstance(cfg, dict):
-        raise TypeError(f"the config of Keras schedule {name!r} must be a dict")
-    cfg = dict(cfg)
+    cfg = dict(check_type(f"the config of Keras schedule {name!r}", spec["config"], dict, "a dict"))
     label = cfg.pop("name", None)  # Keras' name scope: no meaning here
-    if label is not None and not isinstance(label, str):
-        raise TypeError(f"Keras schedule {name!r}: name must be a str or None")
+    check_type(f"Keras schedule {name!r}: name", label, str, "a str", optional=True)
     return cls.from_config(cfg)
 
 

@@ -12,25 +12,21 @@ import dataclasses
 import numbers
 from typing import Any
 
-from distoptim.checks import check_positive, type_name
+from distoptim.checks import (
+    check_bool,
+    check_optional_int,
+    check_positive,
+    check_real,
+    check_type,
+)
 
 __all__ = ["EMAOption", "GradientsClipOption"]
 
 _CLIP_ORDER = ("clipnorm", "global_clipnorm", "clipvalue")
 
 
-def _check_clip(name: str, value: Any) -> float | None:
-    """``None`` or a finite real number > 0 (as float); anything else is an error."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be None or a positive number, got {type_name(value)}")
-    return check_positive(f"{name} (None to disable)", value)
-
-
 def _check_keys(cls: type, config: Any) -> dict[str, Any]:
-    if not isinstance(config, dict):
-        raise TypeError(f"{cls.__name__}.from_config needs a dict, got {type_name(config)}")
+    check_type(f"{cls.__name__}.from_config's config", config, dict, "a dict")
     allowed = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(config) - allowed)
     if unknown:
@@ -71,7 +67,11 @@ class GradientsClipOption:
 
     def __post_init__(self) -> None:
         for name in ("clipnorm", "clipvalue", "global_clipnorm"):
-            object.__setattr__(self, name, _check_clip(name, getattr(self, name)))
+            value = check_type(
+                name, getattr(self, name), numbers.Real, "a number > 0", optional=True
+            )
+            if value is not None:
+                object.__setattr__(self, name, check_positive(f"{name} (None to disable)", value))
         if self.clipnorm is not None and self.global_clipnorm is not None:
             raise ValueError(
                 "clipnorm and global_clipnorm cannot both be set: choose per-tensor (clipnorm) "
@@ -122,22 +122,12 @@ class EMAOption:
     ema_overwrite_frequency: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.use_ema, bool):
-            raise TypeError(f"use_ema must be a bool, got {type_name(self.use_ema)}")
-        m = self.ema_momentum
-        if isinstance(m, bool) or not isinstance(m, numbers.Real):
-            raise TypeError(f"ema_momentum must be a number in [0, 1], got {type_name(m)}")
-        if not 0.0 <= float(m) <= 1.0:  # also rejects NaN
-            raise ValueError(f"ema_momentum must be in [0, 1], got {m!r}")
-        object.__setattr__(self, "ema_momentum", float(m))
-        f = self.ema_overwrite_frequency
-        if f is not None:
-            if isinstance(f, bool) or not isinstance(f, int):
-                raise TypeError(
-                    f"ema_overwrite_frequency must be None or an int >= 1, got {type_name(f)}"
-                )
-            if f < 1:
-                raise ValueError(f"ema_overwrite_frequency must be an int >= 1 or None, got {f}")
+        check_bool("use_ema", self.use_ema)
+        m = check_type("ema_momentum", self.ema_momentum, numbers.Real, "a number in [0, 1]")
+        object.__setattr__(self, "ema_momentum", check_real("ema_momentum", m, 0.0, 1.0))
+        name, f = "ema_overwrite_frequency", self.ema_overwrite_frequency
+        check_type(name, f, numbers.Integral, "an int >= 1", optional=True)
+        object.__setattr__(self, name, check_optional_int(name, f, 1))
 
     def get_config(self) -> dict[str, Any]:
         """A JSON-serializable dict; ``from_config`` of it gives an equal option."""

@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
+import numbers
 from typing import Any
 
-from distoptim.checks import type_name
+from distoptim.checks import check_bool, check_int, check_real, check_type
 
 __all__ = ["ExponentialDecay", "PiecewiseConstantDecay"]
 
 
 def _from_config(cls: type, config: Any) -> Any:
-    if not isinstance(config, dict):
-        raise TypeError(f"{cls.__name__}.from_config needs a dict, got {type_name(config)}")
+    check_type(f"{cls.__name__}.from_config's config", config, dict, "a dict")
     allowed = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(config) - allowed)
     if unknown:
@@ -42,16 +41,13 @@ class ExponentialDecay:
     staircase: bool = False
 
     def __post_init__(self) -> None:
-        lr, rate = self.initial_learning_rate, self.decay_rate
-        if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0):
-            raise ValueError(f"initial_learning_rate must be a finite number >= 0, got {lr!r}")
-        if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0):
-            raise ValueError(f"decay_rate must be a finite number > 0, got {rate!r}")
-        steps = self.decay_steps
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"decay_steps must be an int >= 1, got {steps!r}")
-        if not isinstance(self.staircase, bool):
-            raise TypeError(f"staircase must be a bool, got {type_name(self.staircase)}")
+        lr = check_real("initial_learning_rate", self.initial_learning_rate, 0.0)
+        rate = check_real("decay_rate", self.decay_rate, 0.0, low_open=True)
+        steps = check_int("decay_steps", self.decay_steps, 1)
+        check_bool("staircase", self.staircase)
+        object.__setattr__(self, "initial_learning_rate", lr)
+        object.__setattr__(self, "decay_rate", rate)
+        object.__setattr__(self, "decay_steps", steps)
 
     def __call__(self, step: int) -> float:
         p = step // self.decay_steps if self.staircase else step / self.decay_steps
@@ -76,17 +72,17 @@ class PiecewiseConstantDecay:
     values: tuple[float, ...]
 
     def __post_init__(self) -> None:
-        b, v = tuple(self.boundaries), tuple(float(x) for x in self.values)
-        if any(isinstance(x, bool) or not isinstance(x, int) for x in b):
-            raise TypeError(f"boundaries must be ints, got {b!r}")
+        b = tuple(
+            int(check_type(f"boundaries[{i}]", x, numbers.Integral, "an int"))
+            for i, x in enumerate(self.boundaries)
+        )
+        v = tuple(check_real(f"values[{i}]", x, 0.0) for i, x in enumerate(self.values))
         if any(b2 <= b1 for b1, b2 in itertools.pairwise(b)):
             raise ValueError(f"boundaries must be strictly increasing, got {b!r}")
         if len(v) != len(b) + 1:
             raise ValueError(
                 f"values needs len(boundaries) + 1 = {len(b) + 1} entries, got {len(v)}"
             )
-        if any(not (math.isfinite(x) and x >= 0) for x in v):
-            raise ValueError(f"values must be finite numbers >= 0, got {v!r}")
         object.__setattr__(self, "boundaries", b)
         object.__setattr__(self, "values", v)
 

@@ -1,9 +1,12 @@
 """Mesh-aware SGD: Keras' ``SGD`` (momentum, Nesterov, clipping, EMA) on tensors and DTensors.
 
-Owns: the optimizer object -- its variables and slots (Keras' ``build``, ``add_variable``,
-``add_variable_from_reference``, ``get_slot``, ``variables``), the order of one step, its state
-(``state_dict``/``load_state_dict``) and its config. The math lives next door: the update
-kernels in :mod:`~distoptim.dtensor.kernels`, Keras' momentum in torch's buffer units in
+Owns: the optimizer object -- its public face (Keras' ``build``, ``add_variable``,
+``add_variable_from_reference``, ``get_slot``, ``variables``; torch's ``step``,
+``state_dict``/``load_state_dict``; ``get_config``/``from_config``) and the order of one step.
+The rest lives next door: the constructor's checks in :mod:`~distoptim.dtensor.arguments`, what
+a step plans (params, buckets, the kept plan) in :mod:`~distoptim.dtensor.plan`, slots and their
+saved form in :mod:`~distoptim.dtensor.slots`, the update kernels in
+:mod:`~distoptim.dtensor.kernels`, Keras' momentum in torch's buffer units in
 :mod:`~distoptim.dtensor.momentum`, clipping in :mod:`~distoptim.dtensor.clip`, the weight
 averages in :mod:`~distoptim.dtensor.ema`, hyperparameter checks and (de)serialization (Keras'
 configs too) in :mod:`~distoptim.dtensor.config`. ``docs/mesh_sgd.md`` has the whole picture.
@@ -32,9 +35,9 @@ One step, in order
 
 With plain tensors, the bookkeeping of steps 2 and 4 (slots, buckets, buffers, which tensors the
 fused kernel may take) is kept from one step to the next and reused while everything it depends
-on is unchanged -- checked every step, all tensors at once (``_StepPlan`` says what is checked
-and why the rest cannot change unseen). With many small tensors on a GPU, that Python work, not
-the kernel, is what a step costs.
+on is unchanged -- checked every step, all tensors at once (:mod:`~distoptim.dtensor.plan` says
+what is checked and why the rest cannot change unseen). With many small tensors on a GPU, that
+Python work, not the kernel, is what a step costs.
 
 ``amsgrad`` has no meaning for SGD (it is an Adam variant); Keras accepted and ignored it, here
 ``amsgrad=True`` is a ``ValueError`` so that nobody believes it is active.
@@ -42,26 +45,26 @@ the kernel, is what a step costs.
 
 from __future__ import annotations
 
-import dataclasses
-import operator
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor
 
-from distoptim.checks import type_name
+from distoptim.checks import check_type
 from distoptim.dtensor import config as _config
 from distoptim.dtensor import ema as _ema
-from distoptim.dtensor import momentum as _momentum
+from distoptim.dtensor import slots as _slots
 from distoptim.dtensor import variables as _vars
+from distoptim.dtensor.arguments import DEFAULT_LEARNING_RATE, check_arguments
 from distoptim.dtensor.clip import clip_local_gradients
-from distoptim.dtensor.config import check_bool, check_lr, check_momentum
-from distoptim.dtensor.kernels import CompiledUpdate, sgd_update, strided_positions
-from distoptim.dtensor.layout import Layout, layout_of, local_shard
+from distoptim.dtensor.config import check_lr, check_momentum
+from distoptim.dtensor.kernels import CompiledUpdate
+from distoptim.dtensor.layout import local_shard
 from distoptim.dtensor.options import EMAOption, GradientsClipOption
+from distoptim.dtensor.plan import Bucket, StepPlan, params_with_grads
 from distoptim.protocol import (
     GradsAndVars,
     TFOptimizerProtocol,
@@ -72,203 +75,7 @@ from distoptim.protocol import (
 
 __all__ = ["SGD"]
 
-_UNSET: Any = object()
-_MOMENTUM_SLOTS = ("m", "momentum")  # Keras 2 names the slot "m", Keras 3 "momentum"
-_INTERNAL = _momentum.INTERNAL_KEYS
-
-
-_NONE_TYPE = type(None)
 _CONTIGUOUS = torch.Tensor.is_contiguous
-_SHAPE = operator.attrgetter("shape")
-_DTYPE = operator.attrgetter("dtype")
-_DEVICE = operator.attrgetter("device")
-
-
-@dataclasses.dataclass(eq=False)
-class _Bucket:
-    """The local shards one kernel call updates: one param group, momentum scale, dtype, device
-    and kind (DTensor shards or plain tensors).
-
-    ``idx``: their positions among the step's params with a gradient. With momentum in the
-    group, ``states`` are their optimizer states, every one with ``SCALE == scale``, and
-    ``bufs`` those states' local momentum buffers; without, ``states`` is empty and ``bufs``
-    None. ``strided``: the positions, in the bucket, of the weights or buffers that are not
-    contiguous (the fused kernel must not see them).
-    """
-
-    group: int
-    idx: list[int]
-    ws: list[torch.Tensor]
-    states: list[dict[str, Any]]
-    bufs: list[torch.Tensor] | None
-    scale: float | None
-    kind: tuple[torch.dtype, torch.device, bool]
-    strided: list[int]
-
-    @classmethod
-    def of(
-        cls,
-        group: int,
-        idx: list[int],
-        ws: list[torch.Tensor],
-        states: list[dict[str, Any]],
-        with_buffer: bool,
-        sharded: bool = False,
-    ) -> _Bucket:
-        """The bucket of local weights ``ws`` whose states are ``states`` (scales all equal)."""
-        bufs = [local_shard(st[_momentum.BUFFER]) for st in states] if with_buffer else None
-        return cls(
-            group=group,
-            idx=idx,
-            ws=ws,
-            states=states if with_buffer else [],
-            bufs=bufs,
-            scale=states[0].get(_momentum.SCALE),
-            kind=(ws[0].dtype, ws[0].device, sharded),
-            strided=strided_positions(ws, bufs),
-        )
-
-
-@dataclasses.dataclass(eq=False)
-class _StepPlan:
-    """What a step works out from its params before any arithmetic: their slots (created on
-    first need), local weights, buckets, momentum buffers, averages and layouts.
-
-    A step of plain tensors keeps its plan (``SGD._plan``) and reuses it while :meth:`fits`
-    holds, so that a training loop's step pays no per-parameter dict lookups or contiguity
-    checks of weights and buffers (on a GPU, with many small tensors, the step is bound by
-    exactly this Python work). A step with DTensors builds a fresh plan each time.
-
-    Why a kept plan is never stale:
-
-    * It holds its params, states and buffers (never a gradient), so ``is`` comparisons on
-      them cannot be fooled by a reused id.
-    * :class:`SGD` drops it whenever it changes slots or momentum scales outside a step:
-      ``_init_slots`` (hence ``add_param_group``, ``build``), ``add_variable_from_reference``,
-      ``update_step``, ``state_dict``, ``load_state_dict``; and after a step in which two
-      buckets' scales became equal (a fresh plan would merge them: :meth:`buckets_distinct`).
-    * A step moves each bucket's ``scale`` together with its states' scales.
-    * :meth:`fits` checks, every step, all that can change behind SGD's back: which params
-      have a gradient and in which group, whether each group's momentum is zero, the state
-      mapping (the same params mapped to the same dicts in the same order, so ``opt.state``
-      replaced, cleared or edited is seen), each weight's shape, dtype, device and contiguity
-      (``p.data = ...``), and that every gradient is a plain tensor of its weight's shape
-      (anything else takes the fully checked path and a fresh plan).
-
-    Not seen: hand edits of the internal entries of one parameter's state dict (its
-    ``momentum_buffer`` or ``momentum_scale``); those entries are SGD's own.
-    """
-
-    params: list[torch.Tensor]
-    ends: list[int]
-    with_buffer: tuple[bool, ...]
-    state_keys: list[torch.Tensor]
-    state_values: list[dict[str, Any]]
-    shapes: list[torch.Size]
-    dtypes: list[torch.dtype]
-    devices: list[torch.device]
-    contiguous: list[bool]
-    buckets: list[_Bucket]
-    averages: list[tuple[torch.Tensor, torch.Tensor]]
-    layouts: list[Layout]
-    sharded: bool
-
-    @property
-    def cacheable(self) -> bool:
-        """Whether the plan may serve later steps (no DTensor among its params)."""
-        return not self.sharded
-
-    @classmethod
-    def build(cls, opt: SGD, params: list[torch.Tensor], ends: list[int]) -> _StepPlan:
-        """The plan for ``params`` (those with a gradient, in group order; ``ends`` as in
-        ``SGD._with_grads``), creating the slots they lack (the only change it makes)."""
-        groups, state, ema = opt.param_groups, opt.state, opt._ema is not None
-        with_buffer = tuple(g["momentum"] != 0 for g in groups)
-        ws, states = [], []
-        keyed: dict[tuple[Any, ...], list[int]] = {}
-        gi = 0
-        for i, p in enumerate(params):
-            while i >= ends[gi]:
-                gi += 1
-            st = state[p]
-            if (with_buffer[gi] and _momentum.SCALE not in st) or (ema and "average" not in st):
-                opt._init_slots(p, groups[gi])  # new, or its group's momentum became > 0
-            w = local_shard(p)
-            key = (gi, st.get(_momentum.SCALE), w.dtype, w.device, isinstance(p, DTensor))
-            keyed.setdefault(key, []).append(i)
-            ws.append(w)
-            states.append(st)
-        buckets = [
-            _Bucket.of(
-                key[0],
-                idx,
-                [ws[i] for i in idx],
-                [states[i] for i in idx],
-                with_buffer[key[0]],
-                sharded=key[4],
-            )
-            for key, idx in keyed.items()
-        ]
-        return cls(
-            params=params,
-            ends=ends,
-            with_buffer=with_buffer,
-            state_keys=list(state),
-            state_values=list(state.values()),
-            shapes=list(map(_SHAPE, ws)),
-            dtypes=list(map(_DTYPE, ws)),
-            devices=list(map(_DEVICE, ws)),
-            contiguous=list(map(_CONTIGUOUS, ws)),
-            buckets=buckets,
-            averages=[(p, st["average"]) for p, st in zip(params, states) if "average" in st],
-            layouts=[layout_of(p) for p in params],
-            sharded=any(isinstance(p, DTensor) for p in params),
-        )
-
-    def fits(
-        self, opt: SGD, params: list[torch.Tensor], grads: list[torch.Tensor], ends: list[int]
-    ) -> bool:
-        """Whether this (kept) plan is what :meth:`build` would make now, and ``grads`` are
-        plain tensors of their weights' shapes: with sparse gradients ruled out by the caller
-        (a contiguous tensor is never sparse), the checks of ``check_grad`` for all gradients at
-        once. False changes nothing."""
-        state, n = opt.state, len(self.params)
-        return (
-            ends == self.ends
-            and len(params) == n
-            and all(map(operator.is_, params, self.params))
-            and tuple(g["momentum"] != 0 for g in opt.param_groups) == self.with_buffer
-            and len(state) == len(self.state_keys)
-            and all(map(operator.is_, state, self.state_keys))
-            and all(map(operator.is_, state.values(), self.state_values))
-            and list(map(_SHAPE, params)) == self.shapes
-            and list(map(_DTYPE, params)) == self.dtypes
-            and list(map(_DEVICE, params)) == self.devices
-            and list(map(_CONTIGUOUS, params)) == self.contiguous
-            and list(map(type, grads)).count(torch.Tensor) == n
-            and list(map(_SHAPE, grads)) == self.shapes
-        )
-
-    def local_grads(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The gradients as the kernels read them: a DTensor's redistributed to its param's
-        placements and reduced to the local shard, each in its weight's dtype."""
-        if self.sharded:
-            out = []
-            for p, g, dtype in zip(self.params, grads, self.dtypes):
-                if isinstance(p, DTensor):
-                    if g.placements != p.placements:  # type: ignore[attr-defined]
-                        g = g.redistribute(p.device_mesh, p.placements)  # type: ignore[attr-defined]
-                    g = local_shard(g)
-                out.append(g if g.dtype == dtype else g.to(dtype))
-            return out
-        if list(map(_DTYPE, grads)) == self.dtypes:
-            return grads
-        return [g if g.dtype == dtype else g.to(dtype) for g, dtype in zip(grads, self.dtypes)]
-
-    def buckets_distinct(self) -> bool:
-        """Whether no two buckets share their key (group, momentum scale, dtype, device, kind)."""
-        keys = {(b.group, b.scale, b.kind) for b in self.buckets}
-        return len(keys) == len(self.buckets)
 
 
 class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
@@ -301,7 +108,7 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
     def __init__(
         self,
         params: Iterable[Any] | None = None,
-        learning_rate: float | Callable[[int], float] = _UNSET,
+        learning_rate: float | Callable[[int], float] = DEFAULT_LEARNING_RATE,
         momentum: float = 0.0,
         nesterov: bool = False,
         amsgrad: bool = False,
@@ -313,80 +120,41 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
         *,
         lr: float | Callable[[int], float] | None = None,
     ) -> None:
-        # ---- validate everything first --------------------------------------------------------
-        if lr is not None and learning_rate is not _UNSET:
-            raise ValueError("give learning_rate or its alias lr, not both")
-        if learning_rate is _UNSET:
-            learning_rate = lr if lr is not None else _config.DEFAULT_LR
-        schedule: Callable[[int], float] | None = None
-        if callable(learning_rate) and not isinstance(learning_rate, torch.Tensor):
-            schedule = learning_rate
-            lr0 = check_lr(schedule(0), "learning_rate schedule(0)")
-        else:
-            lr0 = check_lr(learning_rate)
-            learning_rate = lr0
-        momentum = check_momentum(momentum)
-        nesterov = check_bool("nesterov", nesterov)
-        if check_bool("amsgrad", amsgrad):
-            raise ValueError(
-                "amsgrad=True has no meaning for SGD (AMSGrad is a variant of Adam's second "
-                "moment, which SGD does not keep); use torch.optim.Adam(amsgrad=True), or leave "
-                "amsgrad=False"
-            )
-        if isinstance(gradients_clip_option, dict):
-            gradients_clip_option = GradientsClipOption.from_config(gradients_clip_option)
-        if gradients_clip_option is not None and not isinstance(
-            gradients_clip_option, GradientsClipOption
-        ):
-            raise TypeError(
-                "gradients_clip_option must be a GradientsClipOption, a dict or None, got "
-                f"{type_name(gradients_clip_option)}"
-            )
-        if isinstance(ema_option, dict):
-            ema_option = EMAOption.from_config(ema_option)
-        if ema_option is not None and not isinstance(ema_option, EMAOption):
-            raise TypeError(
-                f"ema_option must be an EMAOption, a dict or None, got {type_name(ema_option)}"
-            )
-        jit_compile = check_bool("jit_compile", jit_compile)
-        if not isinstance(name, str):
-            raise TypeError(f"name must be a str, got {type_name(name)}")
-        if mesh is not None and not isinstance(mesh, DeviceMesh):
-            raise TypeError(f"mesh must be a DeviceMesh or None, got {type_name(mesh)}")
-        if isinstance(params, torch.Tensor):
-            raise TypeError(
-                "params must be an iterable of tensors or param-group dicts, not a single tensor"
-            )
-        defaults = {"lr": lr0, "momentum": momentum, "nesterov": nesterov}
-        groups = [] if params is None else list(params)
-        if not groups:  # Keras style: one empty group that build() fills
-            groups = [{"params": []}]
-        elif not isinstance(groups[0], dict):
-            groups = [{"params": groups}]
-        for g in groups:  # every group before torch.optim.Optimizer builds anything
-            _vars.check_group(g, mesh)
-
-        if gradients_clip_option is not None and gradients_clip_option.ignored:
-            ignored = " and ".join(gradients_clip_option.ignored)
+        args = check_arguments(
+            params,
+            learning_rate,
+            momentum,
+            nesterov,
+            amsgrad,
+            gradients_clip_option,
+            ema_option,
+            jit_compile,
+            name,
+            mesh,
+            lr,
+        )  # everything is checked before anything is built
+        clip = args.clip
+        if clip is not None and clip.ignored:
+            ignored = " and ".join(clip.ignored)
             warnings.warn(
-                f"gradients_clip_option sets {gradients_clip_option.rule} and {ignored}: as in "
-                f"Keras only the first of clipnorm, global_clipnorm, clipvalue applies, so "
-                f"{ignored} will be ignored",
+                f"gradients_clip_option sets {clip.rule} and {ignored}: as in Keras only the "
+                f"first of clipnorm, global_clipnorm, clipvalue applies, so {ignored} will be "
+                "ignored",
                 UserWarning,
                 stacklevel=2,
             )
-        self._name = name
-        self._schedule = schedule
-        self._learning_rate = learning_rate
-        self._clip = gradients_clip_option
-        self._ema = ema_option if ema_option is not None and ema_option.use_ema else None
-        self._ema_option = ema_option
-        self._mesh = mesh
-        self._jit = jit_compile
-        self._compiled = CompiledUpdate() if jit_compile else None
+        self._name = args.name
+        self._schedule = args.schedule
+        self._learning_rate = args.learning_rate
+        self._clip = clip
+        self._ema_option = ema = args.ema_option
+        self._ema = ema if ema is not None and ema.use_ema else None
+        self._mesh = args.mesh
+        self._jit = args.jit_compile
+        self._compiled = CompiledUpdate() if args.jit_compile else None
         self._extra_variables: list[torch.Tensor] = []
         self.iterations = 0
-        self._plan: _StepPlan | None = None  # see _StepPlan: kept between steps
+        self._plan: StepPlan | None = None  # kept between steps: see StepPlan
         if self._compiled is not None and self._compiled.failed:
             warnings.warn(
                 "jit_compile=True but torch.compile is not supported here; "
@@ -394,7 +162,7 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
                 RuntimeWarning,
                 stacklevel=2,
             )
-        torch.optim.Optimizer.__init__(self, groups, defaults)
+        torch.optim.Optimizer.__init__(self, args.groups, args.defaults)
 
     @property
     def _jit_failed(self) -> bool:
@@ -413,13 +181,7 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
 
     def _init_slots(self, p: torch.Tensor, group: dict[str, Any]) -> dict[str, Any]:
         self._plan = None  # (the state may change)
-        state = self.state[p]
-        if group["momentum"] != 0 and _momentum.BUFFER not in state:
-            state[_momentum.BUFFER] = _vars.make_slot(p)
-            state[_momentum.SCALE] = 0.0  # a buffer never stepped: v = 0
-        if self._ema is not None and "average" not in state:
-            state["average"] = _vars.make_slot(p, p)
-        return state
+        return _slots.add_missing(self.state[p], p, group["momentum"] != 0, self._ema is not None)
 
     def build(self, var_list: Iterable[torch.Tensor]) -> None:
         """Adopt the variables not yet owned (into the first group) and create their slots.
@@ -452,34 +214,7 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
         """A new optimizer variable (kept in :meth:`variables`): ``initializer`` is ``"zeros"``,
         ``"ones"``, a number, or ``fn(shape, dtype) -> tensor``. With ``mesh`` set it is a
         DTensor replicated on the mesh."""
-        if isinstance(shape, torch.Size):
-            shape = tuple(shape)
-        if not isinstance(shape, (list, tuple)) or any(
-            isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in shape
-        ):
-            raise TypeError(f"shape must be a sequence of ints >= 0, got {shape!r}")
-        dtype = torch.get_default_dtype() if dtype is None else dtype
-        if not isinstance(dtype, torch.dtype):
-            raise TypeError(f"dtype must be a torch.dtype or None, got {type_name(dtype)}")
-        if name is not None and not isinstance(name, str):
-            raise TypeError(f"name must be a str or None, got {type_name(name)}")
-        if initializer == "zeros":
-            value = torch.zeros(shape, dtype=dtype)
-        elif initializer == "ones":
-            value = torch.ones(shape, dtype=dtype)
-        elif isinstance(initializer, (int, float)) and not isinstance(initializer, bool):
-            value = torch.full(shape, float(initializer), dtype=dtype)
-        elif callable(initializer):
-            value = initializer(tuple(shape), dtype)
-            if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(shape):
-                raise ValueError(f"initializer must return a tensor of shape {tuple(shape)}")
-        else:
-            raise ValueError(
-                f"initializer must be 'zeros', 'ones', a number or a callable, got {initializer!r}"
-            )
-        if self._mesh is not None:
-            device = torch.device(self._mesh.device_type)
-            value = distribute_tensor(value.to(device), self._mesh, [Replicate()] * self._mesh.ndim)
+        value = _slots.new_variable(shape, dtype, initializer, name, self._mesh)
         self._extra_variables.append(value)
         return value
 
@@ -491,70 +226,26 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
     ) -> torch.Tensor:
         """A slot ``variable_name`` for ``model_variable``: same shape, dtype, device and layout
         (mesh and placements), zeros or a copy of ``initial_value``; ``get_slot`` finds it."""
-        if not isinstance(model_variable, torch.Tensor):
-            raise TypeError(f"model_variable must be a tensor, got {type_name(model_variable)}")
-        if not isinstance(variable_name, str) or not variable_name:
-            raise TypeError("variable_name must be a non-empty str")
-        if variable_name in _INTERNAL:
-            raise ValueError(f"slot name {variable_name!r} is reserved by SGD")
-        if variable_name in self._slot_names(self.state.get(model_variable, {})):
-            raise ValueError(f"slot {variable_name!r} already exists for this variable")
-        if initial_value is not None:
-            if not isinstance(initial_value, torch.Tensor):
-                raise TypeError(
-                    f"initial_value must be a tensor or None, got {type_name(initial_value)}"
-                )
-            if tuple(initial_value.shape) != tuple(model_variable.shape):
-                raise ValueError(
-                    f"initial_value has shape {tuple(initial_value.shape)}, the variable "
-                    f"{tuple(model_variable.shape)}"
-                )
-            if isinstance(model_variable, DTensor):
-                if isinstance(initial_value, DTensor):
-                    initial_value = initial_value.redistribute(
-                        model_variable.device_mesh, model_variable.placements
-                    )
-                else:
-                    initial_value = distribute_tensor(
-                        initial_value.to(model_variable.device),
-                        model_variable.device_mesh,
-                        model_variable.placements,
-                    )
-            initial_value = initial_value.to(
-                dtype=model_variable.dtype, device=model_variable.device
-            )
-        slot = _vars.make_slot(model_variable, initial_value)
+        slot = _slots.slot_from_reference(self.state, model_variable, variable_name, initial_value)
         self._plan = None
         self.state[model_variable][variable_name] = slot
         return slot
 
-    @staticmethod
-    def _slot_names(state: dict[str, Any]) -> list[str]:
-        """The public slot names of one variable's state (the buffer shows as ``"m"``)."""
-        names = {k for k, v in state.items() if isinstance(v, torch.Tensor) and k not in _INTERNAL}
-        if _momentum.BUFFER in state:
-            names.add("m")
-        return sorted(names)
-
     def get_slot(self, var: torch.Tensor, name: str) -> torch.Tensor | None:
         """The slot ``name`` of ``var`` or None. ``"m"`` (alias ``"momentum"``) is Keras' ``v``,
         returned as a new tensor: writing into it does not change the optimizer."""
-        state = self.state.get(var, {})
-        if name in _MOMENTUM_SLOTS and _momentum.BUFFER in state:
-            return _momentum.velocity(state[_momentum.BUFFER], state[_momentum.SCALE])
-        value = state.get(name) if name not in _INTERNAL else None
-        return value if isinstance(value, torch.Tensor) else None
+        return _slots.read_slot(self.state.get(var, {}), name)
 
     def get_slot_names(self) -> list[str]:
         """Sorted names of the slots kept for at least one variable (``"m"``, ``"average"``,
         and any added with :meth:`add_variable_from_reference`)."""
-        return sorted({n for st in self.state.values() for n in self._slot_names(st)})
+        return sorted({n for st in self.state.values() for n in _slots.slot_names(st)})
 
     def variables(self) -> list[torch.Tensor]:
         """Every slot (parameter order, then slot-name order), then ``add_variable`` ones."""
         out = []
         for p in self._all_params():
-            out.extend(self.get_slot(p, n) for n in self._slot_names(self.state.get(p, {})))
+            out.extend(self.get_slot(p, n) for n in _slots.slot_names(self.state.get(p, {})))
         return out + list(self._extra_variables)  # type: ignore[arg-type]
 
     # ---- TF protocol hooks --------------------------------------------------------------------
@@ -584,34 +275,17 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
             check_momentum(g["momentum"])
         return lr
 
-    def _with_grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]]:
-        """The params that have a ``.grad`` (group order), those grads, and after each group
-        the number of such params so far."""
-        ps: list[torch.Tensor] = []
-        gs: list[torch.Tensor] = []
-        ends: list[int] = []
-        for group in self.param_groups:
-            params = group["params"]
-            grads = [p.grad for p in params]
-            if _NONE_TYPE in map(type, grads):
-                params = [p for p, g in zip(params, grads) if g is not None]
-                grads = [g for g in grads if g is not None]
-            ps += params
-            gs += grads
-            ends.append(len(ps))
-        return ps, gs, ends
-
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One update from the parameters' ``.grad`` (params without one are skipped)."""
         loss = run_closure(closure)
         scheduled = self._check_step_args()
-        ps, gs, ends = self._with_grads()
+        ps, gs, ends = params_with_grads(self.param_groups)
         contiguous = all(map(_CONTIGUOUS, gs))
         if not contiguous:  # a sparse gradient is never contiguous: check them one by one
             _vars.check_grads(ps, gs)
         plan = self._plan
-        if plan is None or not plan.fits(self, ps, gs, ends):
+        if plan is None or not plan.fits(ps, gs, ends, self.param_groups, self.state):
             plan = None
             if contiguous:
                 _vars.check_grads(ps, gs)
@@ -621,7 +295,9 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
                 g["lr"] = scheduled
         if ps:
             if plan is None:
-                plan = _StepPlan.build(self, ps, ends)
+                plan = StepPlan.build(
+                    ps, ends, self.param_groups, self.state, self._init_slots, self._ema is not None
+                )
                 self._plan = plan if plan.cacheable else None
             self._update(plan, gs, contiguous)
         self.iterations += 1
@@ -636,7 +312,7 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
         state = self.state
         return [(p, state[p]["average"]) for p in params if "average" in state.get(p, ())]
 
-    def _update(self, plan: _StepPlan, gs: list[torch.Tensor], contiguous: bool) -> None:
+    def _update(self, plan: StepPlan, gs: list[torch.Tensor], contiguous: bool) -> None:
         """The update of ``plan.params`` from their (checked) gradients ``gs``; ``contiguous``:
         whether every gradient is contiguous."""
         local_g = plan.local_grads(gs)
@@ -650,12 +326,12 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
         groups, buckets = self.param_groups, plan.buckets
         for b in buckets:
             group = groups[b.group]
-            self._apply_rule(
-                b,
+            b.apply(
                 local_g if len(buckets) == 1 else [local_g[i] for i in b.idx],
                 float(group["lr"]),
                 float(group["momentum"]),
                 bool(group["nesterov"]),
+                self._compiled,
                 strided=b.strided if contiguous else None,
             )
         if self._plan is plan and not plan.buckets_distinct():
@@ -676,31 +352,6 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
                 )
             self.update_step(g, p)
 
-    def _apply_rule(
-        self,
-        bucket: _Bucket,
-        gs: list[torch.Tensor],
-        lr: float,
-        momentum: float,
-        nesterov: bool,
-        impl: str = "auto",
-        strided: list[int] | None = None,
-    ) -> None:
-        """Keras' step on one bucket's local shards, from their local gradients ``gs``; moves
-        the bucket's momentum scale (in the bucket and in every state of it)."""
-        scale = new_scale = 0.0
-        if momentum != 0.0:
-            scale = bucket.scale  # type: ignore[assignment]
-            new_scale = _momentum.next_scale(scale, lr)
-        kp = _momentum.keras_step(lr, momentum, nesterov, scale, new_scale)
-        ws, bufs = bucket.ws, bucket.bufs
-        if impl != "auto" or self._compiled is None or not self._compiled(ws, gs, bufs, kp):
-            sgd_update(ws, gs, bufs, kp, impl, strided)
-        if new_scale != scale:
-            for st in bucket.states:
-                st[_momentum.SCALE] = new_scale
-            bucket.scale = new_scale
-
     def update_step(self, gradient: torch.Tensor, variable: torch.Tensor) -> None:
         """Apply the rule to one variable (no clipping, no EMA, ``iterations`` unchanged).
 
@@ -720,7 +371,7 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
             gradient = gradient.redistribute(variable.device_mesh, variable.placements)
         state = self._init_slots(variable, group)
         self._plan = None  # the variable's momentum scale moves outside any plan
-        bucket = _Bucket.of(
+        bucket = Bucket.of(
             gi,
             [0],
             [local_shard(variable)],
@@ -729,8 +380,7 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
             sharded=isinstance(variable, DTensor),
         )
         with torch.no_grad():
-            self._apply_rule(
-                bucket,
+            bucket.apply(
                 [local_shard(gradient).to(variable.dtype)],
                 lr,
                 float(group["momentum"]),
@@ -812,48 +462,22 @@ class SGD(TFOptimizerProtocol, torch.optim.Optimizer):
         run that saved it.
         """
         self._plan = None  # the scales change
-        with torch.no_grad():
-            for state in self.state.values():
-                scale = state.get(_momentum.SCALE)
-                if scale is not None and scale != -1.0:
-                    local_shard(state[_momentum.BUFFER]).mul_(-scale)
-                    state[_momentum.SCALE] = -1.0
+        _slots.to_keras_units(self.state.values())
         sd = super().state_dict()
-        public = {}
-        for key, state in sd["state"].items():
-            entry = {k: v for k, v in state.items() if k not in _INTERNAL}
-            if _momentum.BUFFER in state:
-                entry["m"] = torch.neg(state[_momentum.BUFFER])  # v = -1 * buffer
-            public[key] = entry
-        sd["state"] = public
+        sd["state"] = _slots.saved_entries(sd["state"])
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load :meth:`state_dict`'s dict. Everything is checked before anything changes."""
-        if not isinstance(state_dict, dict):
-            raise TypeError(f"state_dict must be a dict, got {type_name(state_dict)}")
+        check_type("state_dict", state_dict, dict, "a dict")
         sd = {k: v for k, v in state_dict.items() if k != "iterations"}
         check_inner_state_dict(self, sd)
-        params = self._all_params()
         for i, group in enumerate(sd["param_groups"]):
             try:
                 _vars.check_group({**group, "params": []}, None)
             except (TypeError, ValueError) as exc:
                 raise type(exc)(f"state_dict param group {i}: {exc}") from None
-        internal = {}
-        for key, state in sd["state"].items():
-            if isinstance(key, bool) or not isinstance(key, int) or not 0 <= key < len(params):
-                raise ValueError(
-                    f"state_dict['state'] key {key!r} is not a parameter index in "
-                    f"[0, {len(params)})"
-                )
-            _vars.check_saved_state(key, state, params[key])
-            entry = {k: v for k, v in state.items() if k not in _MOMENTUM_SLOTS}
-            v = state.get("m", state.get("momentum"))
-            if v is not None:
-                entry[_momentum.BUFFER] = torch.neg(v)  # v = -1 * buffer
-                entry[_momentum.SCALE] = -1.0
-            internal[key] = entry
+        internal = _slots.loaded_entries(sd["state"], self._all_params())
         # ---- checked (iterations: by the base class, before it loads anything) -------------
         self._plan = None  # new state dicts and param groups
         super().load_state_dict({**state_dict, "state": internal})

@@ -24,8 +24,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial
 
-from distoptim.checks import type_name
-from distoptim.dtensor.config import check_bool, check_lr, check_momentum
+from distoptim.checks import check_bool, check_type, type_name
+from distoptim.dtensor.config import check_lr, check_momentum
 from distoptim.dtensor.momentum import INTERNAL_KEYS
 
 __all__ = [
@@ -66,8 +66,7 @@ def check_vars(vars_: Sequence[Any], mesh: DeviceMesh | None) -> None:
     """Each var must be a floating-point tensor the mesh rule admits, each given once."""
     seen: set[int] = set()
     for i, v in enumerate(vars_):
-        if not isinstance(v, torch.Tensor):
-            raise TypeError(f"variable {i} must be a torch.Tensor, got {type_name(v)}")
+        check_type(f"variable {i}", v, torch.Tensor, "a torch.Tensor")
         if not v.is_floating_point():
             raise TypeError(
                 f"variable {i} has dtype {v.dtype}: SGD updates floating-point tensors only"
@@ -103,8 +102,7 @@ def check_grad(i: int, g: Any, p: torch.Tensor) -> None:
                 f"gradient {i} has shape {tuple(g.shape)}, its variable {tuple(p.shape)}"
             )
         return
-    if not isinstance(g, torch.Tensor):
-        raise TypeError(f"gradient {i} must be a torch.Tensor, got {type_name(g)}")
+    check_type(f"gradient {i}", g, torch.Tensor, "a torch.Tensor")
     if g.is_sparse:
         raise TypeError(f"gradient {i} is sparse: SGD takes dense gradients only")
     p_dt = isinstance(p, DTensor)
@@ -130,14 +128,12 @@ def check_grads(params: Sequence[torch.Tensor], grads: Sequence[Any]) -> None:
 
 def check_saved_state(i: int, state: Any, p: torch.Tensor) -> None:
     """One parameter's entry of a state dict: slot tensors shaped (and laid out) like ``p``."""
-    if not isinstance(state, dict):
-        raise TypeError(f"state_dict['state'][{i}] must be a dict, got {type_name(state)}")
+    check_type(f"state_dict['state'][{i}]", state, dict, "a dict")
     for name, value in state.items():
         where = f"state_dict['state'][{i}][{name!r}]"
         if name in INTERNAL_KEYS:
             raise ValueError(f"{where}: {name!r} is internal to SGD and never in a state dict")
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"{where} must be a tensor (a slot), got {type_name(value)}")
+        check_type(where, value, torch.Tensor, "a tensor (a slot)")
         if value.shape != p.shape:
             raise ValueError(
                 f"{where} has shape {tuple(value.shape)}, the parameter {tuple(p.shape)}"

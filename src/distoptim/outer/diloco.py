@@ -46,12 +46,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distoptim.checks import check_finite_hyperparameters, check_int, check_positive, type_name
+from distoptim.checks import (
+    check_bool,
+    check_finite_hyperparameters,
+    check_int,
+    check_positive,
+    type_name,
+)
 from distoptim.comm.fingerprint import digest
 from distoptim.comm.groups import check_group_assignment, comm_device
 from distoptim.comm.guard import GuardWords, RoundKind, plan_word
-from distoptim.comm.quantize import parse_wire
 from distoptim.comm.stats import CommStats
+from distoptim.comm.wire import parse_wire
 from distoptim.outer.agreement import SyncAgreement
 from distoptim.outer.exchange import FragmentExchange, InFlight
 from distoptim.outer.fragments import Fragment, FragmentSchedule
@@ -87,14 +93,20 @@ class DiLoCo(WrappedOptimizer):
             is applied (``0 <= τ < H/F``); the collective overlaps those steps.
         fragment_update_alpha: ``alpha`` in ``[0, 1]``, the share of the local values a fragment
             keeps when the new global values arrive.
-        wire: ``"fp32"`` (lossless: the parameters' own dtype), ``"bf16"`` or ``"int8"``
-            (per-chunk absmax scaling); see :mod:`distoptim.comm.quantize`.
+        wire: how pseudo-gradients travel, a name of the wire registry
+            (:mod:`distoptim.comm.wire`, case-insensitive): ``"fp32"`` (lossless: the
+            parameters' own dtype; a SUM all-reduce), ``"fp16"``, ``"bf16"``, ``"int8"``,
+            ``"int4"``, ``"int2"`` (16-bit casts, or integers with per-chunk absmax scales; a
+            two-phase encoded mean), ``"topk:D"`` or ``"topk:D+V"`` (per chunk the fraction
+            ``D`` of values of largest magnitude, values in format ``V``; gather-and-sum).
+            See ``docs/compression.md``.
         group: ``None`` (all ranks form one group of replicas), a ``group_assignment``
             (equal-size lists of ranks partitioning the world, as CrossShardOptimizer's; each
             subgroup runs its own DiLoCo), or an existing ``ProcessGroup``.
         name: returned by ``get_name()``.
-        error_feedback: with a lossy wire, add what quantization dropped to the next
-            pseudo-gradient of the same fragment (keyword only; default on).
+        error_feedback: with a lossy wire, add what the encoding dropped to the next
+            pseudo-gradient encoded at the same place (per replica, kept in ``state_dict``;
+            keyword only; default on).
         bucket_cap_mb: payload cap of one pseudo-gradient bucket in MiB (keyword only).
 
     Outside an initialized process group (or on a group of one) the optimizer runs as one
@@ -138,9 +150,8 @@ class DiLoCo(WrappedOptimizer):
         fragments = check_int("fragments", fragments, 1)
         delay = check_int("fragment_sync_delay", fragment_sync_delay, 0)
         alpha = _check_alpha(fragment_update_alpha)
-        wire = parse_wire(wire)
-        if not isinstance(error_feedback, bool):
-            raise TypeError(f"error_feedback must be True or False, got {error_feedback!r}")
+        wire_format = parse_wire(wire)
+        error_feedback = check_bool("error_feedback", error_feedback)
         cap = check_positive("bucket_cap_mb", bucket_cap_mb, "MiB")
         params = [p for g in inner.param_groups for p in g["params"]]
         _check_same_parameters(owner, params, outer)
@@ -178,7 +189,7 @@ class DiLoCo(WrappedOptimizer):
         self.fragments = fragments
         self.fragment_sync_delay = delay
         self.fragment_update_alpha = alpha
-        self.wire = wire
+        self.wire = wire_format.name
         self.error_feedback = error_feedback
         self.bucket_cap_mb = cap
         self.group_assignment = assignment
@@ -195,7 +206,7 @@ class DiLoCo(WrappedOptimizer):
             FragmentExchange(
                 params[f.start : f.stop],
                 self._global[f.start : f.stop],
-                wire,
+                wire_format,
                 group_obj,
                 group_size,
                 self._stats,
@@ -276,8 +287,8 @@ class DiLoCo(WrappedOptimizer):
     def _apply(self, sync: _Sync, t: int) -> None:
         """The outer step of one fragment on the global copy, then the local mix (see module)."""
         exchange = self._exchanges[sync.fragment.index]
-        if exchange.quantized and t != sync.launched_at:
-            self._agree(sync.fragment, t)  # phase 2 of a quantized mean is a collective
+        if exchange.finishes_with_collective and t != sync.launched_at:
+            self._agree(sync.fragment, t)  # e.g. phase 2 of a two-phase mean
         mean = exchange.finish(sync.flight)
         local, global_ = exchange.local, exchange.global_
         alpha = self.fragment_update_alpha
@@ -332,9 +343,7 @@ class DiLoCo(WrappedOptimizer):
             "config": self._config(),
             "global": list(self._global),
             "outer": self._outer.state_dict(),
-            "residuals": [
-                [{"local": r.local, "shard": r.shard} for r in e.residuals] for e in self._exchanges
-            ],
+            "residuals": [[dict(r) for r in e.residuals] for e in self._exchanges],
             "pending": {
                 "fragment": -1 if sync is None else sync.fragment.index,
                 "launched_at": -1 if sync is None else sync.launched_at,
@@ -388,17 +397,17 @@ class DiLoCo(WrappedOptimizer):
             if not isinstance(saved, list) or len(saved) != len(exchange.residuals):
                 raise ValueError(
                     f"{where}['residuals'][{p}] must be a list of {len(exchange.residuals)} "
-                    "{'local', 'shard'} dicts"
+                    "dicts of residuals (one per bucket)"
                 )
             for k, (entry, mine) in enumerate(zip(saved, exchange.residuals)):
-                if not isinstance(entry, dict) or sorted(entry) != ["local", "shard"]:
+                if not isinstance(entry, dict) or sorted(entry) != sorted(mine):
                     raise ValueError(
-                        f"{where}['residuals'][{p}][{k}] must be a dict of local, shard"
+                        f"{where}['residuals'][{p}][{k}] must be a dict of {sorted(mine)}"
                     )
                 _check_tensors(
                     f"{where}['residuals'][{p}][{k}]",
-                    [entry["local"], entry["shard"]],
-                    [mine.local, mine.shard],
+                    [entry[name] for name in mine],
+                    list(mine.values()),
                 )
         syncs = state["syncs"]
         if isinstance(syncs, bool) or not isinstance(syncs, int) or syncs < 0:
@@ -443,8 +452,8 @@ class DiLoCo(WrappedOptimizer):
             torch._foreach_copy_(self._global, list(state["global"]))
             for p, exchange in enumerate(self._exchanges):
                 for entry, mine in zip(state["residuals"][p], exchange.residuals):
-                    mine.local.copy_(entry["local"])
-                    mine.shard.copy_(entry["shard"])
+                    for name, residual in mine.items():
+                        residual.copy_(entry[name])
                 for saved, slot in zip(pending["payload"][p], exchange.slots):
                     slot.copy_(saved)
         self._outer.load_state_dict(state["outer"])

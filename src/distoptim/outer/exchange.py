@@ -2,24 +2,27 @@
 
 Owns what travels at a sync and how: the fragment's parameters laid out in gradient buckets
 (:class:`~distoptim.comm.bucket.BucketPlan`, registration order, one flat buffer per bucket,
-allocated once), ``Δ`` written straight into those buffers, and their mean over the group in
-the chosen wire format:
+allocated once), ``Δ`` written straight into those buffers, and their mean over the group by
+the averaging scheme the wire format declares (:mod:`distoptim.comm.wire`):
 
-* ``fp32``: a plain SUM all-reduce of ``Δ / n`` in the parameters' own dtype
-  (:class:`~distoptim.comm.reducer.BucketAllReduce`; lossless, float64 stays float64);
-* ``bf16`` / ``int8``: the two-phase quantized mean of :mod:`distoptim.comm.quantize`, with
-  per-rank error-feedback residuals kept here, one pair per bucket.
+* ``fp32``: a plain SUM all-reduce of ``Δ / n`` in the parameters' own dtype (lossless, float64
+  stays float64);
+* ``fp16`` / ``bf16`` / ``int8`` / ``int4`` / ``int2``: the two-phase encoded mean
+  (:mod:`distoptim.comm.quantize`);
+* ``topk:d[+v]``: gather-and-sum of every replica's top-k (:mod:`distoptim.comm.gather`).
 
-On a group of one replica nothing travels, whatever the wire: the mean is ``Δ`` itself.
+Each bucket has the scheme's buffers (:class:`~distoptim.comm.averaging.MeanBuffers`): the
+per-rank error-feedback residuals of the lossy formats, by name, and a payload slot. On a group
+of one replica nothing travels, whatever the wire: the mean is ``Δ`` itself.
 
 A sync is *launched* (``Δ`` formed, collectives started, nothing waited for), possibly carried
 over inner steps, and *finished* (waited for; the mean lands in the bucket buffers, which the
 caller reads as per-parameter views). With ``keep_payload`` a sync can be *settled* in between
 -- its launched collective waited for, locally, without starting another -- into fixed
-per-bucket payload slots a checkpoint holds: the reduced mean itself for ``fp32`` (the bucket
-buffers), this rank's phase-1 shard mean for the quantized wires. A sync restored from the
-slots finishes exactly as the original would have. The slots exist from construction, so a
-checkpoint has the same structure at every step.
+per-bucket payload slots a checkpoint holds: the reduced mean itself for ``fp32`` and top-k
+(the bucket buffers), this rank's phase-1 shard mean for the two-phase formats. A sync restored
+from the slots finishes exactly as the original would have. The slots exist from construction,
+so a checkpoint has the same structure at every step.
 """
 
 from __future__ import annotations
@@ -30,11 +33,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from distoptim.comm.averaging import Pending
 from distoptim.comm.bucket import BucketPlan
-from distoptim.comm.compression import WireFormat
-from distoptim.comm.quantize import PendingMean, QuantizedMean, Residuals, codec_for
-from distoptim.comm.reducer import BucketAllReduce, PendingReduce
 from distoptim.comm.stats import CommStats
+from distoptim.comm.wire import Format
 
 __all__ = ["FragmentExchange", "InFlight"]
 
@@ -43,22 +45,23 @@ __all__ = ["FragmentExchange", "InFlight"]
 class InFlight:
     """A launched (or restored) sync of one fragment: one pending mean per bucket."""
 
-    pending: list[PendingReduce | PendingMean]
+    pending: list[Pending]
 
 
 class FragmentExchange:
     """Averages ``Δ = global - local`` of one fragment over ``group`` (``group_size`` ranks).
 
     ``local`` are the model's parameters of the fragment, ``global_`` the global copies (same
-    shapes, dtypes and devices); ``cap_bytes`` bounds one bucket's payload; ``keep_payload``
-    allocates the payload slots (needed only when syncs stay in flight across steps).
+    shapes, dtypes and devices); ``wire`` the format; ``cap_bytes`` bounds one bucket's
+    payload; ``keep_payload`` allocates the payload slots (needed only when syncs stay in
+    flight across steps).
     """
 
     def __init__(
         self,
         local: Sequence[torch.Tensor],
         global_: Sequence[torch.Tensor],
-        wire: str,
+        wire: Format,
         group: dist.ProcessGroup | None,
         group_size: int,
         stats: CommStats,
@@ -71,85 +74,52 @@ class FragmentExchange:
         self.wire = wire
         self.group_size = group_size
         self.plan = BucketPlan(self.local, cap_bytes=cap_bytes, order=range(len(self.local)))
-        codec = codec_for(wire)
-        self._allreduce: BucketAllReduce | None = None
-        self._quantized: QuantizedMean | None = None
-        self.residuals: list[Residuals] = []
-        self.slots: list[torch.Tensor] = []
-        self._scratch: list[torch.Tensor] = []
-        buffers = [b.persistent_buffer().zero_() for b in self.plan.buckets]
-        if codec is None or group_size == 1:
-            self._allreduce = BucketAllReduce(group, group_size, WireFormat.parse(None), stats)
-            if keep_payload:
-                self.slots = [buf[: b.numel] for b, buf in zip(self.plan.buckets, buffers)]
-            return
-        self._quantized = QuantizedMean(codec, group, group_size, stats, error_feedback)
-        for bucket, buffer in zip(self.plan.buckets, buffers):
-            layout = self._quantized.layout(bucket.numel)
-            if error_feedback:
-                self.residuals.append(self._quantized.new_residuals(layout, buffer))
-            else:
-                self._scratch.append(buffer.new_zeros(layout.padded))
-            if keep_payload:
-                self.slots.append(buffer.new_zeros(layout.shard))
+        self._mean = wire.mean(group, group_size, stats, error_feedback)
+        self._payloads = [b.persistent_buffer().zero_()[: b.numel] for b in self.plan.buckets]
+        self._buffers = [self._mean.buffers(p, keep_payload) for p in self._payloads]
 
     @property
-    def quantized(self) -> bool:
-        """Whether this fragment's pseudo-gradients travel in a lossy wire format."""
-        return self._quantized is not None
+    def finishes_with_collective(self) -> bool:
+        """Whether finishing a sync runs a collective (the two-phase mean's phase 2)."""
+        return self._mean.finishes_with_collective
+
+    @property
+    def residuals(self) -> list[dict[str, torch.Tensor]]:
+        """Per bucket, this rank's error-feedback residuals by name (``[]`` when none are kept)."""
+        return [b.residuals for b in self._buffers if b.residuals]
+
+    @property
+    def slots(self) -> list[torch.Tensor]:
+        """Per bucket, the payload slot of a settled sync (``[]`` without ``keep_payload``)."""
+        return [b.slot for b in self._buffers if b.slot is not None]
 
     # ---- the sync --------------------------------------------------------------------------
     def launch(self) -> InFlight:
         """Form ``Δ`` bucket by bucket and start each bucket's mean (no wait)."""
-        pending: list[PendingReduce | PendingMean] = []
-        for k, bucket in enumerate(self.plan.buckets):
-            buffer = bucket.persistent_buffer()
-            views = bucket.views(buffer)
+        pending: list[Pending] = []
+        for bucket, payload, buffers in zip(self.plan.buckets, self._payloads, self._buffers):
+            views = bucket.views(bucket.persistent_buffer())
             torch._foreach_copy_(views, [self.global_[i] for i in bucket.members])
             torch._foreach_sub_(views, [self.local[i].detach() for i in bucket.members])
-            payload = buffer[: bucket.numel]
-            if self._quantized is None:
-                assert self._allreduce is not None
-                pending.append(self._allreduce.launch(bucket, payload, self.group_size))
-            else:
-                residuals = self.residuals[k] if self.residuals else None
-                scratch = self._scratch[k] if self._scratch else None
-                pending.append(self._quantized.launch(payload, residuals, scratch))
+            pending.append(self._mean.launch(payload, buffers))
         return InFlight(pending)
 
     def settle(self, sync: InFlight) -> None:
         """Wait for what ``sync`` launched (no new collective) and fill the payload slots."""
-        for k, p in enumerate(sync.pending):
-            if isinstance(p, PendingReduce):
-                assert self._allreduce is not None
-                self._allreduce.finish(p)  # the mean is in the bucket buffer: slot k
-            else:
-                assert self._quantized is not None
-                self._quantized.settle(p, self.slots[k])
+        for p, buffers in zip(sync.pending, self._buffers):
+            self._mean.settle(p, buffers)
 
     def finish(self, sync: InFlight) -> list[torch.Tensor]:
         """Complete ``sync``; the mean ``Δ̄`` of every parameter of the fragment (views)."""
         grads: list[torch.Tensor | None] = [None] * len(self.local)
-        for k, (bucket, p) in enumerate(zip(self.plan.buckets, sync.pending)):
-            buffer = bucket.persistent_buffer()
-            if isinstance(p, PendingReduce):
-                assert self._allreduce is not None
-                self._allreduce.finish(p)
-            else:
-                assert self._quantized is not None
-                residuals = self.residuals[k] if self.residuals else None
-                self._quantized.finish(p, buffer[: bucket.numel], residuals)
-            for i, view in zip(bucket.members, bucket.views(buffer)):
+        for bucket, p, payload, buffers in zip(
+            self.plan.buckets, sync.pending, self._payloads, self._buffers
+        ):
+            self._mean.finish(p, payload, buffers)
+            for i, view in zip(bucket.members, bucket.views(bucket.persistent_buffer())):
                 grads[i] = view
         return grads  # type: ignore[return-value]  # every member of every bucket is set
 
     def restore(self) -> InFlight:
         """The sync whose settled payload the slots hold (loaded from a checkpoint)."""
-        pending: list[PendingReduce | PendingMean] = []
-        for bucket, slot in zip(self.plan.buckets, self.slots):
-            if self._quantized is None:
-                pending.append(PendingReduce(bucket, slot, slot, None))
-            else:
-                layout = self._quantized.layout(bucket.numel)
-                pending.append(PendingMean(layout, slot.dtype, None, None, shard_mean=slot))
-        return InFlight(pending)
+        return InFlight([self._mean.restore(p, b) for p, b in zip(self._payloads, self._buffers)])

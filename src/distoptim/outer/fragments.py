@@ -41,11 +41,6 @@ class Fragment:
     nbytes: int
     offset: int
 
-    @property
-    def indices(self) -> range:
-        """The parameter indices of this fragment."""
-        return range(self.start, self.stop)
-
 
 def partition(sizes: Sequence[int], parts: int) -> list[tuple[int, int]]:
     """Split ``range(len(sizes))`` into ``parts`` consecutive non-empty runs, balanced by size.

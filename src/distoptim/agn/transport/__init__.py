@@ -4,7 +4,7 @@
 * :mod:`~distoptim.agn.transport.base` -- :class:`Transport`, :class:`Pending`,
   :class:`Handled`, :class:`ParameterServerError`;
 * :mod:`~distoptim.agn.transport.p2p` -- ``"p2p"`` (default): TCPStore + a 2-rank gloo group
-  per connection; :mod:`~distoptim.agn.transport.wire` -- its message layout;
+  per connection; :mod:`~distoptim.agn.transport.framing` -- its message framing;
 * :mod:`~distoptim.agn.transport.rpc` -- ``"rpc"``: ``torch.distributed.rpc``.
 """
 

@@ -44,7 +44,7 @@ accepted.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
@@ -124,6 +124,21 @@ class Inflow(ABC):
     @abstractmethod
     def publish(self, chunk: int, data: torch.Tensor) -> None:
         """Reply chunk ``chunk`` is final in ``data`` (a 1-D view of the chunk); call in order."""
+
+    def publish_chunk(
+        self,
+        chunk: Chunk,
+        source: Mapping[str, torch.Tensor],
+        target: Mapping[str, torch.Tensor] | None,
+    ) -> None:
+        """:meth:`publish` reply chunk ``chunk`` of ``source`` -- copied into ``target`` first
+        (while in cache) when given (:meth:`reply_buffers`), else ``source``'s own memory."""
+        data = chunk.of(source)
+        if target is not None:
+            out = chunk.of(target)
+            out.copy_(data)
+            data = out
+        self.publish(chunk.index, data)
 
     @abstractmethod
     def verdict(self) -> str:

@@ -1,7 +1,7 @@
 """The ``"p2p"`` transport: the job's TCPStore for control, one 2-rank gloo group per connection.
 
 Owns: connecting a worker to a shard, serving a shard's connections, and moving typed messages
-(:mod:`~distoptim.agn.transport.wire`) over ``send``/``recv``. Nothing here imports
+(:mod:`~distoptim.agn.transport.framing`) over ``send``/``recv``. Nothing here imports
 ``torch.distributed.rpc``.
 
 Rendezvous and control (all keys under the cluster's namespace in the job's ``TCPStore``)
@@ -72,7 +72,7 @@ import torch
 import torch.distributed as dist
 
 from distoptim.agn.flat import Chunk, chunk_ranges
-from distoptim.agn.transport import wire
+from distoptim.agn.transport import framing
 from distoptim.agn.transport.base import (
     VERDICTS,
     Handler,
@@ -147,7 +147,7 @@ class _Pipe:
         ]
 
     def send(
-        self, message: Any, stream: wire.StreamInfo | None = None, copy: bool = True
+        self, message: Any, stream: framing.StreamInfo | None = None, copy: bool = True
     ) -> list[Any]:
         """Start sending ``message``; the returned works must be waited. ``stream``: only the
         header goes now (the buffers follow chunk by chunk); ``copy``: put buffers that are not
@@ -160,7 +160,7 @@ class _Pipe:
             for t, off in zip(flats.values(), offsets):
                 if not seg.holds(t, off):
                     seg.view(off, t.dtype, t.numel()).copy_(t)
-        header, extra, buffers = wire.encode(message, offsets, stream)
+        header, extra, buffers = framing.encode(message, offsets, stream)
         works = [self.pg.send([header], self.peer, 0)]
         if extra is not None:
             works.append(self.pg.send([extra], self.peer, 0))
@@ -172,21 +172,21 @@ class _Pipe:
         self,
         deadline: float,
         into: dict[str, torch.Tensor] | None = None,
-        pool: dict[wire.BufferSpec, torch.Tensor] | None = None,
-    ) -> tuple[Any, list[wire.BufferSpec], wire.StreamInfo | None]:
+        pool: dict[framing.BufferSpec, torch.Tensor] | None = None,
+    ) -> tuple[Any, list[framing.BufferSpec], framing.StreamInfo | None]:
         """Receive one message by ``deadline`` (``time.monotonic()``): ``(message, its buffer
         specs, its stream info)``. Buffers in the shared segment are views of it (valid until
         the next message); the others are received into ``into`` where key, dtype and size
         match, else into ``pool``'s (reused), else new ones. A streamed message's ``flats`` are
         where its chunks will arrive (nothing is received yet: see :class:`_PipeInflow`)."""
-        header = torch.empty(wire.HEADER_BYTES, dtype=torch.uint8)
+        header = torch.empty(framing.HEADER_BYTES, dtype=torch.uint8)
         self.pg.recv([header], self.peer, 0).wait(_seconds(deadline))
-        n, meta = wire.decode_header(header)
+        n, meta = framing.decode_header(header)
         if meta is None:
             extra = torch.empty(n, dtype=torch.uint8)
             self.pg.recv([extra], self.peer, 0).wait(_seconds(deadline))
             meta = bytes(extra.numpy())
-        message, specs, stream = wire.finish_decode(meta)
+        message, specs, stream = framing.finish_decode(meta)
         if not specs:
             return message, specs, stream
         flats: dict[str, torch.Tensor] = {}
@@ -194,7 +194,9 @@ class _Pipe:
         for i, spec in enumerate(specs):
             if spec.offset >= 0:
                 if self.segment is None:
-                    raise wire.WireError("a buffer in shared memory, but no segment is attached")
+                    raise framing.FramingError(
+                        "a buffer in shared memory, but no segment is attached"
+                    )
                 flats[spec.key] = self.segment.view(spec.offset, spec.dtype, spec.numel)
                 continue
             buf = self._buffer(spec, into, pool)
@@ -208,9 +210,9 @@ class _Pipe:
 
     @staticmethod
     def _buffer(
-        spec: wire.BufferSpec,
+        spec: framing.BufferSpec,
         into: dict[str, torch.Tensor] | None,
-        pool: dict[wire.BufferSpec, torch.Tensor] | None,
+        pool: dict[framing.BufferSpec, torch.Tensor] | None,
     ) -> torch.Tensor:
         t = None if into is None else into.get(spec.key)
         if t is not None and t.dtype == spec.dtype and t.numel() == spec.numel:
@@ -234,11 +236,13 @@ def _views(
     return [flats[key][a:b] for key, a, b in ranges]
 
 
-def _seg_views(seg: Segment, specs: list[wire.BufferSpec], reply: bool) -> dict[str, torch.Tensor]:
+def _seg_views(
+    seg: Segment, specs: list[framing.BufferSpec], reply: bool
+) -> dict[str, torch.Tensor]:
     """The views of a message with ``specs`` laid out in a region of ``seg``."""
     placed = seg.place([s.numel * s.dtype.itemsize for s in specs], reply)
     if placed is None:
-        raise wire.WireError("a streamed message that does not fit the shared segment")
+        raise framing.FramingError("a streamed message that does not fit the shared segment")
     return {s.key: seg.view(o, s.dtype, s.numel) for s, o in zip(specs, placed)}
 
 
@@ -248,9 +252,9 @@ class _PipeInflow(Inflow):
     def __init__(
         self,
         pipe: _Pipe,
-        specs: list[wire.BufferSpec],
+        specs: list[framing.BufferSpec],
         flats: dict[str, torch.Tensor],
-        info: wire.StreamInfo,
+        info: framing.StreamInfo,
         deadline: float,
         probe: Any,
     ) -> None:
@@ -311,9 +315,9 @@ class _PipeInflow(Inflow):
             else:
                 self._recvs[self._n].wait(_seconds(self._deadline))
                 code = int(self._code)
-            words = {c: w for w, c in wire.VERDICT_CODES.items()}
+            words = {c: w for w, c in framing.VERDICT_CODES.items()}
             if code not in words:
-                raise wire.WireError(f"bad verdict code {code} on a streamed commit")
+                raise framing.FramingError(f"bad verdict code {code} on a streamed commit")
             self._verdict = words[code]
         return self._verdict
 
@@ -435,7 +439,7 @@ class _P2PStream(Stream):
         self._finished = False
         self._closed = False
         self._sends: list[Any] = []
-        specs = [wire.BufferSpec(k, t.dtype, t.numel()) for k, t in flats.items()]
+        specs = [framing.BufferSpec(k, t.dtype, t.numel()) for k, t in flats.items()]
         offsets = pipe.place(flats) if PROGRESS_SUPPORTED else None
         self._seg = pipe.segment if offsets is not None else None
         if self._seg is not None:
@@ -447,12 +451,12 @@ class _P2PStream(Stream):
             ]
             self.reply_flats = _seg_views(seg, specs, True)
             self._reply_base = seg.reply_progress.value
-            info = wire.StreamInfo(ch.chunk_bytes, pipe.announced)
+            info = framing.StreamInfo(ch.chunk_bytes, pipe.announced)
             self._recvs: list[Any] = []
         else:
             self._copy = [None] * self._n
             self.reply_flats = {s.key: pipe._buffer(s, into, None) for s in specs}
-            info = wire.StreamInfo(ch.chunk_bytes)
+            info = framing.StreamInfo(ch.chunk_bytes)
         self._sends += pipe.send(request, info, copy=False)
         if self._seg is None:
             self._recvs = [
@@ -491,7 +495,7 @@ class _P2PStream(Stream):
         if verdict not in VERDICTS or self._next_ready != self._n or self._finished:
             raise RuntimeError(f"finish({verdict!r}) after {self._next_ready}/{self._n} chunks")
         pipe = self._ch.pipe
-        code = wire.VERDICT_CODES[verdict]
+        code = framing.VERDICT_CODES[verdict]
         try:
             if self._seg is not None:
                 self._seg.verdict.value = code
@@ -839,7 +843,7 @@ class P2PTransport(Transport):
         except Exception:
             return  # the worker went away before the connection was made
         pipe = _Pipe(pg, 1, replies=True)
-        pool: dict[wire.BufferSpec, torch.Tensor] = {}
+        pool: dict[framing.BufferSpec, torch.Tensor] = {}
         try:
             first = pipe.recv(time.monotonic() + self.timeout)[0]
             if not isinstance(first, Hello) or first.task != task:

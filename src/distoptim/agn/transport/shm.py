@@ -76,7 +76,7 @@ REPLY_PROGRESS = 128
 """Byte offset of the shard's chunk counter in the control page."""
 VERDICT = 192
 """Byte offset of the worker's verdict on its streamed commit (written before the counter step
-that announces it, :data:`~distoptim.agn.transport.wire.VERDICT_CODES`)."""
+that announces it, :data:`~distoptim.agn.transport.framing.VERDICT_CODES`)."""
 CONTROL_BYTES = 4096
 """The control page, before the request region."""
 PROBE_S = 0.05

@@ -57,6 +57,11 @@ from distoptim.cli.main import main
         ),
         (["compare", "--wire", "fp8"], "invalid choice: 'fp8'"),
         (["compare", "--outer-momentum", "1"], "outer_momentum must be in [0, 1)"),
+        (["compare", "--fragment-alpha", "2"], "fragment_alpha must be in [0, 1], got 2.0"),
+        (
+            ["compare", "--fragment-sync-delay", "-1"],
+            "fragment_sync_delay must be an integer >= 0, got -1",
+        ),
         (["compare", "--outer-lr", "0"], "must be a finite number > 0"),
         (["compare", "--target-acc", "1.5"], "give a validation accuracy in (0, 1]"),
         (["compare", "--transport", "mpi"], "invalid choice: 'mpi'"),
@@ -121,15 +126,15 @@ def test_help_and_version_exit_0(capsys):
 def test_default_out_never_overwrites_and_out_refuses_old_results(tmp_path, monkeypatch, capsys):
     import datetime
 
-    from distoptim.cli import options
-    from distoptim.cli.options import build_parser, make_plan
+    from distoptim.cli import arguments
+    from distoptim.cli.arguments import build_parser, make_plan
 
     class _SameSecond(datetime.datetime):  # both commands start in the same second
         @classmethod
         def now(cls, tz=None):
             return cls(2024, 5, 1, 12, 0, 0)
 
-    monkeypatch.setattr(options._dt, "datetime", _SameSecond)
+    monkeypatch.setattr(arguments._dt, "datetime", _SameSecond)
     monkeypatch.chdir(tmp_path)
     args = build_parser().parse_args(["compare", "--algos", "sync"])
     first, second = make_plan(args).out, make_plan(args).out
@@ -173,7 +178,7 @@ def test_text_file_as_dataset_says_it_is_not_an_npz(tmp_path, capsys):
 
 
 def test_outer_family_options_stragglers_and_targets_reach_every_run(monkeypatch, tmp_path):
-    from distoptim.cli.options import build_parser, make_plan
+    from distoptim.cli.arguments import build_parser, make_plan
 
     argv = ["compare", "--algos", "sync,diloco,streaming-diloco,agn", "--workers", "2,4"]
     argv += ["--sync-every", "20", "--straggler", "1:3", "--straggler", "3:2", "--wire", "bf16"]
@@ -199,7 +204,7 @@ def test_outer_family_options_stragglers_and_targets_reach_every_run(monkeypatch
 
 
 def test_oversubscription_up_to_two_workers_per_core_is_recorded_not_warned(monkeypatch, tmp_path):
-    from distoptim.cli.options import build_parser, make_plan
+    from distoptim.cli.arguments import build_parser, make_plan
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     argv = ["compare", "--out", str(tmp_path / "o")]  # the default: 4 workers + 1 PS on 2 cores
@@ -222,3 +227,30 @@ def test_oversubscription_up_to_two_workers_per_core_is_recorded_not_warned(monk
     argv = ["compare", "--algos", "sync", "-n", "5", "--out", str(tmp_path / "r")]
     plan = make_plan(build_parser().parse_args(argv))
     assert [n for n in plan.notes if n.startswith("warning: oversubscribed")]
+
+
+def test_the_parser_is_the_option_table(capsys, tmp_path):
+    """Each command takes exactly its rows of OPTIONS, under each row's dest; a sweeping
+    command shows the comma-list form of a grid axis, the other takes one value of it."""
+    import argparse
+
+    from distoptim.cli.arguments import COMMANDS, OPTIONS, build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert list(sub.choices) == list(COMMANDS)
+    for name, command in COMMANDS.items():
+        actions = {a.dest: a for a in sub.choices[name]._actions if a.dest != "help"}
+        rows = [o for o in OPTIONS if name in o.commands]
+        assert list(actions) == [o.dest for o in rows]
+        for option in rows:
+            action = actions[option.dest]
+            assert tuple(action.option_strings) == option.flags
+            assert "{sweep}" not in action.help
+            if option.sweep is not None and command.sweeps:
+                assert action.metavar.endswith(option.sweep.metavar), action.metavar
+                assert option.sweep.note in action.help
+    swept = [o.flags[0] for o in OPTIONS if o.sweep is not None]
+    assert swept == ["--workers", "--communication-period", "--agn-rule"]
+    for flag, values in zip(swept, ("2,4", "5,10", "tf,paper")):
+        assert main(["train", "--algo", "agn", flag, values, "--out", str(tmp_path)]) == 2
+        assert f"train takes one value for {flag};" in capsys.readouterr().err

@@ -35,10 +35,10 @@ import torch
 import torch.nn.functional as F
 
 from distoptim.cli import algorithms
-from distoptim.cli.config import RunConfig, straggler_factor
 from distoptim.cli.datasets import Dataset, shard_indices
 from distoptim.cli.model import build_model, evaluate, load_parameters
 from distoptim.cli.progress import Reporter
+from distoptim.cli.runconfig import RunConfig, straggler_factor
 
 __all__ = [
     "PoolContext",
@@ -238,7 +238,7 @@ def _rpc_in_a_reused_process() -> Iterator[None]:
     that ran others before (the ``p2p`` transport, the default, needs neither).
 
     Two pieces of per-process torch state, both private, both pinned by
-    ``tests/cli/test_worker.py``:
+    ``tests/cli/test_training.py``:
 
     * ``torch.distributed.rpc._init_counter``: ``init_rpc`` prefixes its store keys with the
       number of earlier ``init_rpc`` calls in the process (``rpc_prefix_<k>``). The processes

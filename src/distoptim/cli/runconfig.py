@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from distoptim.agn.transport import TRANSPORTS  # --transport: p2p (the library's default), rpc
+from distoptim.checks import check_bool, check_choice, check_int, check_positive, check_real
 from distoptim.cli.datasets import batches_per_epoch, shard_size
 from distoptim.comm.quantize import WIRES  # --wire: fp32, bf16, int8
 
@@ -119,6 +120,29 @@ def easgd_alpha(rule: str, workers: int, period: int) -> float:
     return value
 
 
+_COUNTS = (
+    ("workers", 1),
+    ("communication_period", 1),
+    ("epochs", 1),
+    ("batch_size", 1),
+    ("num_ps", 1),
+    ("fragments", 1),
+    ("eval_points", 1),
+    ("fragment_sync_delay", 0),
+)
+"""The integer fields of :class:`RunConfig` and their least value."""
+
+
+def _checked(check: Any, name: str, value: Any, *bounds: Any, allowed: str, **kw: Any) -> None:
+    """``check(name, value, *bounds, **kw)`` from :mod:`distoptim.checks`, refused in the words
+    ``distoptim`` prints for a value its parser let through (``--outer-momentum 1``:
+    "outer_momentum must be in [0, 1), got 1.0")."""
+    try:
+        check(name, value, *bounds, **kw)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be {allowed}, got {value!r}") from None
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """Everything one run needs; validated by the command line before any process starts.
@@ -133,7 +157,7 @@ class RunConfig:
     by :attr:`delayed_nesterov`) and ``dylu`` (Dynamic Local Updates) to asynchronous DiLoCo;
     ``transport`` to the parameter-server algorithms. ``stragglers``: ``(worker, factor)``
     pairs, each such worker's steps take ``factor`` times as long (emulated,
-    :mod:`distoptim.cli.worker`).
+    :mod:`distoptim.cli.training`).
     """
 
     algo: str
@@ -163,50 +187,23 @@ class RunConfig:
     dylu: bool = False
 
     def __post_init__(self) -> None:
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(
-                f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"
-            )
-        for name in (
-            "workers",
-            "communication_period",
-            "epochs",
-            "batch_size",
-            "num_ps",
-            "fragments",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"lr must be a finite number > 0, got {self.lr!r}")
-        if self.eval_points < 1:
-            raise ValueError(f"eval_points must be >= 1, got {self.eval_points}")
+        check_choice("optimizer", self.optimizer, OPTIMIZERS, fold_case=False)
+        for name, low in _COUNTS:
+            _checked(check_int, name, getattr(self, name), low, allowed=f"an integer >= {low}")
+        check_positive("lr", self.lr)
         if not self.hidden or any(int(h) < 1 for h in self.hidden):
             raise ValueError(f"hidden must be one or more widths >= 1, got {self.hidden!r}")
-        if self.agn_rule not in AGN_RULES:
-            raise ValueError(
-                f"agn_rule must be one of {', '.join(AGN_RULES)}, got {self.agn_rule!r}"
-            )
+        check_choice("agn_rule", self.agn_rule, AGN_RULES, fold_case=False)
         easgd_alpha(self.moving_rate, self.workers, self.communication_period)
-        if not (math.isfinite(self.outer_lr) and self.outer_lr > 0):
-            raise ValueError(f"outer_lr must be a finite number > 0, got {self.outer_lr!r}")
-        if not (math.isfinite(self.outer_momentum) and 0 <= self.outer_momentum < 1):
-            raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum!r}")
-        delay = self.fragment_sync_delay
-        if not isinstance(delay, int) or isinstance(delay, bool) or delay < 0:
-            raise ValueError(f"fragment_sync_delay must be an integer >= 0, got {delay!r}")
-        if not (math.isfinite(self.fragment_alpha) and 0 <= self.fragment_alpha <= 1):
-            raise ValueError(f"fragment_alpha must be in [0, 1], got {self.fragment_alpha!r}")
-        if self.wire is not None and self.wire not in WIRES:
-            raise ValueError(f"wire must be one of {', '.join(WIRES)}, got {self.wire!r}")
+        check_positive("outer_lr", self.outer_lr)
+        momentum, alpha = self.outer_momentum, self.fragment_alpha
+        _checked(check_real, "outer_momentum", momentum, 0, 1, high_open=True, allowed="in [0, 1)")
+        _checked(check_real, "fragment_alpha", alpha, 0, 1, allowed="in [0, 1]")
+        if self.wire is not None:
+            check_choice("wire", self.wire, WIRES, fold_case=False)
         delayed_nesterov(self.delayed_momentum, self.workers)
-        if not isinstance(self.dylu, bool):
-            raise ValueError(f"dylu must be True or False, got {self.dylu!r}")
-        if self.transport not in TRANSPORTS:
-            raise ValueError(
-                f"transport must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}"
-            )
+        check_bool("dylu", self.dylu)
+        check_choice("transport", self.transport, TRANSPORTS, fold_case=False)
         for worker, factor in self.stragglers:
             if not 0 <= worker < self.workers:
                 raise ValueError(

@@ -1,4 +1,4 @@
-"""cli.worker: straggler emulation; the private torch state an RPC cluster in a reused process
+"""cli.training: straggler emulation; the private torch state an RPC cluster in a reused process
 relies on, pinned."""
 
 from __future__ import annotations
@@ -12,16 +12,16 @@ import torch
 import torch.distributed.rpc as rpc
 
 import distoptim
-from distoptim.cli import worker
-from distoptim.cli.config import RunConfig
+from distoptim.cli import training
 from distoptim.cli.datasets import Dataset
 from distoptim.cli.progress import Reporter
-from distoptim.cli.worker import _cpp_log_level_flag, _rpc_in_a_reused_process, train_loop
+from distoptim.cli.runconfig import RunConfig
+from distoptim.cli.training import _cpp_log_level_flag, _rpc_in_a_reused_process, train_loop
 
 _SCRIPT = """
 import datetime, os, sys
 import torch.distributed as dist
-from distoptim.cli.worker import _rpc_in_a_reused_process
+from distoptim.cli.training import _rpc_in_a_reused_process
 def warn():  # a C++ LOG(WARNING): a store client that cannot connect yet, retried
     try:
         dist.TCPStore("127.0.0.1", 1, is_master=False, timeout=datetime.timedelta(seconds=0.3))
@@ -66,7 +66,7 @@ def test_the_flag_silences_cpp_warnings_in_a_process_that_loaded_torch_earlier()
 
 
 class _Clock:
-    """A fake ``time`` for the worker module: every ``perf_counter()`` call advances 10 ms."""
+    """A fake ``time`` for the training module: every ``perf_counter()`` call advances 10 ms."""
 
     def __init__(self) -> None:
         self.now = 0.0
@@ -88,7 +88,7 @@ def test_a_straggler_waits_factor_minus_one_times_its_forward_backward_after_eac
     cfg = RunConfig("sync", 2, 1, 1, 5, "sgd", 0.1, 0, hidden=(3,), stragglers=((1, 3.0),))
     for rank, expected in ((1, [0.04] * 4), (0, [])):  # 20 samples each: 4 steps of 5
         clock = _Clock()
-        monkeypatch.setattr(worker, "time", clock)
+        monkeypatch.setattr(training, "time", clock)
         model = torch.nn.Linear(4, 2)
         inner = torch.optim.SGD(model.parameters(), lr=0.1)
         opt = distoptim.LocalSGD(inner, sync_every=2)  # a wrapper: only inner.step() is compute

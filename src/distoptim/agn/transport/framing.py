@@ -1,4 +1,5 @@
-"""How one typed message travels over a 2-rank process group: header, metadata, flat buffers.
+"""The p2p framing: how one typed message travels over a 2-rank process group (header, metadata,
+flat buffers).
 
 Owns: the byte layout of a message on a p2p connection, both directions. A message is sent as
 
@@ -41,7 +42,7 @@ __all__ = [
     "VERDICT_CODES",
     "BufferSpec",
     "StreamInfo",
-    "WireError",
+    "FramingError",
     "decode_header",
     "encode",
     "finish_decode",
@@ -55,7 +56,7 @@ VERDICT_CODES = {"ok": 1, "refuse": 2, "abort": 3}
 """How a verdict travels (0 never does: a word not written yet)."""
 
 
-class WireError(RuntimeError):
+class FramingError(RuntimeError):
     """A message that does not follow this layout (a peer speaking something else)."""
 
 
@@ -113,17 +114,17 @@ def encode(
     buffers = []
     for t in flats.values():
         if not t.is_contiguous() or t.dim() != 1:
-            raise WireError("flat buffers must be contiguous 1-D tensors")
+            raise FramingError("flat buffers must be contiguous 1-D tensors")
         if offsets is None and stream is None:
             buffers.append(t)
     return header, extra, buffers
 
 
 def decode_header(header: torch.Tensor) -> tuple[int, bytes | None]:
-    """``(meta_nbytes, inline metadata or None)``; raises :class:`WireError` on a bad header."""
+    """``(meta_nbytes, inline metadata or None)``; raises :class:`FramingError` on a bad header."""
     words = header[: 8 * _WORDS].view(torch.int64)
     if int(words[0]) != MAGIC:
-        raise WireError(f"bad message header (magic {int(words[0]):#x}, expected {MAGIC:#x})")
+        raise FramingError(f"bad message header (magic {int(words[0]):#x}, expected {MAGIC:#x})")
     n = int(words[1])
     if n <= INLINE_META:
         return n, bytes(header[8 * _WORDS : 8 * _WORDS + n].numpy())
@@ -135,5 +136,5 @@ def finish_decode(meta: bytes) -> tuple[Any, list[BufferSpec], StreamInfo | None
     are streamed (None: whole)."""
     envelope = pickle.loads(meta)
     if not isinstance(envelope, _Envelope):
-        raise WireError(f"bad message metadata ({type(envelope).__name__})")
+        raise FramingError(f"bad message metadata ({type(envelope).__name__})")
     return envelope.message, envelope.buffers, envelope.stream

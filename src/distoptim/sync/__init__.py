@@ -1,0 +1,23 @@
+"""The synchronous optimizer: ``CrossShardOptimizer`` and the machinery only it uses.
+
+Down the floors a ``step()`` takes:
+
+* :mod:`distoptim.sync.optimizer` -- the optimizer class (options, ``step``, ``zero_grad``,
+  the TF path, the state dict), thin; :mod:`distoptim.sync.options` -- its validated options;
+* :mod:`distoptim.sync.rounds` -- the round driver: the bucket plan every rank agreed on, and
+  each round's launch, agreement (the sequence guard's words) and settling;
+* :mod:`distoptim.sync.collectives` -- the replicas and every collective issued over them;
+* :mod:`distoptim.sync.apply` -- how a round's result reaches the parameters, one strategy
+  chosen at construction: :mod:`~distoptim.sync.packed`, :mod:`~distoptim.sync.views`
+  (gradients as bucket views) or :mod:`~distoptim.sync.sharded` (weight-update sharding, over
+  the flat update of :mod:`distoptim.sync.sharding`).
+
+The bytes themselves move in :mod:`distoptim.comm`. ``distoptim.cross_shard`` and
+``distoptim.cross_shard_sharding`` re-export the 0.2.0 names.
+"""
+
+from __future__ import annotations
+
+from distoptim.sync.optimizer import CrossShardOptimizer, Reduction
+
+__all__ = ["CrossShardOptimizer", "Reduction"]

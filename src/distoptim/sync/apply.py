@@ -1,0 +1,233 @@
+"""How a round's reduced gradients reach the parameters: the apply strategies' interface.
+
+A ``CrossShardOptimizer`` chooses one :class:`ApplyStrategy` at construction and keeps it:
+
+* :class:`~distoptim.sync.packed.PackedApply` -- ``.grad`` tensors of their own; a round
+  all-reduces a packed copy and the inner step sees the reduced gradients swapped into
+  ``.grad`` (the local ones come back afterwards);
+* :class:`~distoptim.sync.views.ViewsApply` -- ``gradient_as_bucket_view=True``: ``.grad``
+  lives in the buckets, the all-reduce runs in place and the inner step reads ``.grad``;
+* :class:`~distoptim.sync.sharded.ShardedApply` -- ``shard_optimizer_state=True``: each
+  bucket is reduce-scattered, the inner optimizer updates this rank's flat slice only, and the
+  parameters are all-gathered (with ``.grad`` in tensors of its own or in bucket views).
+
+A strategy answers for three things: the shape of the bucket plan its rounds need
+(:meth:`ApplyStrategy.plan_shape`) and the rounds themselves (:meth:`ApplyStrategy.new_round`,
+collectives from :class:`~distoptim.sync.collectives.Collectives`); where ``.grad`` lives, as
+its :class:`GradSource`; and the update -- :meth:`ApplyStrategy.step` with an agreed round of
+``.grad``, :meth:`ApplyStrategy.solo_step` on one shard, :meth:`ApplyStrategy.apply_pairs` for
+given ``(grad, var)`` pairs -- with the per-parameter optimizer state it keeps
+(:meth:`ApplyStrategy.full_state`).
+
+Math shared by all: ``present[i]`` (agreed by every rank) says whether *some* rank had a
+gradient for plan parameter ``i``; a parameter no rank had one for is not shown to the inner
+optimizer (``.grad`` None for its step), exactly as a single process would skip it.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from distoptim.comm.bucket import Bucket, BucketPlan
+from distoptim.comm.reducer import ReduceRound
+from distoptim.protocol import GradsAndVars
+from distoptim.sync.collectives import Collectives
+from distoptim.sync.options import SyncOptions
+from distoptim.sync.sharding import State
+
+if TYPE_CHECKING:  # pragma: no cover - the driver hands itself down for one-shard rounds
+    from distoptim.sync.rounds import RoundDriver
+
+__all__ = [
+    "AllReduceApply",
+    "ApplyStrategy",
+    "GradPairs",
+    "GradSource",
+    "PlanShape",
+    "State",
+    "reduced_pairs",
+]
+
+GradPairs = list[tuple[torch.Tensor, torch.Tensor]]
+"""``(gradient, parameter)`` pairs for :func:`distoptim.protocol.swapped_grads`."""
+
+BufferOf = Callable[[Bucket], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class PlanShape:
+    """What a strategy's rounds need of the bucket plan (see :class:`BucketPlan`)."""
+
+    trailer: int  # sequence-word elements in the last bucket (0: the words travel elsewhere)
+    pad_to: int  # gradient regions padded to a multiple of this (shards per bucket)
+    flags: bool  # presence flags in the buckets
+
+
+def reduced_pairs(rnd: ReduceRound, buffers: Sequence[torch.Tensor]) -> GradPairs:
+    """``(reduced grad, param)`` for every param some rank had a grad for (views, no copy)."""
+    params = rnd.plan.params
+    pairs = []
+    for bucket, buffer in zip(rnd.plan.buckets, buffers):
+        for i, view, present in zip(bucket.members, bucket.views(buffer), bucket.present(buffer)):
+            if present:  # no rank had a gradient: leave it out, the optimizer skips it
+                pairs.append((view, params[i]))
+    return pairs
+
+
+class GradSource(abc.ABC):
+    """Where ``.grad`` lives: what a round packs, into which buffers, and what it leaves."""
+
+    @abc.abstractmethod
+    def follow(self, plan: BucketPlan) -> None:
+        """``.grad`` follows ``plan`` (the agreed one; on one shard, this rank's own)."""
+
+    @abc.abstractmethod
+    def grads_of(self, plan: BucketPlan) -> Callable[[Bucket], Sequence[torch.Tensor | None]]:
+        """What a round over ``plan`` packs for a bucket: its members' gradients (None where
+        absent)."""
+
+    @abc.abstractmethod
+    def buffers(
+        self, plan: BucketPlan, fresh: bool, copy: bool
+    ) -> tuple[BufferOf, BufferOf | None]:
+        """``(buffer_of, source_of)`` of a ``.grad`` round over ``plan``.
+
+        ``buffer_of``: the buffers it packs into and reduces -- the persistent ones, new ones
+        (``fresh``), or, when ``.grad`` lives in the persistent ones and the round's collective
+        would overwrite it while user code may still read it (``copy``), the spare ones.
+        ``source_of``: where the gradients may already sit (copied whole), or None.
+        """
+
+    @abc.abstractmethod
+    def scratch_buffer(self) -> BufferOf:
+        """Buffers for a round whose result nobody reads (``finish()``): never ``.grad``."""
+
+    @abc.abstractmethod
+    def in_place(self, rnd: ReduceRound) -> bool:
+        """Did ``rnd`` overwrite ``.grad`` itself (then :meth:`settle` must follow)?"""
+
+    @abc.abstractmethod
+    def settle(self, rnd: ReduceRound, buffers: Sequence[torch.Tensor], factor: float) -> None:
+        """After an in-place round: ``.grad`` holds the replica mean (``factor = d / n``)."""
+
+    @abc.abstractmethod
+    def adopt_packed(self) -> None:
+        """A round packed ``.grad``: gradients it copied into their slots now point there."""
+
+    @abc.abstractmethod
+    def zero(self, params: Sequence[torch.Tensor], set_to_none: bool) -> bool:
+        """``zero_grad``: True if done here, False to leave it to ``torch.optim``."""
+
+
+class ApplyStrategy(abc.ABC):
+    """One way of applying reduced gradients with the wrapped optimizer ``opt``.
+
+    ``params()``: the wrapper's parameters (every param group); ``grads``: where ``.grad``
+    lives. The strategy is chosen once, at construction, from the options.
+    """
+
+    def __init__(
+        self,
+        opt: torch.optim.Optimizer,
+        params: Callable[[], list[torch.Tensor]],
+        options: SyncOptions,
+        comm: Collectives,
+        grads: GradSource,
+    ) -> None:
+        self.opt = opt
+        self.params = params
+        self.options = options
+        self.comm = comm
+        self.grads = grads
+
+    @property
+    def divisor(self) -> int:
+        """The ``.grad`` rounds' divisor ``d`` (``n N`` for MEAN, 1 for SUM)."""
+        return self.options.divisor(self.comm.replicas.size)
+
+    # ---- rounds -------------------------------------------------------------------------
+    @abc.abstractmethod
+    def plan_shape(self, words: int) -> PlanShape:
+        """The bucket plan's shape, for rounds whose sequence words take ``words`` elements."""
+
+    @abc.abstractmethod
+    def reduces_copy(self, overlap: bool) -> bool:
+        """Must a ``.grad`` round reduce a copy when ``.grad`` lives in its buffers?"""
+
+    @abc.abstractmethod
+    def new_round(
+        self,
+        plan: BucketPlan,
+        grads_of: Callable[[Bucket], Sequence[torch.Tensor | None]],
+        buffer_of: BufferOf,
+        divisor: float,
+        what: str,
+    ) -> ReduceRound:
+        """One round over the agreed ``plan`` (see :class:`~distoptim.comm.reducer.ReduceRound`)."""
+
+    def follow(self, plan: BucketPlan) -> None:
+        """Every rank's rounds use ``plan`` from now on: ``.grad`` (and any state) follows."""
+        self.grads.follow(plan)
+
+    # ---- the update -----------------------------------------------------------------------
+    @abc.abstractmethod
+    def step(self, rnd: ReduceRound, buffers: list[torch.Tensor]) -> None:
+        """Apply an agreed round of ``.grad`` with one inner ``opt.step()``."""
+
+    @abc.abstractmethod
+    def solo_step(self, rounds: RoundDriver) -> None:
+        """One shard: one inner step (``.grad`` divided for MEAN with accumulated passes)."""
+
+    @abc.abstractmethod
+    def apply_pairs(self, pairs: GradsAndVars, rounds: RoundDriver) -> GradPairs | None:
+        """The TF path: reduce the given pairs; return the reduced pairs for the caller's inner
+        step, or None when the strategy applied them itself."""
+
+    # ---- state ----------------------------------------------------------------------------
+    def full_state(self) -> dict[torch.Tensor, State]:
+        """Every parameter's optimizer state (a collective where the state is sharded)."""
+        return dict(self.opt.state)
+
+    @contextlib.contextmanager
+    def gathered_state(self) -> Iterator[None]:
+        """Within the block ``opt.state`` is the full per-parameter state."""
+        yield
+
+    def after_load(self) -> None:  # noqa: B027 - most strategies keep no state of their own
+        """``opt`` just loaded a state dict: take what this strategy keeps elsewhere."""
+
+
+class AllReduceApply(ApplyStrategy):
+    """The all-reduce strategies' common rounds: every rank gets every reduced gradient.
+
+    A round's last bucket carries the sequence words; its all-reduce writes the sum into the
+    packed buffers, which is ``.grad`` itself when gradients are bucket views -- so with
+    overlap (user code runs while the round is in flight) such a round reduces a copy.
+    """
+
+    def plan_shape(self, words: int) -> PlanShape:
+        return PlanShape(trailer=words, pad_to=1, flags=True)
+
+    def reduces_copy(self, overlap: bool) -> bool:
+        return overlap
+
+    def new_round(
+        self,
+        plan: BucketPlan,
+        grads_of: Callable[[Bucket], Sequence[torch.Tensor | None]],
+        buffer_of: BufferOf,
+        divisor: float,
+        what: str,
+    ) -> ReduceRound:
+        return ReduceRound(plan, self.comm.all_reduce, grads_of, buffer_of, divisor, what)
+
+    def apply_pairs(self, pairs: GradsAndVars, rounds: RoundDriver) -> GradPairs | None:
+        if rounds.size == 1:
+            return list(pairs)  # type: ignore[arg-type]
+        return reduced_pairs(*rounds.reduce_pairs({id(v): g for g, v in pairs}))

@@ -1,0 +1,373 @@
+"""CrossShardOptimizer: synchronous data parallelism around any ``torch.optim.Optimizer``.
+
+Owns the user-facing semantics of ``tf.compat.v1.tpu.CrossShardOptimizer``
+(``docs/cross_shard.md``): the options, loss scaling on the TF path, ``step()`` on the PyTorch
+path, ``zero_grad``, ``finish()`` and the state dict. The machinery lives one floor down:
+:mod:`distoptim.sync.rounds` (the rounds every rank agrees on), :mod:`distoptim.sync.apply`
+(how a round's result reaches the parameters: packed ``.grad``, bucket views, or weight-update
+sharding), :mod:`distoptim.sync.collectives` (every collective) and :mod:`distoptim.comm`.
+
+The two paths, for ``n = num_shards`` replicas, ``N = backward_passes_per_step`` and local
+gradients ``g_r`` (rank ``r``'s gradient of its own, unscaled loss)::
+
+    TF path       compute_gradients -> g_r / n (MEAN, n > 1) or g_r (SUM)
+                  apply_gradients   -> sum_r (given grads)            then opt.step()
+    PyTorch path  loss.backward() x N; step() -> sum_r sum_passes g_r / (n N)  (MEAN)
+                                                sum_r sum_passes g_r           (SUM)
+                                                then opt.step()
+
+With ``N = 1`` both paths give the same update: ``mean_r g_r`` (MEAN) or ``sum_r g_r`` (SUM).
+MEAN with ``N > 1`` averages over the N micro-batches too, so N backward passes of a mean loss
+over micro-batches equal one pass over their concatenation (no manual ``loss / N``).
+Scaling happens exactly once per path -- the TF path scales the loss and never divides, the
+PyTorch path never touches the loss and divides once -- so mixing the paths, or either of them
+with ``zero_grad(set_to_none=...)``, cannot scale twice.
+
+``.grad`` holds this replica's *local* gradient: ``step()`` swaps the reduced gradients in for
+the inner ``opt.step()`` only (as ``apply_gradients`` does with its pairs) and puts the local
+ones back. (With ``gradient_as_bucket_view=True`` ``.grad`` lives in the buckets and holds the
+replica mean of the local gradients after ``step()``; accumulation stays exact, see
+:mod:`distoptim.comm.grad_views`.) The reduction is linear, so accumulating across steps without
+``zero_grad`` gives on n replicas exactly what it gives on one process over the concatenated
+batch, for MEAN and SUM. Edits of ``.grad`` between ``backward()`` and ``step()`` (clipping,
+unscaling) act per replica, before the reduction -- TF's per-replica clipping between
+``compute_gradients`` and ``apply_gradients``, on the PyTorch path. A parameter with
+``requires_grad=False`` is never updated, whatever its ``.grad`` holds (torch's optimizers would
+apply a stale ``.grad``).
+
+A step's way down: ``step()`` -> :meth:`RoundDriver.reduce_grads
+<distoptim.sync.rounds.RoundDriver.reduce_grads>` (the agreed round) -> the apply strategy's
+``step`` -> the inner ``opt.step()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from distoptim import checks
+from distoptim.comm.bucket import BucketPlan
+from distoptim.comm.guard import DesyncError
+from distoptim.comm.stats import CommStats
+from distoptim.protocol import GradsAndVars, WrappedOptimizer, run_closure, swapped_grads
+from distoptim.sync.apply import ApplyStrategy
+from distoptim.sync.collectives import Collectives, Replicas
+from distoptim.sync.options import Reduction, SyncOptions, check_saved_hyperparameters
+from distoptim.sync.packed import PackedApply, TensorGrads
+from distoptim.sync.rounds import RoundDriver
+from distoptim.sync.sharded import ShardedApply
+from distoptim.sync.views import BucketViews, ViewsApply
+
+__all__ = ["CrossShardOptimizer", "DesyncError", "Reduction"]
+
+
+def _choose_apply(
+    options: SyncOptions,
+    opt: torch.optim.Optimizer,
+    params: Callable[[], list[torch.Tensor]],
+    comm: Collectives,
+) -> ApplyStrategy:
+    """The apply strategy the options ask for (chosen once, at construction)."""
+    if options.shard_optimizer_state:
+        grads = BucketViews() if options.gradient_as_bucket_view else TensorGrads()
+        return ShardedApply(opt, params, options, comm, grads)
+    if options.gradient_as_bucket_view:
+        return ViewsApply(opt, params, options, comm)
+    return PackedApply(opt, params, options, comm)
+
+
+class CrossShardOptimizer(WrappedOptimizer):
+    """Reduce gradients across replicas, then run ``opt`` (TF's ``CrossShardOptimizer``).
+
+    Args:
+        opt: any ``torch.optim.Optimizer``; it computes the update. Its hyperparameters must
+            be finite (a NaN/Inf ``lr``, ``momentum``, ``weight_decay``, ... is a ValueError).
+        reduction: ``Reduction.MEAN`` (default) or ``Reduction.SUM`` (or "mean" / "sum").
+        name: returned by ``get_name()``.
+        group_assignment: ``None`` (all ranks reduce together) or a list of equal-length lists
+            (tuples, ranges, numpy arrays) of ranks partitioning ``range(world_size)``; each
+            replica then reduces only within its subgroup (real process groups, created
+            collectively here on every rank).
+        bucket_cap_mb: payload cap of one gradient bucket in MiB (DDP's default, 25).
+        overlap: launch each bucket's all-reduce from backward hooks as soon as its last
+            gradient is ready; ``step()`` launches the last bucket and waits (see
+            :mod:`distoptim.comm.overlap`). Results are those of ``overlap=False`` (up to the
+            summation order of >2 ranks), also when ``.grad`` is edited after backward: then
+            every rank reduces again, together.
+        compression: ``None``, ``"fp16"`` or ``"bf16"``: the wire dtype of float32/float64
+            buckets; the reduced result is stored and applied in the parameter dtype.
+        backward_passes_per_step: ``N`` backward passes accumulate locally before one reduction;
+            call ``step()`` once after every N ``backward()`` calls.
+        sequence_guard: check in every round that all ranks are at the same step counter with
+            the same number of backward passes since their last ``step()`` (default). Off, a
+            skipped or added ``step()``/``backward()`` on some rank goes unnoticed (gradients
+            of different iterations are summed) until the ranks' operations differ.
+        gradient_as_bucket_view: ``.grad`` of every trainable parameter lives in its bucket
+            (:mod:`distoptim.comm.grad_views`): backward accumulates into the bucket, the
+            reduction packs nothing and runs in place, ``zero_grad()`` zeroes the buckets and
+            keeps the views (``.grad`` is never None after it). After ``step()``, ``.grad``
+            holds the replica mean of the accumulated local gradients (the same on every
+            rank; accumulating onto it is exact) instead of this replica's own. With
+            ``overlap=True`` the buckets launched during backward reduce a copy (one pass,
+            a second buffer per bucket), so ``.grad`` may be read and edited until ``step()``
+            exactly as without views.
+        shard_optimizer_state: weight-update sharding (Xu et al. 2020; ZeRO stage 1, see
+            :mod:`distoptim.sync.sharded`): the flat buckets are reduce-scattered,
+            ``opt`` updates only this rank's ``1/n`` of every bucket and keeps its state for
+            that slice only, and the updated parameters are all-gathered. ``opt`` must be
+            element-wise (SGD, Adam, AdamW, ... or a class marked with
+            :func:`~distoptim.elementwise_rule.elementwise`); ``.grad`` keeps the local
+            gradient (also with bucket views). The parameters' storage moves into flat
+            buffers at the first step. ``state_dict()``, ``get_slot()``, ``get_slot_names()``
+            and ``variables()`` gather the full per-parameter state: collectives, call them
+            on every rank. The state dict has the unsharded format (either loads into either).
+
+    Collectives are bucketed (see :mod:`distoptim.comm.bucket`). A parameter whose gradient is
+    None on some ranks is zero-filled there; one with no gradient on any rank keeps ``None``.
+    Before its first gradient collective the optimizer checks, with one small all-gather, that
+    every rank of its group has the same parameter list and options; afterwards every round
+    carries each rank's sequence words, so a change of the parameter list on some ranks, or
+    ranks out of step, raise :class:`~distoptim.comm.guard.ParameterMismatchError` /
+    :class:`~distoptim.comm.guard.DesyncError` on every rank (see :mod:`distoptim.comm.guard`).
+    Collective waits are bounded by the process group's timeout; a peer that leaves the group
+    ends the wait at once with a ``DesyncError`` saying so. Outside an initialized process
+    group, or with world size 1, it warns once and behaves as one shard (a plain ``opt`` with
+    the TF methods).
+    """
+
+    def __init__(
+        self,
+        opt: torch.optim.Optimizer,
+        reduction: Reduction | str = Reduction.MEAN,
+        name: str = "CrossShardOptimizer",
+        group_assignment: Sequence[Sequence[int]] | None = None,
+        *,
+        bucket_cap_mb: float = 25,
+        overlap: bool = False,
+        compression: str | None = None,
+        backward_passes_per_step: int = 1,
+        sequence_guard: bool = True,
+        gradient_as_bucket_view: bool = False,
+        shard_optimizer_state: bool = False,
+    ) -> None:
+        # validate everything before any side effect (subgroup creation is collective)
+        options = SyncOptions.check(
+            opt,
+            reduction,
+            name,
+            group_assignment,
+            Replicas.world_size(),
+            bucket_cap_mb=bucket_cap_mb,
+            overlap=overlap,
+            compression=compression,
+            backward_passes_per_step=backward_passes_per_step,
+            sequence_guard=sequence_guard,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            shard_optimizer_state=shard_optimizer_state,
+        )
+        replicas = Replicas.join(options.group_assignment, stacklevel=2)
+        super().__init__(opt, name=name)
+        self._options = options
+        comm = Collectives(replicas, options.wire, CommStats())
+        self._apply = _choose_apply(options, opt, self._all_params, comm)
+        self._applying_pairs = False
+        self._rounds = RoundDriver(
+            self._all_params, lambda: self.iterations, options, comm, self._apply
+        )
+
+    # ---- the options, read-only ----------------------------------------------------------
+    @property
+    def reduction(self) -> Reduction:
+        return self._options.reduction
+
+    @property
+    def group_assignment(self) -> list[list[int]] | None:
+        return self._options.group_assignment
+
+    @property
+    def bucket_cap_mb(self) -> float:
+        return self._options.bucket_cap_mb
+
+    @property
+    def overlap(self) -> bool:
+        """Whether backward hooks launch the reduction (False after :meth:`remove_hooks`)."""
+        return self._rounds.overlapping
+
+    @property
+    def compression(self) -> str | None:
+        return self._options.wire.name
+
+    @property
+    def backward_passes_per_step(self) -> int:
+        return self._options.backward_passes_per_step
+
+    @property
+    def sequence_guard(self) -> bool:
+        return self._options.sequence_guard
+
+    @property
+    def gradient_as_bucket_view(self) -> bool:
+        return self._options.gradient_as_bucket_view
+
+    @property
+    def shard_optimizer_state(self) -> bool:
+        return self._options.shard_optimizer_state
+
+    # ---- public read-only facts --------------------------------------------------------------
+    @property
+    def num_shards(self) -> int:
+        """Replicas whose gradients are combined: the (sub)group size, 1 outside a group."""
+        return self._rounds.size
+
+    @property
+    def comm_stats(self) -> CommStats:
+        """Collectives launched and bytes this rank sent so far (see :class:`CommStats`)."""
+        return self._rounds.stats
+
+    @property
+    def bucket_plan(self) -> BucketPlan:
+        """The current bucket layout (trainable parameters, ready order)."""
+        return self._rounds.plan
+
+    # ---- hooks and the parameter list ----------------------------------------------------------
+    def remove_hooks(self) -> None:
+        """Detach every backward hook (before dropping the optimizer but keeping the model).
+
+        A round that backward already launched is closed first (one round of collectives:
+        call this on every rank, as ``step()``).
+        """
+        self._rounds.remove_hooks()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group to the wrapped optimizer; its hyperparameters must be finite.
+
+        The new parameters join the reduction once every rank of the group has added them
+        (the next round agrees on the new parameter list, or raises ``ParameterMismatchError``
+        on every rank if only some ranks changed).
+        """
+        super().add_param_group(param_group)
+        if "_rounds" in self.__dict__:  # not during torch.optim.Optimizer.__init__
+            try:
+                checks.check_finite_hyperparameters(self._wrapped, "CrossShardOptimizer")
+            except ValueError:
+                self._wrapped.param_groups.pop()  # leave the optimizer as it was
+                raise
+            self._rounds.refresh()
+
+    # ---- PyTorch path: backward(); step() ----------------------------------------------------
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Reduce the local ``.grad`` across the group, apply it with ``opt``, count one step.
+
+        The reduced gradient is put in ``.grad`` only while ``opt.step()`` runs; afterwards
+        ``.grad`` holds this replica's local gradient again, so accumulating without
+        ``zero_grad`` continues exactly as it would on one process (for MEAN and SUM alike).
+        With ``overlap=True`` the round launched during backward is used unless ``.grad``
+        changed since on some rank: then every rank reduces ``.grad`` again (one-time warning).
+        Raises ``DesyncError`` on every rank, with nothing applied, when the ranks' rounds do
+        not belong together (see :mod:`distoptim.comm.guard`).
+        """
+        if self._applying_pairs:  # TF path: the swapped-in grads are already reduced
+            return super().step(closure)
+        loss = run_closure(closure)
+        rounds = self._rounds
+        if rounds.size == 1:
+            rounds.refresh()
+            self._apply.solo_step(rounds)
+        else:
+            rnd, buffers = rounds.reduce_grads()
+            self._apply.step(rnd, buffers)
+            rounds.end_step()
+        self.iterations += 1
+        return loss
+
+    def finish(self) -> None:
+        """Say that this rank takes no more steps; raise if some rank of the group still does.
+
+        One round of the agreed bucket collectives (zeros) whose words carry ``finish()`` and
+        the step counter: called on every rank at the end of training (or of an epoch), it
+        returns quietly when every rank took the same steps, and raises ``DesyncError`` on
+        every rank when some rank skipped or added a ``step()`` -- the peers are then in a
+        ``step()`` round (or another ``finish()`` count) and get the same error, instead of
+        waiting for a collective this rank never enters. A no-op on one shard.
+        """
+        if self._rounds.size > 1:
+            self._rounds.finish()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``torch.optim.Optimizer.zero_grad``; with bucket views, zero the buckets in place.
+
+        With ``gradient_as_bucket_view=True`` every parameter of the agreed plan gets its
+        zeroed bucket slot as ``.grad`` (never None), for either ``set_to_none``; whether a
+        parameter then has a gradient is tracked exactly as before (see
+        :mod:`distoptim.comm.grad_views`). Other parameters follow torch.
+        """
+        if self._apply.grads.zero(self._all_params(), set_to_none):
+            self._rounds.note_zeroed()  # an in-place reduction in flight read other values
+        else:
+            super().zero_grad(set_to_none)
+
+    # ---- TF path: compute_gradients / apply_gradients -----------------------------------------
+    def _scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        if self.reduction is Reduction.MEAN and self.num_shards > 1:
+            return loss / self.num_shards
+        return loss
+
+    def _apply_pairs(self, pairs: GradsAndVars) -> None:
+        """SUM the given gradients across the group into fresh tensors, then apply them once."""
+        for _, v in pairs:
+            if not v.requires_grad:
+                raise ValueError(
+                    f"CrossShardOptimizer reduces gradients of trainable parameters only; a var "
+                    f"of shape {tuple(v.shape)} has requires_grad=False"
+                )
+        self._rounds.refresh()
+        reduced = self._apply.apply_pairs(pairs, self._rounds)
+        if reduced is None:  # the strategy applied them (weight-update sharding)
+            self.iterations += 1
+            return
+        self._applying_pairs = True
+        try:
+            with swapped_grads(self._all_params(), reduced):
+                self.step()
+        finally:
+            self._applying_pairs = False
+
+    # ---- state: the full per-parameter state, also when it is sharded ----------------------
+    def _slot_state(self) -> Any:
+        """The state slots are read from; with sharding, gathered (call on every rank)."""
+        return self._apply.full_state()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state dict plus ``iterations`` (see ``WrappedOptimizer``).
+
+        With ``shard_optimizer_state=True`` the per-parameter state is gathered from every
+        rank into the unsharded format (a collective: call it on every rank); it loads into
+        a sharded or an unsharded optimizer alike.
+        """
+        with self._apply.gathered_state():
+            return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict; everything is checked before anything changes.
+
+        Besides the structure (``WrappedOptimizer``), every hyperparameter in the saved param
+        groups must be finite. With ``shard_optimizer_state=True``, each rank keeps its own
+        slice of every parameter's state (local: no communication).
+        """
+        if isinstance(state_dict, dict):
+            check_saved_hyperparameters(self._wrapped, state_dict.get("param_groups"))
+        super().load_state_dict(state_dict)
+        self._apply.after_load()
+
+    def __repr__(self) -> str:
+        return (
+            f"CrossShardOptimizer({self.wrapped!r}, reduction={self.reduction.value!r}, "
+            f"num_shards={self.num_shards}, overlap={self.overlap}, "
+            f"compression={self.compression!r}, "
+            f"backward_passes_per_step={self.backward_passes_per_step}, "
+            f"sequence_guard={self.sequence_guard}, "
+            f"gradient_as_bucket_view={self.gradient_as_bucket_view}, "
+            f"shard_optimizer_state={self.shard_optimizer_state})"
+        )

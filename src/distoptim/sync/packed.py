@@ -1,0 +1,89 @@
+"""The default apply strategy: ``.grad`` in tensors of its own, reduced gradients swapped in.
+
+Owns :class:`TensorGrads` (``.grad`` as torch leaves it: a round packs a copy of each gradient
+into the bucket buffers) and :class:`PackedApply`: the buckets are all-reduced, and the inner
+``opt.step()`` runs with the reduced gradients -- views of the reduced buffers -- swapped into
+``.grad`` (:func:`distoptim.protocol.swapped_grads`); afterwards ``.grad`` holds this replica's
+local gradient again, so accumulating without ``zero_grad`` continues exactly as on one
+process. Parameters no rank had a gradient for, and frozen ones, get ``.grad`` None for the
+inner step only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from distoptim.comm.bucket import Bucket, BucketPlan
+from distoptim.comm.reducer import ReduceRound
+from distoptim.protocol import swapped_grads
+from distoptim.sync.apply import AllReduceApply, BufferOf, GradSource, reduced_pairs
+from distoptim.sync.collectives import Collectives
+from distoptim.sync.options import SyncOptions
+
+if TYPE_CHECKING:  # pragma: no cover
+    from distoptim.sync.rounds import RoundDriver
+
+__all__ = ["PackedApply", "TensorGrads"]
+
+
+class TensorGrads(GradSource):
+    """``.grad`` in tensors of its own: rounds pack a copy; nothing aliases the buffers."""
+
+    def follow(self, plan: BucketPlan) -> None:
+        pass
+
+    def grads_of(self, plan: BucketPlan) -> Callable[[Bucket], Sequence[torch.Tensor | None]]:
+        params = plan.params
+        return lambda b: [params[i].grad for i in b.members]
+
+    def buffers(self, plan: BucketPlan, fresh: bool, copy: bool) -> tuple[BufferOf, None]:
+        return (Bucket.new_buffer if fresh else Bucket.persistent_buffer), None
+
+    def scratch_buffer(self) -> BufferOf:
+        return Bucket.persistent_buffer
+
+    def in_place(self, rnd: ReduceRound) -> bool:
+        return False
+
+    def settle(self, rnd: ReduceRound, buffers: Sequence[torch.Tensor], factor: float) -> None:
+        raise AssertionError("a round over tensors of their own never reduces .grad in place")
+
+    def adopt_packed(self) -> None:
+        pass
+
+    def zero(self, params: Sequence[torch.Tensor], set_to_none: bool) -> bool:
+        return False
+
+
+class PackedApply(AllReduceApply):
+    """All-reduce packed copies of ``.grad``; the inner step sees the reduced gradients."""
+
+    def __init__(
+        self,
+        opt: torch.optim.Optimizer,
+        params: Callable[[], list[torch.Tensor]],
+        options: SyncOptions,
+        comm: Collectives,
+    ) -> None:
+        super().__init__(opt, params, options, comm, TensorGrads())
+
+    def step(self, rnd: ReduceRound, buffers: list[torch.Tensor]) -> None:
+        with swapped_grads(self.params(), reduced_pairs(rnd, buffers)):
+            self.opt.step()
+
+    def solo_step(self, rounds: RoundDriver) -> None:
+        """One shard: divide accumulated passes (MEAN), never update frozen parameters."""
+        plan = rounds.plan
+        if self.divisor != 1:
+            rnd = rounds.grad_round(plan)
+            pairs = reduced_pairs(rnd, rnd.wait_all())
+        elif any(p.grad is not None for p in self.params() if not p.requires_grad):
+            pairs = [(p.grad, p) for p in plan.params if p.grad is not None]
+        else:
+            self.opt.step()
+            return
+        with swapped_grads(self.params(), pairs):  # type: ignore[arg-type]
+            self.opt.step()

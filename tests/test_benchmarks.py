@@ -1,0 +1,159 @@
+"""benchmarks/: every script's ``--quick`` run succeeds and writes the JSON its figures come from.
+
+A refactor that breaks a benchmark fails here, not at the next measurement. Each script runs in
+a subprocess as a user runs it (``python benchmarks/NAME.py --quick --out FILE``, this
+checkout's ``src`` first on the path), bounded by a timeout, writing into ``tmp_path`` (never
+over the shipped ``benchmarks/results/``); the test then reads the JSON and checks the parts
+each script's figures come from, not only the exit code. Every script in ``benchmarks/`` must
+have an entry in :data:`CHECKS`. The GPU scripts' ``--quick`` runs a tiny configuration on the
+CPU where there is no CUDA device; their real runs still refuse without one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
+TIMEOUT_S = 240
+"""A backstop for a hung run; a quick run takes seconds on a quiet 2-core machine (minutes
+when the machine is loaded many times over: process start-up dominates)."""
+
+
+def _run(script: str, *argv: str, cwd: Path) -> subprocess.CompletedProcess:
+    path = os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *argv],
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+
+
+def _positive(x: Any) -> bool:
+    return isinstance(x, (int, float)) and x > 0
+
+
+def _cross_shard(r: dict[str, Any]) -> None:
+    assert {"cases", "bandwidth", "ratios", "machine", "settings"} <= r.keys()
+    assert r["cases"] and r["ratios"].keys() == {*r["cases"], "bandwidth"}
+    for case in r["cases"].values():
+        methods = case["methods"]
+        assert {"local", "cross_shard", "cross_shard_views_overlap", "ddp", "naive"} <= set(methods)
+        assert all(_positive(m["median_s"]) for m in methods.values())
+        assert _positive(case["paired_ratios"]["cross_shard_vs_ddp"])
+    assert _positive(r["bandwidth"]["single_all_reduce"]["GB_per_s"])
+    assert _positive(r["bandwidth"]["bucketed_cap25mb_views_words"]["GB_per_s"])
+
+
+def _zero(r: dict[str, Any]) -> None:
+    assert {"cases", "machine", "settings"} <= r.keys()
+    methods = {"ddp", "zero", "zero_bucketview", "cross_shard", "sharded", "sharded_views"}
+    for case in r["cases"].values():
+        assert set(case["median_s"]) == methods and set(case["state_bytes"]) == methods
+        assert all(_positive(t) for t in case["median_s"].values())
+    memory = [c["memory"] for c in r["cases"].values() if "memory" in c]
+    assert memory and all(m["sharded"]["state_bytes"] > 0 for m in memory)
+
+
+def _diloco(r: dict[str, Any]) -> None:
+    assert {"config", "summary", "goal_straggler_time_to_target", "runs"} <= r.keys()
+    names = {*r["config"]["contenders"], *r["config"]["async_contenders"]}
+    assert len(names) == 9 and r["summary"].keys() == r["config"]["scenarios"].keys()
+    for rows in r["summary"].values():
+        assert rows.keys() == names
+        assert all(0 <= row["final_val_acc"] <= 1 for row in rows.values())
+    assert len(r["runs"]) == len(names) * len(r["summary"])
+    assert all(run["steps"] > 0 and run["bytes"] > 0 for run in r["runs"])
+
+
+def _mesh_sgd(r: dict[str, Any]) -> None:
+    assert {"machine", "config", "results"} <= r.keys()
+    assert {"plain_fp32", "dtensor_shard0_2ranks_fp32"} <= r["results"].keys()
+    for res in r["results"].values():
+        assert _positive(res["distoptim"]["median_s"]) and "goal" in res
+        assert _positive(res["torch_foreach"]["distoptim_paired_speedup"])
+
+
+def _gpu_cross_shard(r: dict[str, Any]) -> None:
+    assert "skipped" not in r and not r.get("timed_out")
+    assert set(r["dtypes"]) == {"fp32", "bf16"}
+    for d in r["dtypes"].values():
+        assert d["rounds"] >= 1 and _positive(d["params"])
+        assert len(d["contenders"]) == 8
+        for c in d["contenders"].values():
+            assert _positive(c["step_median_ms"]) and c["state_bytes"] > 0
+
+
+def _gpu_mesh_sgd(r: dict[str, Any]) -> None:
+    assert "skipped" not in r and r["timed_out"] is False
+    assert set(r["results"]) == {"fp32", "bf16"}
+    for res in r["results"].values():
+        assert res["check"]["grads_bit_identical_after_steps"]["distoptim"] is True
+        assert _positive(res["speed"]["distoptim"]["median_s"]) and res["speed"]["rounds"] >= 3
+
+
+def _agn(r: dict[str, Any]) -> None:
+    assert {"machine", "model", "loadavg"} <= r.keys()
+    assert {"passes_ms", "round_trip", "commits_per_s", "faults"} <= r.keys()
+    assert all(_positive(ms) for ms in r["passes_ms"].values())
+    assert "1ps" in r["round_trip"]  # the quick run measures one shard only
+    assert all(_positive(ms) for ms in r["round_trip"]["1ps"]["median_ms"].values())
+
+
+def _lm_size(r: dict[str, Any]) -> None:
+    assert {"machine", "corpus", "unigram", "summary", "runs"} <= r.keys()
+    assert r["corpus"]["val_plays"] and r["corpus"]["vocab_size"] > 0
+    assert _positive(r["unigram"]["val_loss"])
+    for row in r["summary"].values():
+        assert _positive(row["median_step_ms"]) and _positive(row["final"]["loss"])
+
+
+CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "agn.py": _agn,
+    "cross_shard.py": _cross_shard,
+    "diloco.py": _diloco,
+    "gpu_cross_shard.py": _gpu_cross_shard,
+    "gpu_mesh_sgd.py": _gpu_mesh_sgd,
+    "lm_size.py": _lm_size,
+    "mesh_sgd.py": _mesh_sgd,
+    "zero.py": _zero,
+}
+"""Every benchmark script and what its quick run's JSON must hold."""
+
+
+def test_every_benchmark_script_is_run_here():
+    assert sorted(p.name for p in BENCHMARKS.glob("*.py")) == sorted(CHECKS)
+
+
+@pytest.mark.parametrize("script", sorted(CHECKS))
+def test_quick_run_succeeds_and_writes_its_results(script, tmp_path):
+    out = tmp_path / "results" / script.replace(".py", ".json")
+    proc = _run(script, "--quick", "--out", str(out), cwd=tmp_path)
+    said = f"\n--- stdout ---\n{proc.stdout[-3000:]}\n--- stderr ---\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, said
+    assert out.is_file(), said
+    CHECKS[script](json.loads(out.read_text()))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+@pytest.mark.parametrize("script", ["gpu_cross_shard.py", "gpu_mesh_sgd.py"])
+def test_gpu_scripts_real_run_refuses_without_cuda(script, tmp_path):
+    out = tmp_path / "gpu.json"
+    proc = _run(script, "--out", str(out), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "no CUDA device" in proc.stdout
+    assert "no CUDA device" in json.loads(out.read_text())["skipped"]
