@@ -47,8 +47,9 @@ class Chaos:
     ``action``: ``"kill"`` (SIGKILL; the slot restarts ``pause`` seconds later, as a new
     process that heals from a peer) or ``"stop"`` (SIGSTOP; SIGCONT ``pause`` seconds later: the
     replica was frozen, its peers went on, it heals when it rejoins). The first fault comes
-    ``every`` seconds after the start. Written ``kill:EVERY[:PAUSE]`` or ``stop:EVERY[:PAUSE]``
-    (:meth:`parse`; PAUSE defaults to 0 for kill, 5 for stop).
+    ``every`` seconds after every replica passed its start line
+    (:meth:`ReplicaContext.wait_for_peers`). Written ``kill:EVERY[:PAUSE]`` or
+    ``stop:EVERY[:PAUSE]`` (:meth:`parse`; PAUSE defaults to 0 for kill, 5 for stop).
     """
 
     action: str
@@ -178,6 +179,10 @@ class _Chaos(threading.Thread):
 
     def run(self) -> None:
         try:
+            try:  # the schedule's clock starts once every first incarnation is ready to train
+                self.run_state.barrier.wait(self.run_state.start_timeout)
+            except threading.BrokenBarrierError:
+                return  # the run is failing at its start: the supervisor reports why
             victim = 0
             while not self.done.wait(self.chaos.every):
                 slot = victim % self.run_state.num_slots
@@ -208,6 +213,8 @@ class _Run:
         address: str,
         workdir: str,
         supervisor: ProcessSupervisor,
+        chaos: bool,
+        start_timeout: float,
     ) -> None:
         self.fn = fn
         self.args = args
@@ -219,7 +226,9 @@ class _Run:
         self.index_of: list[int] = []  # slot -> supervisor index of its current process
         self.incarnations = [0] * num_slots
         self.expected: set[int] = set()  # supervisor indices whose death the chaos caused
-        self.barrier = multiprocessing.get_context("spawn").Barrier(num_slots)
+        # the replicas' start line; with chaos the schedule's clock waits on it too
+        self.barrier = multiprocessing.get_context("spawn").Barrier(num_slots + int(chaos))
+        self.start_timeout = start_timeout
 
     def log_path(self, slot: int) -> str:
         return os.path.join(self.workdir, f"replica_{slot}.jsonl")
@@ -334,7 +343,16 @@ def run_replicas(
             num_threads=num_threads,
             on_failure=lambda outcome: run.on_failure(outcome),  # type: ignore[union-attr]
         )
-        run = _Run(fn, tuple(args), num_replicas, lighthouse.address, workdir, supervisor)
+        run = _Run(
+            fn,
+            tuple(args),
+            num_replicas,
+            lighthouse.address,
+            workdir,
+            supervisor,
+            chaos is not None,
+            timeout,
+        )
         started = time.time()
         dealer = _Chaos(run, chaos) if chaos is not None else None
         try:

@@ -45,7 +45,23 @@ import torch.distributed.distributed_c10d as c10d
 
 from distoptim.ft import _torchft
 
-__all__ = ["InsufficientReplicasError", "ManagedReplicas", "Quorum", "ReplicaStats"]
+__all__ = [
+    "InsufficientReplicasError",
+    "ManagedReplicas",
+    "Quorum",
+    "ReplicaStats",
+    "check_manager",
+]
+
+
+def check_manager(manager: Any, owner: str) -> None:
+    """``TypeError`` unless ``manager`` is a ``torchft.Manager`` (ImportError without torchft)."""
+    torchft = _torchft.require()
+    if not isinstance(manager, torchft.Manager):
+        raise TypeError(
+            f"{owner}: manager must be a torchft.Manager (see distoptim.ft.make_manager), "
+            f"got {type(manager).__name__}"
+        )
 
 
 class InsufficientReplicasError(RuntimeError):
@@ -99,12 +115,7 @@ class ManagedReplicas:
     """
 
     def __init__(self, manager: Any, owner: str) -> None:
-        torchft = _torchft.require()
-        if not isinstance(manager, torchft.Manager):
-            raise TypeError(
-                f"{owner}: manager must be a torchft.Manager (see distoptim.ft.make_manager), "
-                f"got {type(manager).__name__}"
-            )
+        check_manager(manager, owner)
         self.manager = manager
         self.owner = owner
         self.stats = ReplicaStats()
