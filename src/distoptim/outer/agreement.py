@@ -1,6 +1,7 @@
 """The sync header: what every replica must agree on before a sync's payload collectives.
 
-Owns the small fixed-size all-gather that precedes every collective of a sync whose size
+Owns the small fixed-size all-gather (over the replicas'
+:class:`~distoptim.comm.channel.Channel`) that precedes every collective of a sync whose size
 depends on the fragment (the pseudo-gradient all-reduce, or each phase of a quantized mean):
 each replica sends its sequence words (:class:`~distoptim.comm.guard.GuardWords`: the round
 kind, the inner step, a 48-bit fingerprint of the parameters and the options, the parameter
@@ -27,8 +28,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
+from distoptim.comm.channel import Channel
 from distoptim.comm.guard import CHUNKS, GuardCodec, GuardWords, ParameterMismatchError, check_round
 from distoptim.comm.stats import CommStats
 
@@ -38,28 +39,24 @@ _SUMS = 2  # Σ θ_g and Σ θ_g² (float64)
 
 
 class SyncAgreement:
-    """Checks one sync header over ``group`` (``group_size >= 2`` replicas).
+    """Checks one sync header over ``channel`` (``channel.size >= 2`` replicas).
 
     ``device``: where the message lives (the current GPU under NCCL, else the CPU); ``owner``
     names the optimizer in errors.
     """
 
     def __init__(
-        self,
-        group: dist.ProcessGroup | None,
-        group_size: int,
-        stats: CommStats,
-        device: torch.device,
-        owner: str,
+        self, channel: Channel, stats: CommStats, device: torch.device, owner: str
     ) -> None:
-        ranks = (
-            dist.get_process_group_ranks(group) if group is not None else list(range(group_size))
-        )
-        self.group = group
         self.stats = stats
         self.device = device
         self.owner = owner
-        self.codec = GuardCodec(group_size, dist.get_rank(group), ranks, owner=owner)
+        self.rebind(channel)
+
+    def rebind(self, channel: Channel) -> None:
+        """Run the next headers over ``channel`` (between syncs)."""
+        self.channel = channel
+        self.codec = GuardCodec(channel.size, channel.rank, channel.ranks, owner=self.owner)
 
     def check(self, words: GuardWords, global_copy: Sequence[torch.Tensor]) -> None:
         """All-gather this replica's words and global-copy sums; raise on any disagreement."""
@@ -75,10 +72,10 @@ class SyncAgreement:
                 ]
             ).sum(0)
         mine = torch.cat([mine_words, sums.view(torch.uint8)]).to(self.device)
-        rows = [torch.empty_like(mine) for _ in range(codec.group_size)]
+        rows = mine.new_empty(codec.group_size * mine.numel())
         self.stats.send((codec.group_size - 1) * mine.numel())
-        dist.all_gather(rows, mine, group=self.group)
-        table = torch.stack(rows).cpu()
+        self.channel.all_gather_single(rows, mine).wait()
+        table = rows.view(codec.group_size, -1).cpu()
         # every rank's slot, in rank order, is exactly the summed trailer the codec reads
         check_round(codec.read(table[:, :CHUNKS].reshape(-1)), codec.ranks, owner=self.owner)
         all_sums = table[:, CHUNKS:].contiguous().view(torch.float64).reshape(-1, _SUMS)

@@ -53,6 +53,7 @@ from distoptim.checks import (
     check_positive,
     type_name,
 )
+from distoptim.comm.channel import Channel, GroupChannel
 from distoptim.comm.fingerprint import digest
 from distoptim.comm.groups import check_group_assignment, comm_device
 from distoptim.comm.guard import GuardWords, RoundKind, plan_word
@@ -195,6 +196,7 @@ class DiLoCo(WrappedOptimizer):
         self.group_assignment = assignment
         self._group = group_obj
         self._group_size = group_size
+        self._channel: Channel = GroupChannel(group_obj, group_size)
         self._params = params
         self._stats = CommStats()
         with torch.no_grad():
@@ -207,8 +209,7 @@ class DiLoCo(WrappedOptimizer):
                 params[f.start : f.stop],
                 self._global[f.start : f.stop],
                 wire_format,
-                group_obj,
-                group_size,
+                self._channel,
                 self._stats,
                 error_feedback,
                 cap_bytes=max(1, int(cap * _MIB)),
@@ -219,7 +220,7 @@ class DiLoCo(WrappedOptimizer):
         self._agreement: SyncAgreement | None = None
         if group_size > 1:
             device = comm_device(group_obj)
-            self._agreement = SyncAgreement(group_obj, group_size, self._stats, device, name)
+            self._agreement = SyncAgreement(self._channel, self._stats, device, name)
         # the parameters and options every header carries (the step then fixes the fragment)
         self._plan_word = plan_word(digest(params, self._config()))
         self._in_flight: _Sync | None = None

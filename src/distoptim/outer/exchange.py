@@ -1,9 +1,10 @@
-"""The pseudo-gradient exchange of one fragment: ``Δ = θ_global - θ_local`` averaged over a group.
+"""The pseudo-gradient exchange of one fragment: ``Δ = θ_global - θ_local`` averaged over a channel.
 
 Owns what travels at a sync and how: the fragment's parameters laid out in gradient buckets
 (:class:`~distoptim.comm.bucket.BucketPlan`, registration order, one flat buffer per bucket,
-allocated once), ``Δ`` written straight into those buffers, and their mean over the group by
-the averaging scheme the wire format declares (:mod:`distoptim.comm.wire`):
+allocated once), ``Δ`` written straight into those buffers, and their mean over the members of
+a :class:`~distoptim.comm.channel.Channel` (a process group's ranks, or whichever members a
+round runs over) by the averaging scheme the wire format declares (:mod:`distoptim.comm.wire`):
 
 * ``fp32``: a plain SUM all-reduce of ``Δ / n`` in the parameters' own dtype (lossless, float64
   stays float64);
@@ -23,6 +24,13 @@ per-bucket payload slots a checkpoint holds: the reduced mean itself for ``fp32`
 (the bucket buffers), this rank's phase-1 shard mean for the two-phase formats. A sync restored
 from the slots finishes exactly as the original would have. The slots exist from construction,
 so a checkpoint has the same structure at every step.
+
+:meth:`FragmentExchange.rebind` moves the next syncs to another channel. The buckets never
+change; the scheme and its buffers depend on the channel's ``size`` (a two-phase mean's shard
+layout, a gather's rows) and ``rank`` (the shard a two-phase mean owns), so when either differs
+they are rebuilt: the error-feedback residuals then restart from zero (what the old encoding
+dropped is forgotten, a bounded one-time loss) and the payload slots are empty. A channel of the
+same size and rank (e.g. fewer contributors) keeps them.
 """
 
 from __future__ import annotations
@@ -31,10 +39,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from distoptim.comm.averaging import Pending
+from distoptim.comm.averaging import Mean, MeanBuffers, Pending
 from distoptim.comm.bucket import BucketPlan
+from distoptim.comm.channel import Channel
 from distoptim.comm.stats import CommStats
 from distoptim.comm.wire import Format
 
@@ -49,7 +57,7 @@ class InFlight:
 
 
 class FragmentExchange:
-    """Averages ``Δ = global - local`` of one fragment over ``group`` (``group_size`` ranks).
+    """Averages ``Δ = global - local`` of one fragment over ``channel``.
 
     ``local`` are the model's parameters of the fragment, ``global_`` the global copies (same
     shapes, dtypes and devices); ``wire`` the format; ``cap_bytes`` bounds one bucket's
@@ -62,8 +70,7 @@ class FragmentExchange:
         local: Sequence[torch.Tensor],
         global_: Sequence[torch.Tensor],
         wire: Format,
-        group: dist.ProcessGroup | None,
-        group_size: int,
+        channel: Channel,
         stats: CommStats,
         error_feedback: bool,
         cap_bytes: int,
@@ -72,11 +79,38 @@ class FragmentExchange:
         self.local = list(local)
         self.global_ = list(global_)
         self.wire = wire
-        self.group_size = group_size
         self.plan = BucketPlan(self.local, cap_bytes=cap_bytes, order=range(len(self.local)))
-        self._mean = wire.mean(group, group_size, stats, error_feedback)
+        self._stats = stats
+        self._error_feedback = error_feedback
+        self._keep_payload = keep_payload
         self._payloads = [b.persistent_buffer().zero_()[: b.numel] for b in self.plan.buckets]
-        self._buffers = [self._mean.buffers(p, keep_payload) for p in self._payloads]
+        self.channel = channel
+        self._mean, self._buffers = self._scheme(channel)
+
+    def _scheme(self, channel: Channel) -> tuple[Mean, list[MeanBuffers]]:
+        """The averaging scheme over ``channel`` and its buffers for every bucket (zeroed)."""
+        mean = self.wire.mean(channel, self._stats, self._error_feedback)
+        return mean, [mean.buffers(p, self._keep_payload) for p in self._payloads]
+
+    @property
+    def group_size(self) -> int:
+        """Members of the channel the next sync runs over."""
+        return self.channel.size
+
+    def rebind(self, channel: Channel) -> bool:
+        """Run the next syncs over ``channel``; True when the scheme was rebuilt.
+
+        Call it between syncs (a sync launched over the old channel must be finished first).
+        With the same ``size`` and ``rank`` the scheme and its buffers (residuals, slots) are
+        kept and only the channel changes; otherwise they are rebuilt for the new layout and
+        the error-feedback residuals restart from zero (see the module).
+        """
+        old, self.channel = self.channel, channel
+        if (channel.size, channel.rank) == (old.size, old.rank):
+            self._mean.channel = channel
+            return False
+        self._mean, self._buffers = self._scheme(channel)
+        return True
 
     @property
     def finishes_with_collective(self) -> bool:
