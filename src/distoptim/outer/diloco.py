@@ -60,14 +60,14 @@ from distoptim.comm.guard import GuardWords, RoundKind, plan_word
 from distoptim.comm.stats import CommStats
 from distoptim.comm.wire import parse_wire
 from distoptim.outer.agreement import SyncAgreement
+from distoptim.outer.checkpoint import check_wrapper_state
 from distoptim.outer.exchange import FragmentExchange, InFlight
 from distoptim.outer.fragments import Fragment, FragmentSchedule
-from distoptim.protocol import WrappedOptimizer, check_inner_state_dict, swapped_grads
+from distoptim.protocol import WrappedOptimizer, swapped_grads
 
 __all__ = ["DiLoCo"]
 
 _MIB = 1 << 20
-_WRAPPER_KEYS = ("config", "global", "outer", "residuals", "pending", "syncs")
 
 
 @dataclass
@@ -367,82 +367,17 @@ class DiLoCo(WrappedOptimizer):
             self._step_being_loaded = None
 
     def _check_wrapper_state_dict(self, state: Any) -> None:
-        where = "state_dict['wrapper']"
-        if not isinstance(state, dict):
-            raise TypeError(f"{where} must be a dict, got {type_name(state)}")
-        if sorted(state) != sorted(_WRAPPER_KEYS):
-            raise ValueError(
-                f"{where} must have the keys {list(_WRAPPER_KEYS)}, got {sorted(state)} (a "
-                f"{self._name} checkpoint holds its global copy and outer state)"
-            )
-        config = state["config"]
-        if not isinstance(config, dict) or config != self._config():
-            mine = self._config()
-            diff = (
-                sorted(k for k in {*mine, *config} if mine.get(k) != config.get(k))
-                if isinstance(config, dict)
-                else "not a dict"
-            )
-            raise ValueError(
-                f"{where}['config'] is from another configuration (differs in {diff}): "
-                f"checkpoint {config!r}, this optimizer {mine!r}"
-            )
-        _check_tensors(f"{where}['global']", state["global"], [p for p in self._global])
-        if not isinstance(state["outer"], dict):
-            raise TypeError(f"{where}['outer'] must be a dict, got {type_name(state['outer'])}")
-        check_inner_state_dict(self._outer, state["outer"])
-        residuals = state["residuals"]
-        if not isinstance(residuals, list) or len(residuals) != len(self._exchanges):
-            raise ValueError(f"{where}['residuals'] must be a list of {len(self._exchanges)} lists")
-        for p, (saved, exchange) in enumerate(zip(residuals, self._exchanges)):
-            if not isinstance(saved, list) or len(saved) != len(exchange.residuals):
-                raise ValueError(
-                    f"{where}['residuals'][{p}] must be a list of {len(exchange.residuals)} "
-                    "dicts of residuals (one per bucket)"
-                )
-            for k, (entry, mine) in enumerate(zip(saved, exchange.residuals)):
-                if not isinstance(entry, dict) or sorted(entry) != sorted(mine):
-                    raise ValueError(
-                        f"{where}['residuals'][{p}][{k}] must be a dict of {sorted(mine)}"
-                    )
-                _check_tensors(
-                    f"{where}['residuals'][{p}][{k}]",
-                    [entry[name] for name in mine],
-                    list(mine.values()),
-                )
-        syncs = state["syncs"]
-        if isinstance(syncs, bool) or not isinstance(syncs, int) or syncs < 0:
-            raise ValueError(f"{where}['syncs'] must be an int >= 0, got {syncs!r}")
-        self._check_pending(state["pending"])
-
-    def _check_pending(self, pending: Any) -> None:
-        """The saved in-flight sync must be the one the schedule has in flight at that step."""
-        where = "state_dict['wrapper']['pending']"
-        if not isinstance(pending, dict) or sorted(pending) != [
-            "fragment",
-            "launched_at",
-            "payload",
-        ]:
-            raise ValueError(f"{where} must be a dict of fragment, launched_at, payload")
         step = self.iterations if self._step_being_loaded is None else self._step_being_loaded
-        expected = self._schedule.in_flight_after(step)
-        want = (-1, -1) if expected is None else (expected[0].index, expected[1])
-        got = (pending["fragment"], pending["launched_at"])
-        if got != want:
-            raise ValueError(
-                f"{where} says fragment {got[0]!r} launched at step {got[1]!r} is in flight, but "
-                f"at step {step} the schedule has "
-                + (
-                    "nothing in flight"
-                    if expected is None
-                    else f"fragment {want[0]} launched at step {want[1]} in flight"
-                )
-            )
-        payload = pending["payload"]
-        if not isinstance(payload, list) or len(payload) != len(self._exchanges):
-            raise ValueError(f"{where}['payload'] must be a list of {len(self._exchanges)} lists")
-        for p, (saved, exchange) in enumerate(zip(payload, self._exchanges)):
-            _check_tensors(f"{where}['payload'][{p}]", saved, exchange.slots)
+        check_wrapper_state(
+            state,
+            owner=self._name,
+            config=self._config(),
+            global_=self._global,
+            outer=self._outer,
+            exchanges=self._exchanges,
+            schedule=self._schedule,
+            step=step,
+        )
 
     def _load_wrapper_state_dict(self, state: dict[str, Any]) -> None:
         if self._in_flight is not None:  # its collective was launched on every rank: drain it
@@ -523,14 +458,3 @@ def _check_group(
             "group (init_process_group, torchrun or distoptim.launch.spawn)"
         )
     return check_group_assignment(group, dist.get_world_size()), None
-
-
-def _check_tensors(where: str, saved: Any, mine: Sequence[torch.Tensor]) -> None:
-    if not isinstance(saved, (list, tuple)) or len(saved) != len(mine):
-        raise ValueError(f"{where} must be a list of {len(mine)} tensors, got {type_name(saved)}")
-    for i, (t, ref) in enumerate(zip(saved, mine)):
-        if not isinstance(t, torch.Tensor) or t.shape != ref.shape or t.dtype != ref.dtype:
-            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type_name(t)
-            raise ValueError(
-                f"{where}[{i}] must be a {ref.dtype} tensor of shape {tuple(ref.shape)}, got {got}"
-            )
