@@ -22,10 +22,11 @@ import torch.distributed.checkpoint as dcp
 
 from distoptim import DiLoCo
 from distoptim.comm.channel import GroupChannel
-from distoptim.comm.guard import CHUNKS, DesyncError
+from distoptim.comm.guard import DesyncError
 from distoptim.comm.stats import CommStats, ring_allreduce_bytes
 from distoptim.comm.wire import parse_wire
 from distoptim.launch import spawn
+from distoptim.outer.agreement import HEADER_BYTES
 from distoptim.outer.exchange import FragmentExchange
 from tests.comm import reference as wire_ref
 from tests.outer import reference as ref
@@ -235,8 +236,8 @@ def test_localsgd_is_the_parameter_average(two_ranks):
 def test_fp32_bytes_are_one_ring_all_reduce_per_sync(two_ranks):
     got = two_ranks[0]["diloco_sgd"]
     syncs = EXACT["diloco_sgd"].steps // EXACT["diloco_sgd"].sync_every
-    header = CHUNKS + 16  # sequence words and two float64 sums, to the one peer
-    assert got["bytes"] == syncs * (ring_allreduce_bytes(NUMEL * 8, 2) + header)
+    # each sync's header (words, fingerprints and two float64 sums) goes to the one peer
+    assert got["bytes"] == syncs * (ring_allreduce_bytes(NUMEL * 8, 2) + HEADER_BYTES)
     assert got["collectives"] == 2 * syncs  # each sync: its header, then the all-reduce
 
 
@@ -341,8 +342,9 @@ def test_huge_finite_pseudo_gradients_give_a_finite_global_copy(two_ranks, wire)
 @pytest.mark.parametrize(
     ("case", "says"),
     [
-        ("mismatch_options", "ParameterMismatchError: DiLoCo: ranks disagree on the parameter"),
-        ("mismatch_steps", "DesyncError: DiLoCo: ranks are out of step"),
+        ("mismatch_options", "ParameterMismatchError: DiLoCo: replicas disagree on the"),
+        ("mismatch_options", "options: sync_every: rank 0 2, rank 1 4"),
+        ("mismatch_steps", "DesyncError: DiLoCo: replicas are out of step -- step counters"),
         ("mismatch_weights", "ParameterMismatchError: DiLoCo: replicas hold different global"),
     ],
 )

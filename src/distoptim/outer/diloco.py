@@ -54,12 +54,11 @@ from distoptim.checks import (
     type_name,
 )
 from distoptim.comm.channel import Channel, GroupChannel
-from distoptim.comm.fingerprint import digest
 from distoptim.comm.groups import check_group_assignment, comm_device
-from distoptim.comm.guard import GuardWords, RoundKind, plan_word
+from distoptim.comm.guard import RoundKind
 from distoptim.comm.stats import CommStats
 from distoptim.comm.wire import parse_wire
-from distoptim.outer.agreement import SyncAgreement
+from distoptim.outer.agreement import ReplicaIdentity, SyncAgreement
 from distoptim.outer.checkpoint import check_wrapper_state
 from distoptim.outer.exchange import FragmentExchange, InFlight
 from distoptim.outer.fragments import Fragment, FragmentSchedule
@@ -221,8 +220,8 @@ class DiLoCo(WrappedOptimizer):
         if group_size > 1:
             device = comm_device(group_obj)
             self._agreement = SyncAgreement(self._channel, self._stats, device, name)
-        # the parameters and options every header carries (the step then fixes the fragment)
-        self._plan_word = plan_word(digest(params, self._config()))
+        # what every header says about this replica: parameters, options, optimizers
+        self._identity = ReplicaIdentity(type(self).__name__, params, self._config(), inner, outer)
         self._in_flight: _Sync | None = None
         self._syncs = 0
         self._step_being_loaded: int | None = None
@@ -278,7 +277,7 @@ class DiLoCo(WrappedOptimizer):
         fragment = self._schedule.launching_at(t)
         if fragment is None:
             return
-        self._agree(fragment, t)
+        self._agree(RoundKind.STEP, t, fragment)
         sync = _Sync(fragment, t, self._exchanges[fragment.index].launch())
         if self.fragment_sync_delay == 0:
             self._apply(sync, t)
@@ -289,7 +288,7 @@ class DiLoCo(WrappedOptimizer):
         """The outer step of one fragment on the global copy, then the local mix (see module)."""
         exchange = self._exchanges[sync.fragment.index]
         if exchange.finishes_with_collective and t != sync.launched_at:
-            self._agree(sync.fragment, t)  # e.g. phase 2 of a two-phase mean
+            self._agree(RoundKind.STEP, t, sync.fragment)  # e.g. phase 2 of a two-phase mean
         mean = exchange.finish(sync.flight)
         local, global_ = exchange.local, exchange.global_
         alpha = self.fragment_update_alpha
@@ -303,18 +302,22 @@ class DiLoCo(WrappedOptimizer):
                 torch._foreach_lerp_(local, kept, alpha)  # alpha·θ_r + (1 - alpha)·θ_g'
         self._syncs += 1
 
-    def _agree(self, fragment: Fragment, t: int) -> None:
+    def _agree(
+        self, kind: RoundKind, t: int, fragment: Fragment | None, finite: bool = True
+    ) -> list[str]:
         """The sync header (see :mod:`~distoptim.outer.agreement`) before sized collectives.
 
-        Equal options and equal steps imply the same fragment and phase on every replica, so
-        the words carry the step and one fingerprint of all parameters and options.
+        ``fragment``: the fragment whose sync follows (its global copy is compared), ``None``
+        for a header that precedes no payload (the whole global copy is compared); ``finite``:
+        whether this replica's pseudo-gradient of it is finite. Returns the replicas whose
+        pseudo-gradient is not finite (empty: the sync stands); raises on every disagreement.
         """
         if self._agreement is None:
-            return
-        words = GuardWords(
-            RoundKind.STEP, step=t, passes=0, plan=self._plan_word, params=len(self._params)
-        )
-        self._agreement.check(words, self._exchanges[fragment.index].global_)
+            return [] if finite else [f"rank {self._channel.ranks[self._channel.rank]}"]
+        index = None if fragment is None else fragment.index
+        header = self._identity.header(kind, t, index, finite)
+        copy = self._global if fragment is None else self._exchanges[fragment.index].global_
+        return self._agreement.check(header, copy, self._identity.describe)
 
     def _config(self) -> dict[str, Any]:
         return {
