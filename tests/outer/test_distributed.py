@@ -154,16 +154,21 @@ def _rebind(rank: int) -> dict[str, bool]:
     ex = FragmentExchange(
         local, global_, parse_wire("int8"), GroupChannel(None, 2), CommStats(), True, 1 << 20, False
     )
-    first = ex.finish(ex.launch())[0].clone()
+
+    def sync() -> torch.Tensor:
+        ex.form()
+        return ex.finish(ex.launch())[0]
+
+    first = sync().clone()
     residual = ex.residuals[0]["local"]
     out = {"kept": not ex.rebind(GroupChannel(None, 2)) and ex.residuals[0]["local"] is residual}
     alone, _ = dist.new_subgroups_by_enumeration([[0], [1]])
     out["alone"] = ex.rebind(GroupChannel(alone, 1)) and ex.residuals == []
-    out["own"] = torch.equal(ex.finish(ex.launch())[0], global_[0] - local[0])  # Δ itself
+    out["own"] = torch.equal(sync(), global_[0] - local[0])  # Δ itself
     out["back"] = ex.rebind(GroupChannel(None, 2)) and all(
         not r.any() for r in ex.residuals[0].values()
     )
-    out["fresh"] = torch.equal(ex.finish(ex.launch())[0], first)  # zero residuals, as at first
+    out["fresh"] = torch.equal(sync(), first)  # zero residuals, as at first
     return out
 
 

@@ -16,9 +16,11 @@ Each bucket has the scheme's buffers (:class:`~distoptim.comm.averaging.MeanBuff
 per-rank error-feedback residuals of the lossy formats, by name, and a payload slot. On a group
 of one replica nothing travels, whatever the wire: the mean is ``Δ`` itself.
 
-A sync is *launched* (``Δ`` formed, collectives started, nothing waited for), possibly carried
-over inner steps, and *finished* (waited for; the mean lands in the bucket buffers, which the
-caller reads as per-parameter views). With ``keep_payload`` a sync can be *settled* in between
+A sync is *formed* (``Δ`` written into the bucket buffers, and whether every value is finite
+reported, so the replicas can refuse a non-finite one before anything travels), *launched*
+(collectives started, nothing waited for), possibly carried over inner steps, and *finished*
+(waited for; the mean lands in the bucket buffers, which the caller reads as per-parameter
+views). With ``keep_payload`` a sync can be *settled* in between
 -- its launched collective waited for, locally, without starting another -- into fixed
 per-bucket payload slots a checkpoint holds: the reduced mean itself for ``fp32`` and top-k
 (the bucket buffers), this rank's phase-1 shard mean for the two-phase formats. A sync restored
@@ -35,6 +37,7 @@ same size and rank (e.g. fewer contributors) keeps them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -128,14 +131,23 @@ class FragmentExchange:
         return [b.slot for b in self._buffers if b.slot is not None]
 
     # ---- the sync --------------------------------------------------------------------------
-    def launch(self) -> InFlight:
-        """Form ``Δ`` bucket by bucket and start each bucket's mean (no wait)."""
-        pending: list[Pending] = []
-        for bucket, payload, buffers in zip(self.plan.buckets, self._payloads, self._buffers):
+    def form(self) -> bool:
+        """Write ``Δ = global - local`` into the bucket buffers; True iff every value is finite.
+
+        Nothing travels and no residual changes: :meth:`launch` sends what was formed.
+        """
+        for bucket in self.plan.buckets:
             views = bucket.views(bucket.persistent_buffer())
             torch._foreach_copy_(views, [self.global_[i] for i in bucket.members])
             torch._foreach_sub_(views, [self.local[i].detach() for i in bucket.members])
-            pending.append(self._mean.launch(payload, buffers))
+        return all(_finite(payload) for payload in self._payloads)
+
+    def launch(self) -> InFlight:
+        """Start each bucket's mean of the ``Δ`` :meth:`form` wrote (no wait)."""
+        pending: list[Pending] = [
+            self._mean.launch(payload, buffers)
+            for payload, buffers in zip(self._payloads, self._buffers)
+        ]
         return InFlight(pending)
 
     def settle(self, sync: InFlight) -> None:
@@ -157,3 +169,10 @@ class FragmentExchange:
     def restore(self) -> InFlight:
         """The sync whose settled payload the slots hold (loaded from a checkpoint)."""
         return InFlight([self._mean.restore(p, b) for p, b in zip(self._payloads, self._buffers)])
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """Every value of ``t`` is finite: a sum is finite only if every term is (NaN and Inf
+    propagate), and only when it is not (maybe an overflow of finite terms) is every value
+    tested."""
+    return math.isfinite(float(t.sum())) or bool(torch.isfinite(t).all())
