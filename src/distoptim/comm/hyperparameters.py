@@ -5,12 +5,12 @@ optimizer (the same type, the same learning rate, momentum, ... in every param g
 grouping of the parameters) without sending the hyperparameters at every round:
 
 * :func:`describe_optimizer` -- ``torch.optim.Optimizer`` -> JSON-able dict: the type's
-  qualified name and, per param group, which parameters it holds (their count and a short hash
-  of their positions in a reference list) and every hyperparameter, values made plain (numbers
-  stay exact: ``json`` writes floats with ``repr``; tensors become lists, or a hash when large;
-  other objects their type's name). The implementation flags ``foreach``, ``fused``,
-  ``capturable`` and ``differentiable`` are left out: they choose a kernel, not the math, and
-  may differ between machines.
+  qualified name and, per param group, which parameters it holds (:func:`group_members`: their
+  count and a short hash of their positions in a reference list) and every hyperparameter,
+  values made plain (numbers stay exact: ``json`` writes floats with ``repr``; tensors become
+  lists, or a hash when large; other objects their type's name). The implementation flags
+  ``foreach``, ``fused``, ``capturable`` and ``differentiable`` are left out: they choose a
+  kernel, not the math, and may differ between machines.
 * :func:`fingerprint` -- a description -> a 64-bit BLAKE2b of its canonical JSON: equal
   descriptions give equal fingerprints; different ones differ except with probability 2^-64.
 * :func:`differences` -- the descriptions every replica sent (exchanged only once fingerprints
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["describe_optimizer", "differences", "fingerprint"]
+__all__ = ["describe_optimizer", "differences", "fingerprint", "group_members"]
 
 IMPLEMENTATION_FLAGS = frozenset({"foreach", "fused", "capturable", "differentiable"})
 """Param-group keys that select an implementation, not the update; never compared."""
@@ -63,21 +63,32 @@ def _plain(value: Any) -> Any:
     return f"<{type(value).__module__}.{type(value).__qualname__}>"
 
 
+def group_members(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> list[str]:
+    """Per param group of ``opt``, which parameters it holds: their count and a short hash of
+    their positions in ``params`` (a parameter not in ``params`` counts as position -1)."""
+    position = {id(p): i for i, p in enumerate(params)}
+    out = []
+    for group in opt.param_groups:
+        members = [position.get(id(p), -1) for p in group["params"]]
+        out.append(f"{len(members)} #{_short_hash(json.dumps(members).encode())}")
+    return out
+
+
 def describe_optimizer(
-    opt: torch.optim.Optimizer, params: Sequence[torch.Tensor]
+    opt: torch.optim.Optimizer,
+    params: Sequence[torch.Tensor],
+    members: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """``opt``'s type and param groups as plain data (see the module).
 
-    ``params``: the reference order; a group's parameters are described by their count and a
-    hash of their positions in it (a parameter not in ``params`` counts as position -1).
+    ``params``: the reference order for :func:`group_members`; ``members``: its result, when
+    the caller keeps it (the grouping of a fixed parameter list does not change).
     """
-    position = {id(p): i for i, p in enumerate(params)}
+    if members is None or len(members) != len(opt.param_groups):
+        members = group_members(opt, params)
     groups = []
-    for group in opt.param_groups:
-        members = [position.get(id(p), -1) for p in group["params"]]
-        entry: dict[str, Any] = {
-            "params": f"{len(members)} #{_short_hash(json.dumps(members).encode())}"
-        }
+    for group, held in zip(opt.param_groups, members):
+        entry: dict[str, Any] = {"params": held}
         for key in sorted(group):
             if key != "params" and key not in IMPLEMENTATION_FLAGS:
                 entry[key] = _plain(group[key])

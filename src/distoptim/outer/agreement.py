@@ -61,7 +61,12 @@ import torch
 from distoptim.comm.channel import Channel
 from distoptim.comm.fingerprint import digest
 from distoptim.comm.guard import DesyncError, ParameterMismatchError, RoundKind
-from distoptim.comm.hyperparameters import describe_optimizer, differences, fingerprint
+from distoptim.comm.hyperparameters import (
+    describe_optimizer,
+    differences,
+    fingerprint,
+    group_members,
+)
 from distoptim.comm.stats import CommStats
 
 __all__ = [
@@ -134,8 +139,9 @@ class ReplicaIdentity:
     description they summarize.
 
     ``algorithm`` names the optimizer (``"DiLoCo"``, ``"LocalSGD"``); ``params`` and
-    ``options`` are fixed at construction (the plan fingerprint); the inner and outer
-    optimizers' hyperparameters are read at every header (schedulers move them).
+    ``options`` are fixed at construction (the plan fingerprint), and so is which parameters
+    each param group of the inner and outer optimizers holds; their hyperparameters are read at
+    every header (schedulers move them).
     """
 
     def __init__(
@@ -152,6 +158,9 @@ class ReplicaIdentity:
         self.inner = inner
         self.outer = outer
         self.plan = int.from_bytes(digest(self.params, self.options)[:8], "little")
+        self._members = {
+            id(opt): group_members(opt, self.params) for opt in (self.inner, self.outer)
+        }
 
     def header(self, kind: RoundKind, step: int, fragment: int | None, finite: bool) -> Header:
         """This replica's header for a sync of ``fragment`` (``None``: no payload follows)."""
@@ -162,15 +171,18 @@ class ReplicaIdentity:
             len(self.params),
             self.plan,
             fingerprint(self._outer()),
-            fingerprint(describe_optimizer(self.inner, self.params)),
+            fingerprint(self._describe(self.inner)),
             finite,
         )
 
     def _outer(self) -> dict[str, Any]:
         return {
             "algorithm": self.algorithm,
-            "optimizer": describe_optimizer(self.outer, self.params),
+            "optimizer": self._describe(self.outer),
         }
+
+    def _describe(self, opt: torch.optim.Optimizer) -> dict[str, Any]:
+        return describe_optimizer(opt, self.params, self._members[id(opt)])
 
     def describe(self) -> dict[str, Any]:
         """Everything the fingerprints cover, as JSON-able data (sent only on a mismatch)."""
@@ -181,8 +193,8 @@ class ReplicaIdentity:
                 for p in self.params
             ],
             "options": self.options,
-            "outer optimizer": describe_optimizer(self.outer, self.params),
-            "inner optimizer": describe_optimizer(self.inner, self.params),
+            "outer optimizer": self._describe(self.outer),
+            "inner optimizer": self._describe(self.inner),
         }
 
 

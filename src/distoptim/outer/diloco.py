@@ -3,8 +3,12 @@
 Owns the user-facing semantics of the synchronous outer-optimizer family (``docs/diloco.md``):
 argument validation, the (sub)group of replicas, the sync schedule, how the outer optimizer --
 built by the user over the *model's* parameters -- is applied to the global copy, the mixing of
-local and global values, and checkpoints. What travels, and in which wire format, is
-:mod:`distoptim.outer.exchange`; which parameters sync when is :mod:`distoptim.outer.fragments`.
+local and global values, how a run ends (:meth:`DiLoCo.finish`: the final sync of every
+fragment), what every replica does with a sync refused for a non-finite pseudo-gradient, a
+collective that fails because a peer left, and checkpoints. What travels, and in which wire
+format, is :mod:`distoptim.outer.exchange`; which parameters sync when is
+:mod:`distoptim.outer.fragments`; what the replicas agree on before a sync is
+:mod:`distoptim.outer.agreement`; what a checkpoint must hold is :mod:`distoptim.outer.checkpoint`.
 
 The algorithm (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of
 Language Models", arXiv 2311.08105, Algorithm 1; fragments, delay and mixing from Douillard et
