@@ -3,8 +3,12 @@
 Owns the user-facing semantics of the synchronous outer-optimizer family (``docs/diloco.md``):
 argument validation, the (sub)group of replicas, the sync schedule, how the outer optimizer --
 built by the user over the *model's* parameters -- is applied to the global copy, the mixing of
-local and global values, and checkpoints. What travels, and in which wire format, is
-:mod:`distoptim.outer.exchange`; which parameters sync when is :mod:`distoptim.outer.fragments`.
+local and global values, how a run ends (:meth:`DiLoCo.finish`: the final sync of every
+fragment), what every replica does with a sync refused for a non-finite pseudo-gradient, a
+collective that fails because a peer left, and checkpoints. What travels, and in which wire
+format, is :mod:`distoptim.outer.exchange`; which parameters sync when is
+:mod:`distoptim.outer.fragments`; what the replicas agree on before a sync is
+:mod:`distoptim.outer.agreement`; what a checkpoint must hold is :mod:`distoptim.outer.checkpoint`.
 
 The algorithm (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of
 Language Models", arXiv 2311.08105, Algorithm 1; fragments, delay and mixing from Douillard et
@@ -37,9 +41,10 @@ parameters, and ``outer`` can be stepped by the user's own scheduler or inspecte
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,20 +58,20 @@ from distoptim.checks import (
     check_positive,
     type_name,
 )
-from distoptim.comm.fingerprint import digest
+from distoptim.comm.channel import Channel, GroupChannel
 from distoptim.comm.groups import check_group_assignment, comm_device
-from distoptim.comm.guard import GuardWords, RoundKind, plan_word
+from distoptim.comm.guard import DesyncError, RoundKind
 from distoptim.comm.stats import CommStats
 from distoptim.comm.wire import parse_wire
-from distoptim.outer.agreement import SyncAgreement
+from distoptim.outer.agreement import NonFiniteSyncError, ReplicaIdentity, SyncAgreement
+from distoptim.outer.checkpoint import check_wrapper_state, warn_between_syncs
 from distoptim.outer.exchange import FragmentExchange, InFlight
 from distoptim.outer.fragments import Fragment, FragmentSchedule
-from distoptim.protocol import WrappedOptimizer, check_inner_state_dict, swapped_grads
+from distoptim.protocol import WrappedOptimizer, swapped_grads
 
-__all__ = ["DiLoCo"]
+__all__ = ["DiLoCo", "GlobalParameters"]
 
 _MIB = 1 << 20
-_WRAPPER_KEYS = ("config", "global", "outer", "residuals", "pending", "syncs")
 
 
 @dataclass
@@ -76,6 +81,18 @@ class _Sync:
     fragment: Fragment
     launched_at: int
     flight: InFlight
+
+
+class GlobalParameters(list):  # type: ignore[type-arg]
+    """The global copy ``θ_g``: one tensor per parameter, in the inner optimizer's order.
+
+    A list of the live tensors (do not modify them). Calling it returns itself, so
+    ``opt.global_parameters()`` -- :class:`~distoptim.AsyncDiLoCoOptimizer`'s spelling -- reads
+    the same list as ``opt.global_parameters``.
+    """
+
+    def __call__(self) -> GlobalParameters:
+        return self
 
 
 class DiLoCo(WrappedOptimizer):
@@ -112,9 +129,17 @@ class DiLoCo(WrappedOptimizer):
     Outside an initialized process group (or on a group of one) the optimizer runs as one
     replica: ``Δ`` is the replica's own and nothing is sent. Every sync starts with a small
     fixed-size header (:mod:`~distoptim.outer.agreement`) in which the replicas agree on the
-    step, the fragment, the parameters, the options and the fragment's global copy, so a
-    divergence raises :class:`~distoptim.comm.guard.DesyncError` (or its subclass
-    ``ParameterMismatchError``) on every rank instead of mixing wrong values or hanging.
+    step, the fragment, the parameters, the options, both optimizers' hyperparameters and the
+    fragment's global copy, and say whether their pseudo-gradient is finite, so a divergence
+    raises :class:`~distoptim.comm.guard.DesyncError` (or its subclass
+    ``ParameterMismatchError``) on every rank instead of mixing wrong values or hanging, and a
+    non-finite pseudo-gradient is refused on every replica
+    (:class:`~distoptim.outer.agreement.NonFiniteSyncError`).
+
+    Collective calls (every replica of the group must make them, at the same step): ``step()``
+    at a sync step (and, with ``τ > 0`` and a two-phase wire, at the step that applies the sync
+    in flight) and ``finish()``. ``state_dict()`` and ``load_state_dict()`` are local (with a
+    sync in flight they wait for its launched collective, which every replica started).
     """
 
     def __init__(
@@ -195,6 +220,7 @@ class DiLoCo(WrappedOptimizer):
         self.group_assignment = assignment
         self._group = group_obj
         self._group_size = group_size
+        self._channel: Channel = GroupChannel(group_obj, group_size)
         self._params = params
         self._stats = CommStats()
         with torch.no_grad():
@@ -207,8 +233,7 @@ class DiLoCo(WrappedOptimizer):
                 params[f.start : f.stop],
                 self._global[f.start : f.stop],
                 wire_format,
-                group_obj,
-                group_size,
+                self._channel,
                 self._stats,
                 error_feedback,
                 cap_bytes=max(1, int(cap * _MIB)),
@@ -219,11 +244,19 @@ class DiLoCo(WrappedOptimizer):
         self._agreement: SyncAgreement | None = None
         if group_size > 1:
             device = comm_device(group_obj)
-            self._agreement = SyncAgreement(group_obj, group_size, self._stats, device, name)
-        # the parameters and options every header carries (the step then fixes the fragment)
-        self._plan_word = plan_word(digest(params, self._config()))
+            self._agreement = SyncAgreement(self._channel, self._stats, device, name)
+        # what every header says about this replica: parameters, options, optimizers
+        self._identity = ReplicaIdentity(type(self).__name__, params, self._config(), inner, outer)
         self._in_flight: _Sync | None = None
         self._syncs = 0
+        self._refused_syncs = 0
+        self._refused: list[str] = []  # refusals not raised yet (raised at the end of the call)
+        # per fragment, the step after which its local values were its global copy (they are
+        # "synced" iff that is the current step); the step at which finish() or a refusal last
+        # closed the sync the schedule had in flight
+        self._synced_at = [0] * len(self._schedule)
+        self._closed_at = -1
+        self._warned_between_syncs = False
         self._step_being_loaded: int | None = None
         self._built = True
 
@@ -249,14 +282,25 @@ class DiLoCo(WrappedOptimizer):
         return self._schedule
 
     @property
-    def global_parameters(self) -> list[torch.Tensor]:
-        """The global copy ``θ_g``, one tensor per parameter (live; do not modify)."""
-        return self._global
+    def global_parameters(self) -> GlobalParameters:
+        """The global copy ``θ_g``: the model every replica agrees on, bit for bit.
+
+        One live tensor per parameter, in the inner optimizer's order (do not modify them);
+        each fragment's values are those of its last sync. After :meth:`finish` the model's own
+        parameters equal it on every replica. No communication. ``opt.global_parameters()``
+        works too (see :class:`GlobalParameters`).
+        """
+        return GlobalParameters(self._global)
 
     @property
     def syncs(self) -> int:
         """Fragment syncs applied so far (outer steps taken)."""
         return self._syncs
+
+    @property
+    def refused_syncs(self) -> int:
+        """Fragment syncs refused because some replica's pseudo-gradient was not finite."""
+        return self._refused_syncs
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if self.__dict__.get("_built"):
@@ -267,31 +311,133 @@ class DiLoCo(WrappedOptimizer):
         super().add_param_group(param_group)
 
     # ---- the step ------------------------------------------------------------------------------
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """The inner step, then the sync due now, if any (collective at a sync step).
+
+        Raises :class:`~distoptim.outer.agreement.NonFiniteSyncError` on every replica, after
+        the step is counted, when the sync was refused for a non-finite pseudo-gradient.
+        """
+        loss = super().step(closure)
+        self._raise_refused()
+        return loss
+
     def _after_inner_step(self) -> None:
         """After inner step ``t``: apply the sync due at ``t``, launch the fragment due at ``t``."""
         t = self.iterations + 1
         sync = self._in_flight
         if sync is not None and sync.launched_at + self.fragment_sync_delay == t:
             self._in_flight = None
-            self._apply(sync, t)
+            self._apply(sync, t, self.fragment_update_alpha)
         fragment = self._schedule.launching_at(t)
         if fragment is None:
             return
-        self._agree(fragment, t)
-        sync = _Sync(fragment, t, self._exchanges[fragment.index].launch())
-        if self.fragment_sync_delay == 0:
-            self._apply(sync, t)
+        sync = self._launch(fragment, t, RoundKind.STEP)
+        if sync is None:  # refused: nothing in flight until the next launch
+            self._closed_at = t
+        elif self.fragment_sync_delay == 0:
+            self._apply(sync, t, self.fragment_update_alpha)
         else:
             self._in_flight = sync
 
-    def _apply(self, sync: _Sync, t: int) -> None:
-        """The outer step of one fragment on the global copy, then the local mix (see module)."""
+    def finish(self) -> None:
+        """End a run (or a phase of it) with every replica holding the global model.
+
+        Collective: every replica of the group calls it, after the same number of ``step()``
+        calls. It applies the sync in flight, if any, then syncs now every fragment whose local
+        values are not its global copy -- each such fragment as if its sync were due: ``Δ``
+        averaged in the wire format, one outer step -- and sets the fragment's local values to
+        the new global copy (``alpha`` does not apply). A fragment whose sync was applied at
+        this very step with ``alpha = 0`` is left as it is, so at a sync step of plain DiLoCo
+        nothing changes. Afterwards ``model.parameters()`` equal :attr:`global_parameters` on
+        every replica, bit for bit.
+
+        If some replica still steps (it reached a sync while this one finished), or finished at
+        another step, every replica raises ``DesyncError`` as soon as both are in the header
+        (no update applied). Training may go on after ``finish()``; the schedule continues.
+        Raises ``NonFiniteSyncError`` (after finishing every other fragment) if a final sync
+        was refused. On one replica: the same final syncs, no communication.
+        """
+        t = self.iterations
+        sync = self._in_flight
+        if sync is not None:
+            self._agree(RoundKind.FINISH, t, sync.fragment)  # before its last collective
+            self._in_flight, self._closed_at = None, t
+            self._apply(sync, t, self.fragment_update_alpha, header=False)
+        left = [f for f in self._schedule.fragments if self._synced_at[f.index] != t]
+        if sync is None and not left:
+            self._agree(RoundKind.FINISH, t, None)  # nothing to sync: only agree on the end
+        for fragment in left:
+            launched = self._launch(fragment, t, RoundKind.FINISH)
+            if launched is not None:
+                self._apply(launched, t, 0.0, header=False)
+        self._raise_refused()
+
+    def _launch(self, fragment: Fragment, t: int, kind: RoundKind) -> _Sync | None:
+        """Form the fragment's ``Δ``, agree on the header, launch its mean (``None``: refused)."""
+        exchange = self._exchanges[fragment.index]
+        refusing = self._agree(kind, t, fragment, exchange.form())
+        if refusing:
+            self._refuse(fragment, t, refusing)
+            return None
+        with self._peer_guard("the pseudo-gradient mean", t):
+            return _Sync(fragment, t, exchange.launch())
+
+    def _refuse(self, fragment: Fragment, t: int, replicas: list[str]) -> None:
+        """Every replica refuses the sync: no outer step, the fragment's local values reset to
+        its global copy; the error is raised at the end of the call (the step is counted)."""
+        exchange = self._exchanges[fragment.index]
+        with torch.no_grad():
+            torch._foreach_copy_(exchange.local, exchange.global_)
+        self._synced_at[fragment.index] = t
+        self._refused_syncs += 1
+        self._refused.append(
+            f"the sync of fragment {fragment.index} after step {t} (the pseudo-gradient "
+            f"θ_g - θ_r of {', '.join(replicas)} is not finite)"
+        )
+
+    def _raise_refused(self) -> None:
+        if not self._refused:
+            return
+        what, self._refused = "; ".join(self._refused), []
+        raise NonFiniteSyncError(
+            f"{self._name}: refused on every replica: {what}. No outer step was taken: the "
+            "global copy is unchanged and every replica's parameters of the fragment were reset "
+            "to it (the inner optimizers' states were not). The replicas are still in step and "
+            "training can go on (catch NonFiniteSyncError), but look for the cause first: a "
+            "learning rate too large, an fp16/bf16 overflow, a NaN loss on that replica's data."
+        )
+
+    @contextlib.contextmanager
+    def _peer_guard(self, what: str, t: int) -> Iterator[None]:
+        """A collective that fails because a peer left becomes a ``DesyncError`` saying so."""
+        try:
+            yield
+        except (DesyncError, torch.OutOfMemoryError):
+            raise
+        except RuntimeError as exc:
+            rank = self._channel.ranks[self._channel.rank]
+            raise DesyncError(
+                f"{self._name}: rank {rank}: {what} of step {t} failed while waiting for the "
+                "other replicas: a replica stopped taking part in this group's syncs. Its "
+                "training loop ended before this sync without finish() -- call opt.finish() on "
+                "every replica when training ends, so that a replica that stops early fails the "
+                "others at once, by name -- or it took fewer step() calls, raised (its own error "
+                f"is the real cause) or crashed.\n(the collective said: {type(exc).__name__}: "
+                f"{str(exc).strip()})"
+            ) from exc
+
+    def _apply(self, sync: _Sync, t: int, alpha: float, header: bool = True) -> None:
+        """The outer step of one fragment on the global copy, then the local mix (see module).
+
+        ``header``: agree first when the mean still runs a collective (phase 2) at another step
+        than its launch; ``finish()`` has agreed already.
+        """
         exchange = self._exchanges[sync.fragment.index]
-        if exchange.finishes_with_collective and t != sync.launched_at:
-            self._agree(sync.fragment, t)  # e.g. phase 2 of a two-phase mean
-        mean = exchange.finish(sync.flight)
+        if header and exchange.finishes_with_collective and t != sync.launched_at:
+            self._agree(RoundKind.STEP, t, sync.fragment)  # e.g. phase 2 of a two-phase mean
+        with self._peer_guard("the pseudo-gradient mean", t):
+            mean = exchange.finish(sync.flight)
         local, global_ = exchange.local, exchange.global_
-        alpha = self.fragment_update_alpha
         with torch.no_grad():
             kept = [p.detach().clone() for p in local] if alpha > 0 else None
             torch._foreach_copy_(local, global_)
@@ -300,20 +446,27 @@ class DiLoCo(WrappedOptimizer):
             torch._foreach_copy_(global_, local)
             if kept is not None:
                 torch._foreach_lerp_(local, kept, alpha)  # alpha·θ_r + (1 - alpha)·θ_g'
+        if alpha == 0:
+            self._synced_at[sync.fragment.index] = t
         self._syncs += 1
 
-    def _agree(self, fragment: Fragment, t: int) -> None:
+    def _agree(
+        self, kind: RoundKind, t: int, fragment: Fragment | None, finite: bool = True
+    ) -> list[str]:
         """The sync header (see :mod:`~distoptim.outer.agreement`) before sized collectives.
 
-        Equal options and equal steps imply the same fragment and phase on every replica, so
-        the words carry the step and one fingerprint of all parameters and options.
+        ``fragment``: the fragment whose sync follows (its global copy is compared), ``None``
+        for a header that precedes no payload (the whole global copy is compared); ``finite``:
+        whether this replica's pseudo-gradient of it is finite. Returns the replicas whose
+        pseudo-gradient is not finite (empty: the sync stands); raises on every disagreement.
         """
         if self._agreement is None:
-            return
-        words = GuardWords(
-            RoundKind.STEP, step=t, passes=0, plan=self._plan_word, params=len(self._params)
-        )
-        self._agreement.check(words, self._exchanges[fragment.index].global_)
+            return [] if finite else [f"rank {self._channel.ranks[self._channel.rank]}"]
+        index = None if fragment is None else fragment.index
+        header = self._identity.header(kind, t, index, finite)
+        copy = self._global if fragment is None else self._exchanges[fragment.index].global_
+        with self._peer_guard("the sync header", t):
+            return self._agreement.check(header, copy, self._identity.describe)
 
     def _config(self) -> dict[str, Any]:
         return {
@@ -334,13 +487,29 @@ class DiLoCo(WrappedOptimizer):
         The structure depends only on the configuration, never on the step: ``pending`` always
         holds every fragment's payload slots (empty lists when ``τ = 0``), and ``fragment`` /
         ``launched_at`` are -1 when no sync is in flight. So a state_dict of a freshly built
-        optimizer is a valid template for ``torch.distributed.checkpoint.load``.
+        optimizer is a valid template for ``torch.distributed.checkpoint.load``. ``rank`` is
+        this replica's index in its group (a checkpoint loads only on the same replica),
+        ``synced_at`` per fragment the step after which its local values were its global copy,
+        ``closed_at`` the last step at which ``finish()`` or a refusal closed the sync the
+        schedule had in flight. Taken between syncs (with more than one replica) it warns once
+        that the local parameters are not the global model.
         """
+        if (
+            self._group_size > 1
+            and not self._warned_between_syncs
+            and any(s != self.iterations for s in self._synced_at)
+        ):
+            self._warned_between_syncs = True
+            warn_between_syncs(self._name, stacklevel=4)
         sync = self._in_flight
         if sync is not None:  # wait for its collective (local): the slots then hold its payload
-            self._exchanges[sync.fragment.index].settle(sync.flight)
+            with self._peer_guard("waiting for the sync in flight", self.iterations):
+                self._exchanges[sync.fragment.index].settle(sync.flight)
         return {
             "config": self._config(),
+            "rank": self._channel.rank,
+            "synced_at": list(self._synced_at),
+            "closed_at": self._closed_at,
             "global": list(self._global),
             "outer": self._outer.state_dict(),
             "residuals": [[dict(r) for r in e.residuals] for e in self._exchanges],
@@ -366,86 +535,23 @@ class DiLoCo(WrappedOptimizer):
             self._step_being_loaded = None
 
     def _check_wrapper_state_dict(self, state: Any) -> None:
-        where = "state_dict['wrapper']"
-        if not isinstance(state, dict):
-            raise TypeError(f"{where} must be a dict, got {type_name(state)}")
-        if sorted(state) != sorted(_WRAPPER_KEYS):
-            raise ValueError(
-                f"{where} must have the keys {list(_WRAPPER_KEYS)}, got {sorted(state)} (a "
-                f"{self._name} checkpoint holds its global copy and outer state)"
-            )
-        config = state["config"]
-        if not isinstance(config, dict) or config != self._config():
-            mine = self._config()
-            diff = (
-                sorted(k for k in {*mine, *config} if mine.get(k) != config.get(k))
-                if isinstance(config, dict)
-                else "not a dict"
-            )
-            raise ValueError(
-                f"{where}['config'] is from another configuration (differs in {diff}): "
-                f"checkpoint {config!r}, this optimizer {mine!r}"
-            )
-        _check_tensors(f"{where}['global']", state["global"], [p for p in self._global])
-        if not isinstance(state["outer"], dict):
-            raise TypeError(f"{where}['outer'] must be a dict, got {type_name(state['outer'])}")
-        check_inner_state_dict(self._outer, state["outer"])
-        residuals = state["residuals"]
-        if not isinstance(residuals, list) or len(residuals) != len(self._exchanges):
-            raise ValueError(f"{where}['residuals'] must be a list of {len(self._exchanges)} lists")
-        for p, (saved, exchange) in enumerate(zip(residuals, self._exchanges)):
-            if not isinstance(saved, list) or len(saved) != len(exchange.residuals):
-                raise ValueError(
-                    f"{where}['residuals'][{p}] must be a list of {len(exchange.residuals)} "
-                    "dicts of residuals (one per bucket)"
-                )
-            for k, (entry, mine) in enumerate(zip(saved, exchange.residuals)):
-                if not isinstance(entry, dict) or sorted(entry) != sorted(mine):
-                    raise ValueError(
-                        f"{where}['residuals'][{p}][{k}] must be a dict of {sorted(mine)}"
-                    )
-                _check_tensors(
-                    f"{where}['residuals'][{p}][{k}]",
-                    [entry[name] for name in mine],
-                    list(mine.values()),
-                )
-        syncs = state["syncs"]
-        if isinstance(syncs, bool) or not isinstance(syncs, int) or syncs < 0:
-            raise ValueError(f"{where}['syncs'] must be an int >= 0, got {syncs!r}")
-        self._check_pending(state["pending"])
-
-    def _check_pending(self, pending: Any) -> None:
-        """The saved in-flight sync must be the one the schedule has in flight at that step."""
-        where = "state_dict['wrapper']['pending']"
-        if not isinstance(pending, dict) or sorted(pending) != [
-            "fragment",
-            "launched_at",
-            "payload",
-        ]:
-            raise ValueError(f"{where} must be a dict of fragment, launched_at, payload")
         step = self.iterations if self._step_being_loaded is None else self._step_being_loaded
-        expected = self._schedule.in_flight_after(step)
-        want = (-1, -1) if expected is None else (expected[0].index, expected[1])
-        got = (pending["fragment"], pending["launched_at"])
-        if got != want:
-            raise ValueError(
-                f"{where} says fragment {got[0]!r} launched at step {got[1]!r} is in flight, but "
-                f"at step {step} the schedule has "
-                + (
-                    "nothing in flight"
-                    if expected is None
-                    else f"fragment {want[0]} launched at step {want[1]} in flight"
-                )
-            )
-        payload = pending["payload"]
-        if not isinstance(payload, list) or len(payload) != len(self._exchanges):
-            raise ValueError(f"{where}['payload'] must be a list of {len(self._exchanges)} lists")
-        for p, (saved, exchange) in enumerate(zip(payload, self._exchanges)):
-            _check_tensors(f"{where}['payload'][{p}]", saved, exchange.slots)
+        check_wrapper_state(
+            state,
+            owner=self._name,
+            config=self._config(),
+            global_=self._global,
+            outer=self._outer,
+            exchanges=self._exchanges,
+            schedule=self._schedule,
+            step=step,
+            rank=self._channel.rank,
+        )
 
     def _load_wrapper_state_dict(self, state: dict[str, Any]) -> None:
         if self._in_flight is not None:  # its collective was launched on every rank: drain it
-            self._exchanges[self._in_flight.fragment.index].settle(self._in_flight.flight)
+            with self._peer_guard("waiting for the sync in flight", self.iterations):
+                self._exchanges[self._in_flight.fragment.index].settle(self._in_flight.flight)
             self._in_flight = None
         pending = state["pending"]
         with torch.no_grad():
@@ -462,6 +568,9 @@ class DiLoCo(WrappedOptimizer):
             flight = self._exchanges[fragment.index].restore()
             self._in_flight = _Sync(fragment, pending["launched_at"], flight)
         self._syncs = state["syncs"]
+        # a checkpoint written before these keys existed: no fragment counts as synced
+        self._synced_at = list(state.get("synced_at", [-1] * len(self._schedule)))
+        self._closed_at = state.get("closed_at", -1)
 
     def __repr__(self) -> str:
         return (
@@ -522,14 +631,3 @@ def _check_group(
             "group (init_process_group, torchrun or distoptim.launch.spawn)"
         )
     return check_group_assignment(group, dist.get_world_size()), None
-
-
-def _check_tensors(where: str, saved: Any, mine: Sequence[torch.Tensor]) -> None:
-    if not isinstance(saved, (list, tuple)) or len(saved) != len(mine):
-        raise ValueError(f"{where} must be a list of {len(mine)} tensors, got {type_name(saved)}")
-    for i, (t, ref) in enumerate(zip(saved, mine)):
-        if not isinstance(t, torch.Tensor) or t.shape != ref.shape or t.dtype != ref.dtype:
-            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type_name(t)
-            raise ValueError(
-                f"{where}[{i}] must be a {ref.dtype} tensor of shape {tuple(ref.shape)}, got {got}"
-            )
