@@ -210,6 +210,13 @@ class ManagedReplicas:
         """
         return self.manager.allreduce(tensor, reduce_op=dist.ReduceOp.SUM)
 
+    def all_reduce_group(self, tensor: torch.Tensor) -> Any:
+        """A SUM all-reduce over the quorum's group as every member sends it (no zeroing)."""
+        group = _torchft.quorum_group(self.manager)
+        opts = c10d.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        return self._managed(lambda: group.allreduce([tensor], opts))
+
     def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> Any:
         """All-gather ``tensor`` from every member of the quorum's group (healing ones too)."""
         group = _torchft.quorum_group(self.manager)
