@@ -45,7 +45,6 @@ import contextlib
 import math
 import numbers
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -69,24 +68,15 @@ from distoptim.outer.agreement import (
     ReplicaIdentity,
     SyncAgreement,
 )
-from distoptim.outer.checkpoint import check_wrapper_state, warn_between_syncs
-from distoptim.outer.exchange import FragmentExchange, InFlight
+from distoptim.outer.exchange import FragmentExchange
 from distoptim.outer.fragments import Fragment, FragmentSchedule
 from distoptim.outer.managed import ManagedSyncs
+from distoptim.outer.state import DiLoCoState, PendingSync
 from distoptim.protocol import WrappedOptimizer, swapped_grads
 
 __all__ = ["DiLoCo", "GlobalParameters"]
 
 _MIB = 1 << 20
-
-
-@dataclass
-class _Sync:
-    """A fragment's sync between launch (inner step ``launched_at``) and application."""
-
-    fragment: Fragment
-    launched_at: int
-    flight: InFlight | None  # None: a managed sync that will not commit (nothing launched)
 
 
 class GlobalParameters(list):  # type: ignore[type-arg]
@@ -101,7 +91,7 @@ class GlobalParameters(list):  # type: ignore[type-arg]
         return self
 
 
-class DiLoCo(WrappedOptimizer):
+class DiLoCo(DiLoCoState, WrappedOptimizer):
     """DiLoCo / Streaming DiLoCo over any inner and outer ``torch.optim.Optimizer``.
 
     Args:
@@ -265,7 +255,7 @@ class DiLoCo(WrappedOptimizer):
             self._managed.register(self._heal_state, self._load_heal_state)
         # what every header says about this replica: parameters, options, optimizers
         self._identity = ReplicaIdentity(type(self).__name__, params, self._config(), inner, outer)
-        self._in_flight: _Sync | None = None
+        self._in_flight: PendingSync | None = None
         self._syncs = 0
         self._refused_syncs = 0
         self._refused: list[str] = []  # refusals not raised yet (raised at the end of the call)
@@ -402,7 +392,7 @@ class DiLoCo(WrappedOptimizer):
                 self._apply(launched, t, 0.0, header=False)
         self._raise_refused()
 
-    def _launch(self, fragment: Fragment, t: int, kind: RoundKind) -> _Sync | None:
+    def _launch(self, fragment: Fragment, t: int, kind: RoundKind) -> PendingSync | None:
         """Form the fragment's ``Δ``, agree on the header, launch its mean (``None``: refused)."""
         if self._managed is not None:
             return self._managed_launch(fragment, t, kind)
@@ -412,15 +402,15 @@ class DiLoCo(WrappedOptimizer):
             self._refuse(fragment, t, refusing)
             return None
         with self._peer_guard("the pseudo-gradient mean", t):
-            return _Sync(fragment, t, exchange.launch())
+            return PendingSync(fragment, t, exchange.launch())
 
-    def _managed_launch(self, fragment: Fragment, t: int, kind: RoundKind) -> _Sync | None:
+    def _managed_launch(self, fragment: Fragment, t: int, kind: RoundKind) -> PendingSync | None:
         """The same, as one torchft round (see :mod:`distoptim.outer.managed`)."""
         managed = self._managed
         assert managed is not None
         rnd = managed.begin(self._exchanges)
         if rnd.channel is None:  # the quorum failed: nothing travels, the commit will say no
-            return _Sync(fragment, t, None)
+            return PendingSync(fragment, t, None)
         self._channel = rnd.channel
         assert self._agreement is not None
         self._agreement.rebind(rnd.channel)
@@ -435,7 +425,7 @@ class DiLoCo(WrappedOptimizer):
             exchange.zero()
         if verdict.void:
             managed.fail(verdict.void)
-            return _Sync(fragment, t, None)
+            return PendingSync(fragment, t, None)
         if verdict.refusing:
             managed.fail("a non-finite pseudo-gradient")
             managed.commit(exchange)
@@ -443,7 +433,7 @@ class DiLoCo(WrappedOptimizer):
             return None
         rnd.channel.contributors = verdict.contributors
         managed.save_residuals(exchange)
-        return _Sync(fragment, t, exchange.launch())
+        return PendingSync(fragment, t, exchange.launch())
 
     def _heal_state(self) -> dict[str, Any]:
         """What a healing replica receives from this one (see :mod:`distoptim.outer.managed`)."""
@@ -511,7 +501,7 @@ class DiLoCo(WrappedOptimizer):
                 f"{str(exc).strip()})"
             ) from exc
 
-    def _apply(self, sync: _Sync, t: int, alpha: float, header: bool = True) -> None:
+    def _apply(self, sync: PendingSync, t: int, alpha: float, header: bool = True) -> None:
         """The outer step of one fragment on the global copy, then the local mix (see module).
 
         ``header``: agree first when the mean still runs a collective (phase 2) at another step
@@ -589,98 +579,6 @@ class DiLoCo(WrappedOptimizer):
             "bucket_cap_mb": self.bucket_cap_mb,
             "num_replicas": self._group_size,
         }
-
-    # ---- checkpoints -------------------------------------------------------------------------
-    def _wrapper_state_dict(self) -> dict[str, Any]:
-        """Global copy, outer state, residuals, the sync in flight (settled) and counters.
-
-        The structure depends only on the configuration, never on the step: ``pending`` always
-        holds every fragment's payload slots (empty lists when ``τ = 0``), and ``fragment`` /
-        ``launched_at`` are -1 when no sync is in flight. So a state_dict of a freshly built
-        optimizer is a valid template for ``torch.distributed.checkpoint.load``. ``rank`` is
-        this replica's index in its group (a checkpoint loads only on the same replica),
-        ``synced_at`` per fragment the step after which its local values were its global copy,
-        ``closed_at`` the last step at which ``finish()`` or a refusal closed the sync the
-        schedule had in flight. Taken between syncs (with more than one replica) it warns once
-        that the local parameters are not the global model.
-        """
-        if (
-            self._group_size > 1
-            and not self._warned_between_syncs
-            and any(s != self.iterations for s in self._synced_at)
-        ):
-            self._warned_between_syncs = True
-            warn_between_syncs(self._name, stacklevel=4)
-        sync = self._in_flight
-        if sync is not None:  # wait for its collective (local): the slots then hold its payload
-            with self._peer_guard("waiting for the sync in flight", self.iterations):
-                self._exchanges[sync.fragment.index].settle(sync.flight)
-        return {
-            "config": self._config(),
-            "rank": 0 if self._managed is not None else self._channel.rank,
-            "synced_at": list(self._synced_at),
-            "closed_at": self._closed_at,
-            "global": list(self._global),
-            "outer": self._outer.state_dict(),
-            "residuals": [[dict(r) for r in e.residuals] for e in self._exchanges],
-            "pending": {
-                "fragment": -1 if sync is None else sync.fragment.index,
-                "launched_at": -1 if sync is None else sync.launched_at,
-                "payload": [list(e.slots) for e in self._exchanges],
-            },
-            "syncs": self._syncs,
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a :meth:`state_dict`; everything is checked before anything changes.
-
-        The checkpoint must come from the same configuration (options, parameters, group
-        size). A sync that was in flight when it was taken is restored and applied at its step.
-        """
-        step = state_dict.get("iterations") if isinstance(state_dict, dict) else None
-        self._step_being_loaded = step if isinstance(step, int) else self.iterations
-        try:
-            super().load_state_dict(state_dict)
-        finally:
-            self._step_being_loaded = None
-
-    def _check_wrapper_state_dict(self, state: Any) -> None:
-        step = self.iterations if self._step_being_loaded is None else self._step_being_loaded
-        check_wrapper_state(
-            state,
-            owner=self._name,
-            config=self._config(),
-            global_=self._global,
-            outer=self._outer,
-            exchanges=self._exchanges,
-            schedule=self._schedule,
-            step=step,
-            rank=0 if self._managed is not None else self._channel.rank,
-        )
-
-    def _load_wrapper_state_dict(self, state: dict[str, Any]) -> None:
-        if self._in_flight is not None:  # its collective was launched on every rank: drain it
-            with self._peer_guard("waiting for the sync in flight", self.iterations):
-                self._exchanges[self._in_flight.fragment.index].settle(self._in_flight.flight)
-            self._in_flight = None
-        pending = state["pending"]
-        with torch.no_grad():
-            torch._foreach_copy_(self._global, list(state["global"]))
-            for p, exchange in enumerate(self._exchanges):
-                for entry, mine in zip(state["residuals"][p], exchange.residuals):
-                    for name, residual in mine.items():
-                        residual.copy_(entry[name])
-                for saved, slot in zip(pending["payload"][p], exchange.slots):
-                    slot.copy_(saved)
-        self._outer.load_state_dict(state["outer"])
-        if pending["fragment"] >= 0:
-            fragment = self._schedule.fragments[pending["fragment"]]
-            flight = self._exchanges[fragment.index].restore()
-            self._in_flight = _Sync(fragment, pending["launched_at"], flight)
-        self._syncs = state["syncs"]
-        # a checkpoint written before these keys existed: no fragment counts as synced
-        self._synced_at = list(state.get("synced_at", [-1] * len(self._schedule)))
-        self._closed_at = state.get("closed_at", -1)
 
     def __repr__(self) -> str:
         return (
