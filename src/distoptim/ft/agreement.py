@@ -5,15 +5,18 @@ verdict every participant derives from them, the fault-tolerant counterpart of t
 guard (:mod:`distoptim.comm.guard`) with one more duty: proving that replicas which committed
 and healed hold *bit-for-bit* the same synchronised state.
 
-Words. Each participant of the quorum (index ``r`` among ``P`` participants; a replica that
-is healing this round contributes nothing and has no slot) writes :class:`ReplicaWords` --
+Words. Each member of the quorum's group (index ``r`` among its ``M`` members, healing ones
+included: they say so, and their state is not judged) writes :class:`ReplicaWords` --
 the operation, its step counter, the 48-bit fingerprint of its parameter list and options, the
 parameter count, a 32-bit digest of the hyperparameters everyone must share, and the 64-bit
 :func:`~distoptim.comm.checksum.state_checksum` of its synchronised state as the last commit
 or heal left it -- packed into :data:`ROW` bytes, one byte per float32 element, into slots
-``[r ROW, (r + 1) ROW)`` of a zero tensor. One SUM all-reduce through the manager (launched
-with the round's payload, so it adds no round trip) gives every participant the table of every
-participant's words; bytes are integers below 256, exact in float32.
+``[r ROW, (r + 1) ROW)`` of a zero tensor. One SUM all-reduce over the quorum's group gives
+every member the table of every member's words; bytes are integers below 256, exact in
+float32. It rides with the round's payload (launched after it, no extra round trip) -- except
+in the first round of a new membership, where it goes *before* the payload: a joiner built
+with another model would otherwise reach the bucket all-reduces with buckets of other sizes,
+which gloo answers by aborting every process.
 
 Verdict (the same on every participant, since every one reads the same table):
 
@@ -21,8 +24,8 @@ Verdict (the same on every participant, since every one reads the same table):
   (replicas are not in the same round: a bug, never a fault);
 * the parameter fingerprint differs -> the replicas in the minority raise
   :class:`~distoptim.comm.guard.ParameterMismatchError` (a replica group built with another
-  model joined: it is refused by name before any commit); the others do not commit this
-  round and go on without it;
+  model joined: it is refused by name before any commit; a healing member is judged on this
+  alone); the others do not commit this round and go on without it;
 * the state checksum or the hyperparameter digest differs -> the same, as
   :class:`~distoptim.comm.guard.DesyncError`: the replicas whose state differs from the
   majority's raise, naming themselves and the majority; with no strict majority every
@@ -66,6 +69,7 @@ _FIELDS: tuple[tuple[str, int], ...] = (
     ("hparams", 4),
     ("state", 8),
     ("void", 1),
+    ("healing", 1),
 )
 ROW = sum(n for _, n in _FIELDS)
 """Bytes (float32 elements) of one participant's slot."""
@@ -82,6 +86,7 @@ class ReplicaWords:
     hparams: int
     state: int
     void: bool = False  # this participant's contribution is not valid (see judge)
+    healing: bool = False  # this member receives a peer's state at the commit (stale state)
 
     def describe(self) -> str:
         return (
@@ -124,11 +129,11 @@ def decode(table: torch.Tensor, participants: int, owner: str) -> list[ReplicaWo
                 f"{owner}: participant {r}'s words are missing or invalid: the replicas' "
                 "collectives did not pair"
             )
-        if fields["void"] > 1:
-            raise DesyncError(f"{owner}: participant {r}'s words are invalid (void flag)")
+        if fields["void"] > 1 or fields["healing"] > 1:
+            raise DesyncError(f"{owner}: member {r}'s words are invalid (flags)")
         kind = RoundKind(fields.pop("kind"))
-        void = bool(fields.pop("void"))
-        rows.append(ReplicaWords(kind=kind, void=void, **fields))
+        void, healing = bool(fields.pop("void")), bool(fields.pop("healing"))
+        rows.append(ReplicaWords(kind=kind, void=void, healing=healing, **fields))
     return rows
 
 
@@ -141,19 +146,43 @@ class AgreementVerdict:
 
 
 def _lines(table: Sequence[ReplicaWords]) -> str:
-    return "\n".join(f"  participant {r}: {w.describe()}" for r, w in enumerate(table))
+    return "\n".join(
+        f"  member {r}: {'(healing) ' if w.healing else ''}{w.describe()}"
+        for r, w in enumerate(table)
+    )
 
 
-def judge(table: Sequence[ReplicaWords], rank: int, owner: str) -> AgreementVerdict:
-    """This participant's verdict on a decoded ``table`` (see the module docstring).
+def judge(everyone: Sequence[ReplicaWords], rank: int, owner: str) -> AgreementVerdict:
+    """Member ``rank``'s verdict on a decoded table of every member's words (see the module).
 
-    Raises on the replicas that must stop; returns ``ok=False`` (do not commit, go on) on the
-    others when some replica is refused.
+    Healing members are judged on their parameter list only (their state is about to be
+    replaced). Raises on the replicas that must stop; returns ``ok=False`` (do not commit, go
+    on) on the others when some replica is refused.
     """
+    judged = [r for r, w in enumerate(everyone) if not w.healing]
+    if not judged:
+        return AgreementVerdict(False, f"{owner}: every member of this round is healing")
+    table = [everyone[r] for r in judged]
+    plans = Counter((w.plan, w.params) for w in table).most_common()
+    strangers = [
+        r for r, w in enumerate(everyone) if w.healing and (w.plan, w.params) != plans[0][0]
+    ]
+    if strangers and plans[0][1] > len(table) / 2:
+        message = (
+            f"{owner}: member(s) {strangers} joined with another parameter list or options "
+            f"than the replicas they would heal from; refused before contributing:\n"
+            + _lines(everyone)
+        )
+        if rank in strangers:
+            raise ParameterMismatchError(message, [])
+        return AgreementVerdict(False, message)
+    if rank not in judged:  # a healing member takes the others' word for the rest
+        return AgreementVerdict(True)
+    rank = judged.index(rank)
     if len({(w.kind, w.step) for w in table}) > 1:
         raise DesyncError(
             f"{owner}: the replicas of this round are not at the same operation and step; "
-            "nothing was applied:\n" + _lines(table),
+            "nothing was applied:\n" + _lines(everyone),
             [],
         )
     for field, error, what in (
@@ -167,22 +196,22 @@ def judge(table: Sequence[ReplicaWords], rank: int, owner: str) -> AgreementVerd
         counts = Counter(values).most_common()
         majority = counts[0][0] if counts[0][1] > len(values) / 2 else None
         odd = [r for r, v in enumerate(values) if v != majority]
+        members = ", ".join(str(judged[r]) for r in odd)
         message = (
-            f"{owner}: replica {'participants ' if len(odd) > 1 else 'participant '}"
-            f"{', '.join(map(str, odd))} of this round hold{'' if len(odd) > 1 else 's'} "
-            f"another {what} than "
+            f"{owner}: member{'s' if len(odd) > 1 else ''} {members} of this round "
+            f"hold{'' if len(odd) > 1 else 's'} another {what} than "
             + ("the majority" if majority is not None else "each other (no majority)")
             + "; nothing was applied:\n"
-            + _lines(table)
+            + _lines(everyone)
         )
         if rank in odd:
             raise error(message, [])
         return AgreementVerdict(False, message)
-    void = [r for r, w in enumerate(table) if w.void]
+    void = [r for r, w in enumerate(everyone) if w.void]
     if void:
         return AgreementVerdict(
             False,
-            f"{owner}: participant(s) {void} received a peer's state after computing their "
+            f"{owner}: member(s) {void} received a peer's state after computing their "
             "gradient (a quorum started in step() healed them): the round is not committed",
         )
     return AgreementVerdict(True)

@@ -37,7 +37,7 @@ from distoptim import checks
 from distoptim.ft.lighthouse import Lighthouse
 from distoptim.launch import DEFAULT_TIMEOUT, ProcessOutcome, ProcessSupervisor, RankFailedError
 
-__all__ = ["Chaos", "ChaosAction", "ReplicaContext", "ReplicaRun", "run_replicas"]
+__all__ = ["Chaos", "ChaosAction", "Controls", "ReplicaContext", "ReplicaRun", "run_replicas"]
 
 
 @dataclass(frozen=True)
@@ -128,6 +128,15 @@ class ReplicaContext:
                 f"{timeout:g} s (one failed or is still starting)"
             ) from None
 
+    def finish_at(self) -> int | None:
+        """The step a scenario asked every replica to stop at (``Controls.finish_at``), if any."""
+        path = os.path.join(os.path.dirname(self.log_path), "FINISH_AT")
+        if not os.path.exists(path):
+            return None
+        with open(path, encoding="utf-8") as f:
+            text = f.read().strip()
+        return int(text) if text else None
+
     @property
     def _ending_path(self) -> str:
         return os.path.join(os.path.dirname(self.log_path), "ENDING")
@@ -202,6 +211,100 @@ class _Chaos(threading.Thread):
             self.error = exc
 
 
+class Controls:
+    """What a scenario (``run_replicas(on_event=...)``) may do to the run's replicas.
+
+    Every action is recorded in :attr:`ReplicaRun.chaos`. ``kill`` takes a slot down
+    (SIGKILL); ``restart`` starts its next incarnation; ``stop``/``cont`` freeze and thaw its
+    process (SIGSTOP/SIGCONT). Each returns False when the slot has no live process.
+    """
+
+    def __init__(self, run: _Run) -> None:
+        self._run = run
+        self._stopped: dict[int, ChaosAction] = {}
+        self._killed: dict[int, ChaosAction] = {}
+        self.actions: list[ChaosAction] = []
+        self.history: list[dict[str, Any]] = []  # every event delivered so far
+
+    def kill(self, slot: int) -> bool:
+        action = self._run.fault(slot, "kill", force=True)
+        if action is not None:
+            self._killed[slot] = action
+        return action is not None
+
+    def restart(self, slot: int) -> None:
+        action = self._killed.pop(slot, None) or ChaosAction("kill", slot, 0, time.time())
+        self.actions.append(self._run.resume(action))
+
+    def stop(self, slot: int) -> bool:
+        action = self._run.fault(slot, "stop", force=True)
+        if action is not None:
+            self._stopped[slot] = action
+        return action is not None
+
+    def cont(self, slot: int) -> None:
+        action = self._stopped.pop(slot, None)
+        if action is not None:
+            self.actions.append(self._run.resume(action))
+
+    def finish_at(self, step: int) -> None:
+        """Ask every replica to stop once it reaches ``step`` (:meth:`ReplicaContext.finish_at`)."""
+        path = os.path.join(self._run.workdir, "FINISH_AT")
+        with open(path + ".tmp", "w", encoding="utf-8") as f:
+            f.write(str(step))
+        os.replace(path + ".tmp", path)  # atomic: a replica never reads half a number
+
+    def seen(self, predicate: Callable[[dict[str, Any]], bool]) -> bool:
+        """Whether some event delivered so far satisfies ``predicate``."""
+        return any(predicate(e) for e in self.history)
+
+    def release(self) -> None:
+        """Thaw every stopped process (the scenario is over)."""
+        for slot in list(self._stopped):
+            self.cont(slot)
+        self.actions += list(self._killed.values())
+
+
+class _Watcher(threading.Thread):
+    """Feeds every new event of the slots' logs to a scenario, in time order per poll."""
+
+    def __init__(self, run: _Run, on_event: Callable[[dict[str, Any], Controls], None]) -> None:
+        super().__init__(name="distoptim-scenario", daemon=True)
+        self.run_state = run
+        self.on_event = on_event
+        self.controls = Controls(run)
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self._offsets = [0] * run.num_slots
+
+    def _new_events(self) -> list[dict[str, Any]]:
+        events = []
+        for slot in range(self.run_state.num_slots):
+            path = self.run_state.log_path(slot)
+            if not os.path.exists(path):
+                continue
+            with open(path, encoding="utf-8") as f:
+                f.seek(self._offsets[slot])
+                data = f.read()
+            end = data.rfind("\n") + 1  # a line still being written waits for the next poll
+            self._offsets[slot] += len(data[:end].encode("utf-8"))
+            for line in data[:end].splitlines():
+                with contextlib.suppress(json.JSONDecodeError):
+                    events.append(json.loads(line))
+        return sorted(events, key=lambda e: e["t"])
+
+    def run(self) -> None:
+        try:
+            while not self.done.wait(0.05):  # the logs are files: read what was appended
+                for event in self._new_events():
+                    self.controls.history.append(event)
+                    self.on_event(event, self.controls)
+        except BaseException as exc:  # surfaced by run_replicas, after the run
+            self.error = exc
+        finally:
+            self.controls.release()
+
+
 class _Run:
     """The parent's bookkeeping of one local run (slots, their processes, expected deaths)."""
 
@@ -259,9 +362,10 @@ class _Run:
         """Has some replica returned (so the run is ending and no fault must be dealt)?"""
         return os.path.exists(os.path.join(self.workdir, "ENDING"))
 
-    def fault(self, slot: int, action: str) -> ChaosAction | None:
-        """Kill or stop ``slot``'s process (None once the run is ending or it is gone)."""
-        if self.ending():
+    def fault(self, slot: int, action: str, force: bool = False) -> ChaosAction | None:
+        """Kill or stop ``slot``'s process (None once the run is ending -- unless ``force`` --
+        or when it is gone)."""
+        if self.ending() and not force:
             return None
         with self.lock:
             index = self.index_of[slot]
@@ -303,6 +407,7 @@ def run_replicas(
     args: Sequence[Any] = (),
     min_replicas: int = 1,
     chaos: Chaos | None = None,
+    on_event: Callable[[dict[str, Any], Controls], None] | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     heartbeat_timeout: float = 2.0,
     join_timeout: float = 10.0,
@@ -313,7 +418,10 @@ def run_replicas(
 
     ``fn`` must be picklable (a module-level function) and build its own ``torchft.Manager``
     with ``ctx.lighthouse`` and ``ctx.replica_id`` (:func:`distoptim.ft.replica.make_manager`
-    does). ``chaos``: the fault schedule (needs ``num_replicas >= 2``). ``heartbeat_timeout``,
+    does). ``chaos``: the fault schedule (needs ``num_replicas >= 2``). ``on_event(event,
+    controls)``: a scenario, called (from a thread of this process) with every event the
+    replicas log, in time order, that may act on them (:class:`Controls`): faults triggered
+    by what happens, not by the clock. ``heartbeat_timeout``,
     ``join_timeout``: the lighthouse's (seconds). ``workdir``: where the event logs go (a
     temporary folder, removed afterwards, when None). Raises
     :class:`~distoptim.launch.RankFailedError` for a replica that failed on its own and
@@ -355,26 +463,29 @@ def run_replicas(
         )
         started = time.time()
         dealer = _Chaos(run, chaos) if chaos is not None else None
+        watcher = _Watcher(run, on_event) if on_event is not None else None
         try:
             for slot in range(num_replicas):
                 run.start(slot)
-            if dealer is not None:
-                dealer.start()
+            for thread in (dealer, watcher):
+                if thread is not None:
+                    thread.start()
             outcomes = supervisor.run()
         finally:
-            if dealer is not None:
-                dealer.done.set()
-                dealer.join(timeout=60)
+            for thread in (dealer, watcher):
+                if thread is not None:
+                    thread.done.set()
+                    thread.join(timeout=60)
             supervisor.close()
-        if dealer is not None and dealer.error is not None:
-            raise dealer.error
+        for thread in (dealer, watcher):
+            if thread is not None and thread.error is not None:
+                raise thread.error
         values: list[Any] = [None] * num_replicas
         for slot, index in enumerate(run.index_of):
             values[slot] = outcomes[index].value
         events = _read_events(workdir, num_replicas)
-        return ReplicaRun(
-            values, events, list(dealer.actions) if dealer else [], started, time.time()
-        )
+        actions = (dealer.actions if dealer else []) + (watcher.controls.actions if watcher else [])
+        return ReplicaRun(values, events, actions, started, time.time())
 
 
 def _read_events(workdir: str, num_slots: int) -> list[dict[str, Any]]:

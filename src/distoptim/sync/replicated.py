@@ -32,6 +32,7 @@ wrote; call ``zero_grad()`` before the next backward, as usual).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -41,7 +42,7 @@ from distoptim.comm.compression import WireFormat
 from distoptim.comm.guard import RoundKind
 from distoptim.comm.reducer import ReduceRound
 from distoptim.comm.stats import CommStats, ring_allreduce_bytes
-from distoptim.ft.agreement import ROW, ReplicaWords, decode, encode, hparams_digest, judge
+from distoptim.ft.agreement import ReplicaWords, decode, encode, hparams_digest, judge
 from distoptim.ft.replicas import ManagedReplicas
 
 __all__ = ["ReplicatedRounds"]
@@ -74,6 +75,7 @@ class ReplicatedRounds:
         self.stats = stats
         self._started_early = False
         self._heals_at_start = 0
+        self._agreed_quorum: int | None = None  # the membership whose plans were checked
 
     def start(self, early: bool) -> None:
         """Start this step's quorum (``early``: from ``zero_grad()``, before the forward pass)."""
@@ -84,7 +86,9 @@ class ReplicatedRounds:
         self._started_early = early
         self._heals_at_start = heals
 
-    def _words(self, kind: RoundKind, step: int, plan: int, count: int) -> ReplicaWords:
+    def _words(
+        self, kind: RoundKind, step: int, plan: int, count: int, healing: bool
+    ) -> ReplicaWords:
         # a synchronous-quorum manager heals inside start_quorum(): when that happened in
         # step(), after this replica computed its gradient, its contribution is stale
         healed_late = not self._started_early and self.replicas.stats.heals > self._heals_at_start
@@ -96,7 +100,23 @@ class ReplicatedRounds:
             hparams=hparams_digest(self.opt.param_groups),
             state=state_checksum(self.params()),
             void=healed_late,
+            healing=healing,
         )
+
+    def _agree(self, words: ReplicaWords, q: Any) -> bool:
+        """Launch-and-judge one table of every member's ``words``; False: do not commit."""
+        table = encode(words, q.group_rank, q.group_size)
+        self.stats.send(ring_allreduce_bytes(table.numel() * 4, q.group_size))
+        self.replicas.all_reduce_group(table).wait()
+        return self._judge(table, q)
+
+    def _judge(self, table: torch.Tensor, q: Any) -> bool:
+        if self.replicas.errored() is not None:
+            return False
+        verdict = judge(decode(table, q.group_size, self.owner), q.group_rank, self.owner)
+        if not verdict.ok:
+            self.replicas.manager.report_error(RuntimeError(verdict.reason))
+        return verdict.ok
 
     def reduce_and_commit(
         self,
@@ -112,7 +132,13 @@ class ReplicatedRounds:
         replicas = self.replicas
         q = replicas.quorum()
         count = len(rnd.plan.params) if rnd is not None else 0
-        words = self._words(kind, step, plan, count)
+        words = self._words(kind, step, plan, count, healing=not q.contributes)
+        if not q.failed and q.quorum_id != self._agreed_quorum:
+            # a new membership: agree before any sized collective (see ft.agreement)
+            if self._agree(words, q):
+                self._agreed_quorum = q.quorum_id
+            else:
+                q = replace(q, group_size=0)  # no payload: the round will not commit
         if not q.failed:
             pending = []
             if rnd is not None:
@@ -124,19 +150,12 @@ class ReplicatedRounds:
                     nbytes = wire.numel() * wire.element_size()
                     self.stats.send(ring_allreduce_bytes(nbytes, q.group_size))
                     pending.append((head, wire, replicas.all_reduce_sum(wire)))
-            table = (
-                encode(words, q.rank, q.participants)
-                if q.contributes
-                else torch.zeros(q.participants * ROW)
-            )
+            table = encode(words, q.group_rank, q.group_size)
             self.stats.send(ring_allreduce_bytes(table.numel() * 4, q.group_size))
-            done = replicas.all_reduce_sum(table)
+            done = replicas.all_reduce_group(table)
             for head, wire, work in pending:
                 work.wait()
                 self.wire.decode(wire, head)
             done.wait()
-            if replicas.errored() is None:
-                verdict = judge(decode(table, q.participants, self.owner), q.rank, self.owner)
-                if not verdict.ok:
-                    replicas.manager.report_error(RuntimeError(verdict.reason))
+            self._judge(table, q)
         return replicas.commit()
