@@ -105,6 +105,9 @@ class ReplicaStats:
     heals: int = 0  # peer states received
     last_heal_at: float | None = None  # wall clock of the last heal
     quorum_changes: int = 0
+    contributed: int = 0  # committed rounds this replica contributed to (not healing)
+    first_round_at: float | None = None  # wall clock of this replica's first quorum
+    first_contribution_at: float | None = None  # ... and of its first contributing commit
     errors: list[str] = field(default_factory=list)  # the last few round failures, as text
 
 
@@ -123,6 +126,7 @@ class ManagedReplicas:
         self._started = False
         self._quorum: Quorum | None = None
         self._short_since: float | None = None
+        self._heals_at_start = 0
         self._last_quorum_id: int | None = None
         self._keys: set[str] = set()
 
@@ -136,6 +140,9 @@ class ManagedReplicas:
         """Start this round's quorum (once; later calls until :meth:`commit` do nothing)."""
         if self._started:
             return
+        if self.stats.first_round_at is None:
+            self.stats.first_round_at = time.time()
+        self._heals_at_start = self.stats.heals
         self.manager.start_quorum()
         self._started = True
         self._quorum = None
@@ -178,7 +185,13 @@ class ManagedReplicas:
         finally:
             self._started = False
         if ok:
-            self.stats.commits += 1
+            stats = self.stats
+            stats.commits += 1
+            quorum = self._quorum
+            if quorum is not None and quorum.contributes and stats.heals == self._heals_at_start:
+                stats.contributed += 1
+                if stats.first_contribution_at is None:
+                    stats.first_contribution_at = time.time()
             self._short_since = None
             return True
         self.stats.failed += 1
