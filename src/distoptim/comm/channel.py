@@ -77,6 +77,16 @@ class Channel(abc.ABC):
         (``range(size)`` unless told)."""
         return range(self.size)
 
+    @property
+    def failed(self) -> str:
+        """Why this round's collectives can no longer be trusted ("" while they can).
+
+        A channel that records failures instead of raising them (a torchft quorum whose peer
+        died) says so here: what its collectives left in their outputs is then garbage, and
+        whoever reads them must not judge by it. A plain group raises instead: always "".
+        """
+        return ""
+
     @abc.abstractmethod
     def all_reduce_sum(self, tensor: torch.Tensor) -> Handle:
         """Start ``tensor ← Σ_m tensor_m`` (in place)."""

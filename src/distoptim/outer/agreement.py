@@ -4,11 +4,13 @@ Owns the small fixed-size all-gather (over the replicas'
 :class:`~distoptim.comm.channel.Channel`) that precedes every collective of a sync whose size
 depends on the fragment (the pseudo-gradient mean, or the second phase of a quantized mean),
 and the verdict every replica derives from it. Each replica sends one :class:`Header`,
-``HEADER_BYTES`` = 56 bytes, little-endian::
+``HEADER_BYTES`` = 64 bytes, little-endian::
 
     offset  bytes  field
          0      1  kind      what the replica is doing: 1 = a sync due in step(), 4 = finish()
-         1      1  flags     bit 0: this replica's pseudo-gradient of the fragment is finite
+         1      1  flags     bit 0: this replica's pseudo-gradient of the fragment is finite;
+                             bit 1: it is *healing* (torchft: it receives a peer's state at this
+                             sync's commit, so it contributes nothing and its state is stale)
          2      2  fragment  the syncing fragment's index (65535: none -- a finish() with
                              nothing left to sync)
          4      4  params    the number of parameters
@@ -22,6 +24,9 @@ and the verdict every replica derives from it. Each replica sends one :class:`He
                              it must move alike on every replica)
         40      8  Σ θ_g     float64, over the fragment's global copy (the whole copy when
         48      8  Σ θ_g²    float64   no fragment syncs)
+        56      8  state     with a torchft manager: the bitwise checksum
+                             (:func:`~distoptim.comm.checksum.state_checksum`) of the same global
+                             copy and the outer optimizer's state of its parameters; else 0
 
 (fingerprints: :mod:`distoptim.comm.fingerprint`, :mod:`distoptim.comm.hyperparameters`).
 Every replica receives the same table and reaches the same verdict, in this order:
@@ -35,11 +40,17 @@ Every replica receives the same table and reaches the same verdict, in this orde
 3. kind, step or fragment differ -> ``DesyncError`` ("out of step": a replica whose loop ended
    before this sync and called ``finish()``, an extra or a missing ``step()``, a checkpoint
    loaded on some replicas only);
-4. the global copies' sums differ beyond a relative 1e-9 -> ``ParameterMismatchError``
-   (different initial weights or checkpoints);
+4. the global copies' sums differ beyond a relative 1e-9, or (with a manager) their state
+   checksums differ at all -> ``ParameterMismatchError`` (different initial weights or
+   checkpoints; with a manager: replicas that committed or healed into different states);
 5. otherwise the sync stands, except that if some replica's flag says its pseudo-gradient is
    not finite, every replica refuses it (:meth:`SyncAgreement.check` returns those replicas;
    the caller keeps the global copy and says so).
+
+Healing replicas (flag bit 1; only with a torchft manager) are left out of steps 2--5: their
+state is the one a peer is about to replace. They read the verdict's step and fragment from the
+others (:class:`HeaderVerdict`) and take part in that sync's collectives with zeros; the mean
+divides by the replicas that contribute (:attr:`HeaderVerdict.contributors`).
 
 Why a separate header and not a trailer in the payload (as CrossShardOptimizer's rounds carry
 their words): fragments have different sizes, and a gloo collective whose ranks disagree on the
@@ -73,18 +84,20 @@ __all__ = [
     "HEADER_BYTES",
     "NO_FRAGMENT",
     "Header",
+    "HeaderVerdict",
     "NonFiniteSyncError",
     "ReplicaIdentity",
     "SyncAgreement",
 ]
 
-_LAYOUT = struct.Struct("<BBHIQQQQdd")
+_LAYOUT = struct.Struct("<BBHIQQQQddQ")
 HEADER_BYTES = _LAYOUT.size
 """Bytes one replica sends to each peer per header."""
 NO_FRAGMENT = 0xFFFF
 """The fragment field of a header that precedes no payload (a finish() with nothing to sync)."""
 _KINDS = {RoundKind.STEP: "step()", RoundKind.FINISH: "finish()"}
 _FINITE = 1
+_HEALING = 2
 
 
 @dataclass(frozen=True)
@@ -103,12 +116,14 @@ class Header:
     outer: int
     inner: int
     finite: bool = True
+    healing: bool = False
+    state: int = 0
 
     def pack(self, sums: tuple[float, float]) -> bytes:
         fragment = NO_FRAGMENT if self.fragment is None else min(self.fragment, NO_FRAGMENT - 1)
         return _LAYOUT.pack(
             int(self.kind),
-            _FINITE if self.finite else 0,
+            (_FINITE if self.finite else 0) | (_HEALING if self.healing else 0),
             fragment,
             min(self.params, 0xFFFFFFFF),
             self.step,
@@ -116,6 +131,7 @@ class Header:
             self.outer,
             self.inner,
             *sums,
+            self.state,
         )
 
     def describe(self) -> str:
@@ -162,7 +178,15 @@ class ReplicaIdentity:
             id(opt): group_members(opt, self.params) for opt in (self.inner, self.outer)
         }
 
-    def header(self, kind: RoundKind, step: int, fragment: int | None, finite: bool) -> Header:
+    def header(
+        self,
+        kind: RoundKind,
+        step: int,
+        fragment: int | None,
+        finite: bool,
+        healing: bool = False,
+        state: int = 0,
+    ) -> Header:
         """This replica's header for a sync of ``fragment`` (``None``: no payload follows)."""
         return Header(
             kind,
@@ -173,6 +197,8 @@ class ReplicaIdentity:
             fingerprint(self._outer()),
             fingerprint(self._describe(self.inner)),
             finite,
+            healing,
+            state,
         )
 
     def _outer(self) -> dict[str, Any]:
@@ -200,8 +226,8 @@ class ReplicaIdentity:
 
 def _unpack(row: bytes) -> tuple[Header | None, int, tuple[float, float]]:
     """``(header or None if its kind is unknown, raw kind, (Σ θ_g, Σ θ_g²))``."""
-    kind, flags, fragment, params, step, plan, outer, inner, s1, s2 = _LAYOUT.unpack(row)
-    if kind not in (RoundKind.STEP, RoundKind.FINISH) or flags > _FINITE:
+    kind, flags, fragment, params, step, plan, outer, inner, s1, s2, state = _LAYOUT.unpack(row)
+    if kind not in (RoundKind.STEP, RoundKind.FINISH) or flags > _FINITE | _HEALING:
         return None, kind, (s1, s2)
     header = Header(
         RoundKind(kind),
@@ -212,8 +238,26 @@ def _unpack(row: bytes) -> tuple[Header | None, int, tuple[float, float]]:
         outer,
         inner,
         finite=bool(flags & _FINITE),
+        healing=bool(flags & _HEALING),
+        state=state,
     )
     return header, kind, (s1, s2)
+
+
+@dataclass(frozen=True)
+class HeaderVerdict:
+    """What every replica takes from a header that stands.
+
+    ``refusing``: the replicas whose pseudo-gradient is not finite (empty: the sync stands);
+    ``step`` and ``fragment``: the sync's, as the contributing replicas see it (a healing
+    replica adopts them); ``contributors``: replicas whose pseudo-gradient counts.
+    """
+
+    refusing: list[str]
+    step: int
+    fragment: int | None
+    contributors: int
+    void: str = ""  # not empty: no payload follows and the sync is not applied (why)
 
 
 class SyncAgreement:
@@ -244,12 +288,12 @@ class SyncAgreement:
         header: Header,
         global_copy: Sequence[torch.Tensor],
         describe: Callable[[], Any],
-    ) -> list[str]:
+    ) -> HeaderVerdict:
         """All-gather ``header`` and the global copy's sums; raise on any disagreement.
 
-        Returns the names of the replicas whose pseudo-gradient is not finite (empty: the sync
-        stands). ``describe()`` -- this replica's parameters, options and optimizers as
-        JSON-able data -- is called only when fingerprints differ.
+        Returns the :class:`HeaderVerdict` (every replica reads the same). ``describe()`` --
+        this replica's parameters, options and optimizers as JSON-able data -- is called only
+        when fingerprints differ.
         """
         with torch.no_grad():
             sums = (0.0, 0.0)
@@ -266,6 +310,9 @@ class SyncAgreement:
         rows = mine.new_empty(size * HEADER_BYTES)
         self.stats.send((size - 1) * HEADER_BYTES)
         self.channel.all_gather_single(rows, mine).wait()
+        if self.channel.failed:  # a torchft round whose peer died: the table is not one
+            why = f"the round failed before its header was read ({self.channel.failed})"
+            return HeaderVerdict([], header.step, header.fragment, 1, void=why)
         raw = rows.cpu().numpy().tobytes()
         table = [_unpack(raw[i * HEADER_BYTES : (i + 1) * HEADER_BYTES]) for i in range(size)]
         names = self._names
@@ -276,16 +323,49 @@ class SyncAgreement:
                     "replicas' collectives did not pair -- some replica issued a different "
                     "collective in this position"
                 )
-        headers: list[Header] = [h for h, _, _ in table]  # type: ignore[misc]
+        everyone: list[Header] = [h for h, _, _ in table]  # type: ignore[misc]
+        judged = [i for i, h in enumerate(everyone) if not h.healing]
+        if not judged:
+            raise DesyncError(
+                f"{self.owner}: every replica of this sync is healing: nobody holds a state to "
+                "heal from (a torchft quorum of joiners only)"
+            )
+        every_name = names
+        headers = [everyone[i] for i in judged]
+        names = [names[i] for i in judged]
         first = headers[0]
+        strangers = [
+            i
+            for i, h in enumerate(everyone)
+            if h.healing and (h.params, h.plan) != (first.params, first.plan)
+        ]
+        if strangers:  # a replica built with another model or options is joining
+            message = (
+                f"{self.owner}: {', '.join(every_name[i] for i in strangers)} joined with "
+                f"another model or other options ({everyone[strangers[0]].params} parameters, "
+                f"plan {everyone[strangers[0]].plan:016x}) than the replicas it would heal "
+                f"from ({first.params} parameters, plan {first.plan:016x}); it is refused "
+                "before it contributes"
+            )
+            if self.channel.rank in strangers:
+                raise ParameterMismatchError(message, [])
+            return HeaderVerdict([], first.step, first.fragment, len(headers), void=message)
         if any((h.params, h.plan, h.outer, h.inner) != _prints(first) for h in headers):
-            self._mismatch(headers, describe)
+            self._mismatch(everyone, describe)
         if any(
             (h.kind, h.step, h.fragment) != (first.kind, first.step, first.fragment)
             for h in headers
         ):
             raise DesyncError(_out_of_step(self.owner, headers, names))
-        all_sums = torch.tensor([s for _, _, s in table], dtype=torch.float64)
+        if len({h.state for h in headers}) > 1:
+            lines = [f"  {n}: state checksum {h.state:016x}" for n, h in zip(names, headers)]
+            raise ParameterMismatchError(
+                f"{self.owner}: replicas hold different global copies or outer states at step "
+                f"{header.step} although they all committed (or healed into) the same syncs "
+                "-- their synchronised state is not bit-for-bit equal:\n" + "\n".join(lines),
+                [],
+            )
+        all_sums = torch.tensor([table[i][2] for i in judged], dtype=torch.float64)
         if not all(
             torch.allclose(row, all_sums[0], rtol=1e-9, atol=0.0, equal_nan=True)
             for row in all_sums
@@ -302,7 +382,12 @@ class SyncAgreement:
                 "before creating it, or broadcast rank 0's parameters) before creating the "
                 "optimizer, and resume every replica from the same checkpoint step."
             )
-        return [name for name, h in zip(names, headers) if not h.finite]
+        return HeaderVerdict(
+            [name for name, h in zip(names, headers) if not h.finite],
+            first.step,
+            first.fragment,
+            len(headers),
+        )
 
     def _mismatch(self, headers: list[Header], describe: Callable[[], Any]) -> None:
         """Exchange every replica's description (every replica is here: the table is the same

@@ -45,7 +45,6 @@ import contextlib
 import math
 import numbers
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -63,24 +62,21 @@ from distoptim.comm.groups import check_group_assignment, comm_device
 from distoptim.comm.guard import DesyncError, RoundKind
 from distoptim.comm.stats import CommStats
 from distoptim.comm.wire import parse_wire
-from distoptim.outer.agreement import NonFiniteSyncError, ReplicaIdentity, SyncAgreement
-from distoptim.outer.checkpoint import check_wrapper_state, warn_between_syncs
-from distoptim.outer.exchange import FragmentExchange, InFlight
+from distoptim.outer.agreement import (
+    HeaderVerdict,
+    NonFiniteSyncError,
+    ReplicaIdentity,
+    SyncAgreement,
+)
+from distoptim.outer.exchange import FragmentExchange
 from distoptim.outer.fragments import Fragment, FragmentSchedule
+from distoptim.outer.managed import ManagedSyncs
+from distoptim.outer.state import DiLoCoState, PendingSync
 from distoptim.protocol import WrappedOptimizer, swapped_grads
 
 __all__ = ["DiLoCo", "GlobalParameters"]
 
 _MIB = 1 << 20
-
-
-@dataclass
-class _Sync:
-    """A fragment's sync between launch (inner step ``launched_at``) and application."""
-
-    fragment: Fragment
-    launched_at: int
-    flight: InFlight
 
 
 class GlobalParameters(list):  # type: ignore[type-arg]
@@ -95,7 +91,7 @@ class GlobalParameters(list):  # type: ignore[type-arg]
         return self
 
 
-class DiLoCo(WrappedOptimizer):
+class DiLoCo(DiLoCoState, WrappedOptimizer):
     """DiLoCo / Streaming DiLoCo over any inner and outer ``torch.optim.Optimizer``.
 
     Args:
@@ -125,6 +121,11 @@ class DiLoCo(WrappedOptimizer):
             pseudo-gradient encoded at the same place (per replica, kept in ``state_dict``;
             keyword only; default on).
         bucket_cap_mb: payload cap of one pseudo-gradient bucket in MiB (keyword only).
+        manager: a ``torchft.Manager`` (keyword only): the replicas are torchft replica groups
+            that may die and join; every fragment sync is one quorum, committed only if
+            ``should_commit()`` says so, a failed sync resets the fragment to its global copy,
+            and a joiner is healed from a peer (see :mod:`distoptim.outer.managed` and
+            ``docs/fault_tolerance.md``). ``group`` must then be None.
 
     Outside an initialized process group (or on a group of one) the optimizer runs as one
     replica: ``Δ`` is the replica's own and nothing is sent. Every sync starts with a small
@@ -156,9 +157,12 @@ class DiLoCo(WrappedOptimizer):
         *,
         error_feedback: bool = True,
         bucket_cap_mb: float = 25,
+        manager: Any = None,
     ) -> None:
         # -- validate everything before any side effect (subgroup creation is collective) --
         owner = name if isinstance(name, str) else type(self).__name__
+        if manager is not None:
+            _check_managed(owner, manager, group)
         for arg, value in (("inner", inner), ("outer", outer)):
             if not isinstance(value, torch.optim.Optimizer):
                 raise TypeError(
@@ -201,12 +205,12 @@ class DiLoCo(WrappedOptimizer):
         assignment, group_obj = _check_group(group)
 
         # -- side effects --
-        group_size = 1
+        group_size = 0 if manager is not None else 1  # 0: the quorum's, sync by sync
         if assignment is not None:
             group_obj, _ = dist.new_subgroups_by_enumeration(assignment)
         if group_obj is not None:
             group_size = dist.get_world_size(group_obj)
-        elif dist.is_available() and dist.is_initialized():
+        elif manager is None and dist.is_available() and dist.is_initialized():
             group_size = dist.get_world_size()
         super().__init__(inner, name=name)
         self._outer = outer
@@ -220,7 +224,7 @@ class DiLoCo(WrappedOptimizer):
         self.group_assignment = assignment
         self._group = group_obj
         self._group_size = group_size
-        self._channel: Channel = GroupChannel(group_obj, group_size)
+        self._channel: Channel = GroupChannel(group_obj, max(group_size, 1))
         self._params = params
         self._stats = CommStats()
         with torch.no_grad():
@@ -242,12 +246,16 @@ class DiLoCo(WrappedOptimizer):
             for f in self._schedule.fragments
         ]
         self._agreement: SyncAgreement | None = None
-        if group_size > 1:
-            device = comm_device(group_obj)
+        if group_size > 1 or manager is not None:
+            device = comm_device(group_obj) if manager is None else torch.device("cpu")
             self._agreement = SyncAgreement(self._channel, self._stats, device, name)
+        self._managed: ManagedSyncs | None = None
+        if manager is not None:
+            self._managed = ManagedSyncs(manager, name)
+            self._managed.register(self._heal_state, self._load_heal_state)
         # what every header says about this replica: parameters, options, optimizers
         self._identity = ReplicaIdentity(type(self).__name__, params, self._config(), inner, outer)
-        self._in_flight: _Sync | None = None
+        self._in_flight: PendingSync | None = None
         self._syncs = 0
         self._refused_syncs = 0
         self._refused: list[str] = []  # refusals not raised yet (raised at the end of the call)
@@ -268,8 +276,16 @@ class DiLoCo(WrappedOptimizer):
 
     @property
     def num_replicas(self) -> int:
-        """Replicas whose pseudo-gradients are averaged: the (sub)group size, 1 outside one."""
+        """Replicas whose pseudo-gradients are averaged: the (sub)group size, 1 outside one
+        (with a torchft manager: the contributors of the last sync, 0 before the first)."""
+        if self._managed is not None:
+            return self._channel.contributors if self._syncs or self._refused_syncs else 0
         return self._group_size
+
+    @property
+    def replica_stats(self) -> Any:
+        """With a torchft manager: rounds, commits, failed rounds, heals (else None)."""
+        return None if self._managed is None else self._managed.replicas.stats
 
     @property
     def comm_stats(self) -> CommStats:
@@ -355,16 +371,20 @@ class DiLoCo(WrappedOptimizer):
         another step, every replica raises ``DesyncError`` as soon as both are in the header
         (no update applied). Training may go on after ``finish()``; the schedule continues.
         Raises ``NonFiniteSyncError`` (after finishing every other fragment) if a final sync
-        was refused. On one replica: the same final syncs, no communication.
+        was refused. On one replica: the same final syncs, no communication. With a torchft
+        manager every final sync is a round of its own, committed or not, and a finish with
+        nothing left to sync exchanges nothing.
         """
         t = self.iterations
+        managed = self._managed is not None
         sync = self._in_flight
         if sync is not None:
-            self._agree(RoundKind.FINISH, t, sync.fragment)  # before its last collective
+            if not managed:  # a managed sync in flight is judged by its commit
+                self._agree(RoundKind.FINISH, t, sync.fragment)  # before its last collective
             self._in_flight, self._closed_at = None, t
             self._apply(sync, t, self.fragment_update_alpha, header=False)
         left = [f for f in self._schedule.fragments if self._synced_at[f.index] != t]
-        if sync is None and not left:
+        if sync is None and not left and not managed:
             self._agree(RoundKind.FINISH, t, None)  # nothing to sync: only agree on the end
         for fragment in left:
             launched = self._launch(fragment, t, RoundKind.FINISH)
@@ -372,15 +392,70 @@ class DiLoCo(WrappedOptimizer):
                 self._apply(launched, t, 0.0, header=False)
         self._raise_refused()
 
-    def _launch(self, fragment: Fragment, t: int, kind: RoundKind) -> _Sync | None:
+    def _launch(self, fragment: Fragment, t: int, kind: RoundKind) -> PendingSync | None:
         """Form the fragment's ``Δ``, agree on the header, launch its mean (``None``: refused)."""
+        if self._managed is not None:
+            return self._managed_launch(fragment, t, kind)
         exchange = self._exchanges[fragment.index]
-        refusing = self._agree(kind, t, fragment, exchange.form())
+        refusing = self._agree(kind, t, fragment, exchange.form()).refusing
         if refusing:
             self._refuse(fragment, t, refusing)
             return None
         with self._peer_guard("the pseudo-gradient mean", t):
-            return _Sync(fragment, t, exchange.launch())
+            return PendingSync(fragment, t, exchange.launch())
+
+    def _managed_launch(self, fragment: Fragment, t: int, kind: RoundKind) -> PendingSync | None:
+        """The same, as one torchft round (see :mod:`distoptim.outer.managed`)."""
+        managed = self._managed
+        assert managed is not None
+        rnd = managed.begin(self._exchanges)
+        if rnd.channel is None:  # the quorum failed: nothing travels, the commit will say no
+            return PendingSync(fragment, t, None)
+        self._channel = rnd.channel
+        assert self._agreement is not None
+        self._agreement.rebind(rnd.channel)
+        exchange = self._exchanges[fragment.index]
+        finite = True if rnd.healing else exchange.form()
+        verdict = self._agree(kind, t, fragment, finite, healing=rnd.healing)
+        if rnd.healing:  # take the contributors' step, and so their fragment
+            self.iterations = verdict.step - 1  # step() counts this one afterwards
+            t = verdict.step
+            fragment = self._schedule.fragments[verdict.fragment or 0]
+            exchange = self._exchanges[fragment.index]
+            exchange.zero()
+        if verdict.void:
+            managed.fail(verdict.void)
+            return PendingSync(fragment, t, None)
+        if verdict.refusing:
+            managed.fail("a non-finite pseudo-gradient")
+            managed.commit(exchange)
+            self._refuse(fragment, t, verdict.refusing)
+            return None
+        rnd.channel.contributors = verdict.contributors
+        managed.save_residuals(exchange)
+        return PendingSync(fragment, t, exchange.launch())
+
+    def _heal_state(self) -> dict[str, Any]:
+        """What a healing replica receives from this one (see :mod:`distoptim.outer.managed`)."""
+        return {
+            "global": list(self._global),
+            "outer": self._outer.state_dict(),
+            "syncs": self._syncs,
+            "refused_syncs": self._refused_syncs,
+            "synced_at": list(self._synced_at),
+        }
+
+    def _load_heal_state(self, state: dict[str, Any]) -> None:
+        with torch.no_grad():
+            torch._foreach_copy_(self._global, list(state["global"]))
+            for exchange in self._exchanges:  # this replica's own dropped mass: none yet
+                for residuals in exchange.residuals:
+                    for value in residuals.values():
+                        value.zero_()
+        self._outer.load_state_dict(state["outer"])
+        self._syncs = int(state["syncs"])
+        self._refused_syncs = int(state["refused_syncs"])
+        self._synced_at = list(state["synced_at"])
 
     def _refuse(self, fragment: Fragment, t: int, replicas: list[str]) -> None:
         """Every replica refuses the sync: no outer step, the fragment's local values reset to
@@ -426,17 +501,26 @@ class DiLoCo(WrappedOptimizer):
                 f"{str(exc).strip()})"
             ) from exc
 
-    def _apply(self, sync: _Sync, t: int, alpha: float, header: bool = True) -> None:
+    def _apply(self, sync: PendingSync, t: int, alpha: float, header: bool = True) -> None:
         """The outer step of one fragment on the global copy, then the local mix (see module).
 
         ``header``: agree first when the mean still runs a collective (phase 2) at another step
         than its launch; ``finish()`` has agreed already.
         """
         exchange = self._exchanges[sync.fragment.index]
-        if header and exchange.finishes_with_collective and t != sync.launched_at:
-            self._agree(RoundKind.STEP, t, sync.fragment)  # e.g. phase 2 of a two-phase mean
-        with self._peer_guard("the pseudo-gradient mean", t):
-            mean = exchange.finish(sync.flight)
+        # a managed round whose peer died leaves garbage in the buffers: it will not commit
+        if sync.flight is not None and not self._channel.failed:
+            if header and exchange.finishes_with_collective and t != sync.launched_at:
+                healing = self._managed is not None and self._managed.healing
+                # e.g. phase 2 of a two-phase mean
+                self._agree(RoundKind.STEP, t, sync.fragment, healing=healing)
+            with self._peer_guard("the pseudo-gradient mean", t):
+                mean = exchange.finish(sync.flight)
+        if self._managed is not None and not self._managed.commit(exchange):
+            with torch.no_grad():  # not committed: back to the last global copy
+                torch._foreach_copy_(exchange.local, exchange.global_)
+            self._synced_at[sync.fragment.index] = t
+            return
         local, global_ = exchange.local, exchange.global_
         with torch.no_grad():
             kept = [p.detach().clone() for p in local] if alpha > 0 else None
@@ -451,22 +535,38 @@ class DiLoCo(WrappedOptimizer):
         self._syncs += 1
 
     def _agree(
-        self, kind: RoundKind, t: int, fragment: Fragment | None, finite: bool = True
-    ) -> list[str]:
+        self,
+        kind: RoundKind,
+        t: int,
+        fragment: Fragment | None,
+        finite: bool = True,
+        healing: bool = False,
+    ) -> HeaderVerdict:
         """The sync header (see :mod:`~distoptim.outer.agreement`) before sized collectives.
 
         ``fragment``: the fragment whose sync follows (its global copy is compared), ``None``
         for a header that precedes no payload (the whole global copy is compared); ``finite``:
-        whether this replica's pseudo-gradient of it is finite. Returns the replicas whose
-        pseudo-gradient is not finite (empty: the sync stands); raises on every disagreement.
+        whether this replica's pseudo-gradient of it is finite; ``healing``: (with a manager)
+        this replica's state is about to be replaced by a peer's. Returns the verdict (the
+        replicas whose pseudo-gradient is not finite, ...); raises on every disagreement.
         """
-        if self._agreement is None:
-            return [] if finite else [f"rank {self._channel.ranks[self._channel.rank]}"]
         index = None if fragment is None else fragment.index
-        header = self._identity.header(kind, t, index, finite)
+        if self._agreement is None:
+            mine = f"rank {self._channel.ranks[self._channel.rank]}"
+            return HeaderVerdict([] if finite else [mine], t, index, 1)
         copy = self._global if fragment is None else self._exchanges[fragment.index].global_
+        state = 0
+        if self._managed is not None:
+            outer_state = [self._outer.state.get(p, {}) for p in self._fragment_params(fragment)]
+            state = self._managed.checksum(copy, outer_state)
+        header = self._identity.header(kind, t, index, finite, healing, state)
         with self._peer_guard("the sync header", t):
             return self._agreement.check(header, copy, self._identity.describe)
+
+    def _fragment_params(self, fragment: Fragment | None) -> list[torch.Tensor]:
+        if fragment is None:
+            return self._params
+        return self._params[fragment.start : fragment.stop]
 
     def _config(self) -> dict[str, Any]:
         return {
@@ -479,98 +579,6 @@ class DiLoCo(WrappedOptimizer):
             "bucket_cap_mb": self.bucket_cap_mb,
             "num_replicas": self._group_size,
         }
-
-    # ---- checkpoints -------------------------------------------------------------------------
-    def _wrapper_state_dict(self) -> dict[str, Any]:
-        """Global copy, outer state, residuals, the sync in flight (settled) and counters.
-
-        The structure depends only on the configuration, never on the step: ``pending`` always
-        holds every fragment's payload slots (empty lists when ``τ = 0``), and ``fragment`` /
-        ``launched_at`` are -1 when no sync is in flight. So a state_dict of a freshly built
-        optimizer is a valid template for ``torch.distributed.checkpoint.load``. ``rank`` is
-        this replica's index in its group (a checkpoint loads only on the same replica),
-        ``synced_at`` per fragment the step after which its local values were its global copy,
-        ``closed_at`` the last step at which ``finish()`` or a refusal closed the sync the
-        schedule had in flight. Taken between syncs (with more than one replica) it warns once
-        that the local parameters are not the global model.
-        """
-        if (
-            self._group_size > 1
-            and not self._warned_between_syncs
-            and any(s != self.iterations for s in self._synced_at)
-        ):
-            self._warned_between_syncs = True
-            warn_between_syncs(self._name, stacklevel=4)
-        sync = self._in_flight
-        if sync is not None:  # wait for its collective (local): the slots then hold its payload
-            with self._peer_guard("waiting for the sync in flight", self.iterations):
-                self._exchanges[sync.fragment.index].settle(sync.flight)
-        return {
-            "config": self._config(),
-            "rank": self._channel.rank,
-            "synced_at": list(self._synced_at),
-            "closed_at": self._closed_at,
-            "global": list(self._global),
-            "outer": self._outer.state_dict(),
-            "residuals": [[dict(r) for r in e.residuals] for e in self._exchanges],
-            "pending": {
-                "fragment": -1 if sync is None else sync.fragment.index,
-                "launched_at": -1 if sync is None else sync.launched_at,
-                "payload": [list(e.slots) for e in self._exchanges],
-            },
-            "syncs": self._syncs,
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a :meth:`state_dict`; everything is checked before anything changes.
-
-        The checkpoint must come from the same configuration (options, parameters, group
-        size). A sync that was in flight when it was taken is restored and applied at its step.
-        """
-        step = state_dict.get("iterations") if isinstance(state_dict, dict) else None
-        self._step_being_loaded = step if isinstance(step, int) else self.iterations
-        try:
-            super().load_state_dict(state_dict)
-        finally:
-            self._step_being_loaded = None
-
-    def _check_wrapper_state_dict(self, state: Any) -> None:
-        step = self.iterations if self._step_being_loaded is None else self._step_being_loaded
-        check_wrapper_state(
-            state,
-            owner=self._name,
-            config=self._config(),
-            global_=self._global,
-            outer=self._outer,
-            exchanges=self._exchanges,
-            schedule=self._schedule,
-            step=step,
-            rank=self._channel.rank,
-        )
-
-    def _load_wrapper_state_dict(self, state: dict[str, Any]) -> None:
-        if self._in_flight is not None:  # its collective was launched on every rank: drain it
-            with self._peer_guard("waiting for the sync in flight", self.iterations):
-                self._exchanges[self._in_flight.fragment.index].settle(self._in_flight.flight)
-            self._in_flight = None
-        pending = state["pending"]
-        with torch.no_grad():
-            torch._foreach_copy_(self._global, list(state["global"]))
-            for p, exchange in enumerate(self._exchanges):
-                for entry, mine in zip(state["residuals"][p], exchange.residuals):
-                    for name, residual in mine.items():
-                        residual.copy_(entry[name])
-                for saved, slot in zip(pending["payload"][p], exchange.slots):
-                    slot.copy_(saved)
-        self._outer.load_state_dict(state["outer"])
-        if pending["fragment"] >= 0:
-            fragment = self._schedule.fragments[pending["fragment"]]
-            flight = self._exchanges[fragment.index].restore()
-            self._in_flight = _Sync(fragment, pending["launched_at"], flight)
-        self._syncs = state["syncs"]
-        # a checkpoint written before these keys existed: no fragment counts as synced
-        self._synced_at = list(state.get("synced_at", [-1] * len(self._schedule)))
-        self._closed_at = state.get("closed_at", -1)
 
     def __repr__(self) -> str:
         return (
@@ -612,6 +620,19 @@ def _check_same_parameters(
         f"tensor objects, e.g. both from model.parameters()); outer lacks {len(missing)} "
         f"of them (shapes {missing[:5]}) and has {len(extra)} others (shapes {extra[:5]})"
     )
+
+
+def _check_managed(owner: str, manager: Any, group: Any) -> None:
+    """A torchft manager replaces ``group`` (the replicas are its quorum's)."""
+    from distoptim.ft.replicas import check_manager
+
+    check_manager(manager, owner)
+    if group is not None:
+        raise ValueError(
+            f"{owner}: with a torchft manager the replicas are the manager's quorum, so group "
+            f"must be None (got {type_name(group)}); a manager's process group must not also "
+            "be given as group="
+        )
 
 
 def _check_group(

@@ -142,6 +142,11 @@ class FragmentExchange:
             torch._foreach_sub_(views, [self.local[i].detach() for i in bucket.members])
         return all(_finite(payload) for payload in self._payloads)
 
+    def zero(self) -> None:
+        """Write ``Δ = 0`` (a replica that takes part in a sync without contributing)."""
+        for payload in self._payloads:
+            payload.zero_()
+
     def launch(self) -> InFlight:
         """Start each bucket's mean of the ``Δ`` :meth:`form` wrote (no wait)."""
         pending: list[Pending] = [
