@@ -76,7 +76,16 @@ def test_lighthouse_checks_and_address():
 
 def test_lighthouse_command_announces_its_address_and_stops_on_sigterm():
     proc = subprocess.Popen(
-        [sys.executable, "-m", "distoptim.ft.lighthouse", "--port", "0", "--host", "127.0.0.1"],
+        [
+            sys.executable,
+            "-m",
+            "distoptim.cli.main",
+            "lighthouse",
+            "--port",
+            "0",
+            "--host",
+            "127.0.0.1",
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

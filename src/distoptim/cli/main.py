@@ -1,10 +1,11 @@
 """Entry point of the ``distoptim`` console script: parse, check, dispatch, exit code.
 
 ``distoptim compare`` (the main job) and ``distoptim train`` run locally with worker processes
-this command starts; ``python -m distoptim.cli.train`` under ``torchrun`` runs one rank of the
-same training (:func:`torchrun_train`). Exit codes: 0 done, 1 a run failed, 2 bad arguments
-(one line on stderr, no traceback), 130 interrupted by Ctrl-C, 143 stopped by SIGTERM (both
-keep the results so far).
+this command starts; ``distoptim lighthouse`` runs torchft's lighthouse for fault-tolerant jobs
+(:mod:`distoptim.ft.lighthouse`); ``python -m distoptim.cli.train`` under ``torchrun`` runs
+one rank of the same training (:func:`torchrun_train`). Exit codes: 0 done, 1 a run failed,
+2 bad arguments (one line on stderr, no traceback), 130 interrupted by Ctrl-C, 143 stopped by
+SIGTERM (both keep the results so far).
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     started = time.monotonic()
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["lighthouse"]:  # torchft's lighthouse for fault-tolerant jobs
+        from distoptim.ft.lighthouse import main as lighthouse
+
+        return lighthouse(argv[1:])
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -32,7 +32,7 @@ from typing import Any
 from distoptim import checks
 from distoptim.ft._torchft import require
 
-__all__ = ["Lighthouse", "serve"]
+__all__ = ["Lighthouse", "main", "serve"]
 
 
 def _ms(name: str, seconds: Any) -> int:
@@ -153,17 +153,33 @@ def serve(
             signal.signal(sig, handler)
 
 
-def _main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """``python -m distoptim.ft.lighthouse``: the same as ``distoptim lighthouse``."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="distoptim lighthouse", description=serve.__doc__)
-    parser.add_argument("--min-replicas", type=int, default=1)
-    parser.add_argument("--host", default="0.0.0.0")
-    parser.add_argument("--port", type=int, default=29510)
-    parser.add_argument("--advertise", default=None)
-    parser.add_argument("--heartbeat-timeout", type=float, default=5.0)
-    parser.add_argument("--join-timeout", type=float, default=60.0)
+    parser = argparse.ArgumentParser(
+        prog="distoptim lighthouse",
+        description="Run torchft's lighthouse (the quorum server of fault-tolerant replica "
+        "groups) until Ctrl-C or SIGTERM. See docs/fault_tolerance.md.",
+    )
+    parser.add_argument(
+        "--min-replicas", type=int, default=1, help="fewest replica groups a quorum may have"
+    )
+    parser.add_argument("--host", default="0.0.0.0", help="address to bind (default: all)")
+    parser.add_argument("--port", type=int, default=29510, help="TCP port (default 29510)")
+    parser.add_argument("--advertise", default=None, help="host name printed in the address")
+    parser.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=5.0,
+        help="seconds before a silent replica group is dead (default 5)",
+    )
+    parser.add_argument(
+        "--join-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a quorum waits for live replica groups that have not asked yet (default 60)",
+    )
     args = parser.parse_args(argv)
     try:
         serve(
@@ -181,4 +197,4 @@ def _main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # pragma: no cover - exercised through a subprocess in the tests
-    raise SystemExit(_main())
+    raise SystemExit(main())
