@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from distoptim.comm.bucket import BucketPlan
 from distoptim.comm.compression import WireFormat
-from distoptim.comm.fingerprint import digest
+from distoptim.comm.fingerprint import describe_hyperparameters, digest, hyperparameter_word
 from distoptim.comm.stats import ring_allreduce_bytes
 
 
@@ -57,6 +57,21 @@ def test_pack_zero_fills_missing_grads_and_never_writes_the_inputs() -> None:
     assert bucket.views(persistent) is bucket.views(persistent)
 
 
+def test_pack_densifies_sparse_grads_and_names_a_wrong_shape() -> None:
+    params = [torch.zeros(4, 2, requires_grad=True), torch.zeros(3, requires_grad=True)]
+    plan = BucketPlan(params, cap_bytes=1 << 20)
+    (bucket,) = plan.buckets
+    sparse = torch.sparse_coo_tensor([[1, 3]], torch.ones(2, 2), (4, 2), check_invariants=True)
+    buf = bucket.new_buffer()
+    bucket.pack(buf, [None, sparse])
+    assert torch.equal(bucket.views(buf)[1], sparse.to_dense())
+    bad = torch.zeros(5)
+    with pytest.raises(ValueError, match=r"parameter 1 .* has shape \(5,\), but .* \(3,\)"):
+        bucket.pack(buf, [bad, None])
+    with pytest.raises(ValueError, match=r"has shape \(1,\)"):  # not even broadcast
+        bucket.pack(buf, [torch.zeros(1), None])
+
+
 def test_wire_format_parses_and_only_narrows_wide_floats() -> None:
     assert WireFormat.parse(None).dtype is None
     fp16 = WireFormat.parse("FP16")
@@ -91,6 +106,29 @@ def test_ring_bytes_and_fingerprint_sensitivity() -> None:
     frozen = _params((3, torch.float32), (2, torch.float32))
     frozen[0].requires_grad_(False)
     assert digest(a, {}) != digest(frozen, {})
+
+
+def test_hyperparameter_word_follows_every_value_but_the_parameters() -> None:
+    a = torch.optim.Adam(_params((3, torch.float32)), lr=0.01, betas=(0.9, 0.99))
+    b = torch.optim.Adam(
+        _params((3, torch.float32), (2, torch.float32)), lr=0.01, betas=(0.9, 0.99)
+    )
+    word = hyperparameter_word(a.param_groups)
+    assert word == hyperparameter_word(b.param_groups)  # the parameters are not digested
+    for key, value in (("lr", 0.010000001), ("betas", (0.9, 0.98)), ("eps", 1e-7)):
+        b.param_groups[0][key] = value
+        assert hyperparameter_word(b.param_groups) != word, key
+        b.param_groups[0][key] = a.param_groups[0][key]
+    assert hyperparameter_word(b.param_groups) == word
+    b.param_groups[0]["lr"] = torch.tensor(0.01)  # a tensor learning rate: by value
+    assert hyperparameter_word(b.param_groups) == hyperparameter_word(
+        [dict(b.param_groups[0], lr=torch.tensor(0.01))]
+    )
+    b.param_groups[0]["hook"] = object()  # an object: by type, never by address
+    assert hyperparameter_word(b.param_groups) == hyperparameter_word(
+        [dict(b.param_groups[0], hook=object())]
+    )
+    assert "lr=0.01" in describe_hyperparameters(a.param_groups)
 
 
 @settings(max_examples=60, deadline=None)
