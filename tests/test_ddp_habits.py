@@ -165,6 +165,31 @@ def _clip_averaged(rank: int, out: dict[str, Any]) -> None:
         out["sync_sharded"] = str(exc)
 
 
+def _scaler_after_synchronize(rank: int, out: dict[str, Any]) -> None:
+    """An overflow on rank 1 only: after synchronize() every rank sees it and skips."""
+    model = _mlp(torch.float64)
+    opt = CrossShardOptimizer(_sgd(model.parameters()))
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for it in range(STEPS):
+            opt.zero_grad()
+            x, y = _batch(rank, it, torch.float64)
+            loss = F.mse_loss(model(x), y)
+            if rank == 1 and it == 1:
+                loss = loss * float("inf")
+            scaler.scale(loss).backward()
+            opt.synchronize()
+            scaler.unscale_(opt)
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(opt)
+            scaler.update()
+        opt.finish()
+    out["scaler"] = _flat(model)
+    out["scaler/iterations"] = opt.iterations
+    out["scaler/warnings"] = [str(w.message) for w in caught if "CrossShard" in str(w.message)]
+
+
 # ---------------------------------------------------------------------------------------------
 # a DDP model wrapped again
 # ---------------------------------------------------------------------------------------------
@@ -426,7 +451,8 @@ def _parts(rank: int, parts: tuple[Callable[[int, dict[str, Any]], None], ...]) 
 
 
 def _bundle(rank: int, world: int) -> dict[str, Any]:
-    return _parts(rank, (_clip_averaged, _double_reduce, _sparse, _unseen_pass, _raising))
+    parts = (_clip_averaged, _scaler_after_synchronize, _double_reduce, _sparse, _unseen_pass)
+    return _parts(rank, (*parts, _raising))
 
 
 def _calls_bundle(rank: int, world: int) -> dict[str, Any]:
@@ -506,6 +532,17 @@ def test_synchronize_misuse_is_named(bundle: list[dict[str, Any]]) -> None:
     for out in bundle:
         assert "backward() ran between synchronize() and step()" in out["backward_after_sync"]
         assert "max_grad_norm" in out["sync_sharded"]
+
+
+@pytest.mark.timeout(300)
+def test_after_synchronize_a_grad_scaler_skips_on_every_rank_alike(
+    bundle: list[dict[str, Any]],
+) -> None:
+    _intact(bundle, _scaler_after_synchronize)
+    assert torch.equal(bundle[0]["scaler"], bundle[1]["scaler"])
+    for out in bundle:
+        assert out["scaler/iterations"] == STEPS - 1  # the overflowing step skipped everywhere
+        assert out["scaler/warnings"] == []
 
 
 @pytest.mark.timeout(300)

@@ -19,7 +19,7 @@ Why a separate header and not a trailer in the payload (as CrossShardOptimizer's
 their words): fragments have different sizes, and a gloo collective whose ranks disagree on the
 size aborts the process. A fixed-size message first turns every such divergence into an error
 on every rank, before any size-dependent collective. Cost per header: ``(n - 1)`` messages of
-``CHUNKS + 16`` bytes (34 bytes) per rank and one latency.
+``CHUNKS + 16`` bytes (38 bytes) per rank and one latency.
 """
 
 from __future__ import annotations
