@@ -63,16 +63,18 @@ class Replicas:
         return None
 
     @classmethod
-    def join(cls, groups: list[list[int]] | None, stacklevel: int) -> Replicas:
+    def join(cls, groups: list[list[int]] | None, stacklevel: int, quiet: bool = False) -> Replicas:
         """The replicas of this rank: all ranks, or its subgroup of ``groups`` (validated).
 
         Creating subgroups is a collective of the default group: every rank calls this with the
         same ``groups``. Outside a process group, or with world size 1, warns once (at
-        ``stacklevel`` from here) and returns one shard.
+        ``stacklevel`` from here; not when ``quiet``) and returns one shard.
         """
         distributed = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size() if distributed else 1
         if world == 1:
+            if quiet:  # a torchft manager reduces across replica groups of one process
+                return cls(None, 1, 0, [0])
             warnings.warn(
                 "CrossShardOptimizer: "
                 + (

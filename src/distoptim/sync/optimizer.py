@@ -60,6 +60,7 @@ from distoptim.sync.apply import ApplyStrategy
 from distoptim.sync.collectives import Collectives, Replicas
 from distoptim.sync.options import Reduction, SyncOptions, check_saved_hyperparameters
 from distoptim.sync.packed import PackedApply, TensorGrads
+from distoptim.sync.replicated import ReplicatedRounds
 from distoptim.sync.rounds import RoundDriver
 from distoptim.sync.sharded import ShardedApply
 from distoptim.sync.views import BucketViews, ViewsApply
@@ -80,6 +81,19 @@ def _choose_apply(
     if options.gradient_as_bucket_view:
         return ViewsApply(opt, params, options, comm)
     return PackedApply(opt, params, options, comm)
+
+
+def _check_managed(manager: Any, options: SyncOptions) -> None:
+    """What a torchft manager cannot be combined with (checked before any side effect)."""
+    from distoptim.ft.replicas import check_manager
+
+    check_manager(manager, "CrossShardOptimizer")
+    if options.shard_optimizer_state:
+        raise NotImplementedError(
+            "CrossShardOptimizer(manager=..., shard_optimizer_state=True) is not supported: a "
+            "healing replica would need every peer's shard of the optimizer state; shard "
+            "within a replica group only once that is built, or drop one of the two"
+        )
 
 
 class CrossShardOptimizer(WrappedOptimizer):
@@ -162,6 +176,7 @@ class CrossShardOptimizer(WrappedOptimizer):
         gradient_as_bucket_view: bool = False,
         shard_optimizer_state: bool = False,
         max_grad_norm: float | None = None,
+        manager: Any = None,
     ) -> None:
         # validate everything before any side effect (subgroup creation is collective)
         options = SyncOptions.check(
@@ -179,7 +194,9 @@ class CrossShardOptimizer(WrappedOptimizer):
             shard_optimizer_state=shard_optimizer_state,
             max_grad_norm=max_grad_norm,
         )
-        replicas = Replicas.join(options.group_assignment, stacklevel=2)
+        if manager is not None:
+            _check_managed(manager, options)
+        replicas = Replicas.join(options.group_assignment, stacklevel=2, quiet=manager is not None)
         super().__init__(opt, name=name)
         self._options = options
         comm = Collectives(replicas, options.wire, CommStats())
@@ -193,6 +210,20 @@ class CrossShardOptimizer(WrappedOptimizer):
             self._apply,
             groups=lambda: self._wrapped.param_groups,
         )
+        self._replicated: ReplicatedRounds | None = None
+        if manager is not None:
+            self._replicated = ReplicatedRounds(
+                manager,
+                name,
+                self._all_params,
+                opt,
+                options.reduction is Reduction.MEAN,
+                options.wire,
+                comm.stats,
+            )
+            self._replicated.replicas.register_state(
+                "counters", lambda: {"iterations": self.iterations}, self._load_counters
+            )
 
     # ---- the options, read-only ----------------------------------------------------------
     @property
@@ -292,6 +323,9 @@ class CrossShardOptimizer(WrappedOptimizer):
         if self._applying_pairs:  # TF path: the swapped-in grads are already reduced
             return super().step(closure)
         loss = run_closure(closure)
+        if self._replicated is not None:
+            self._managed_step()
+            return loss
         rounds = self._rounds
         if self._apply.held is not None:  # synchronize() reduced this step's gradients
             if rounds.passes_since_reduce():
@@ -333,6 +367,12 @@ class CrossShardOptimizer(WrappedOptimizer):
         """
         if self._apply.held is not None:
             return
+        if self._replicated is not None:
+            raise NotImplementedError(
+                "CrossShardOptimizer(manager=...).synchronize() is not supported: a managed "
+                "step commits (or not) in one torchft round; use max_grad_norm= to clip the "
+                "averaged gradient"
+            )
         if self._options.shard_optimizer_state:
             raise TypeError(
                 "CrossShardOptimizer.synchronize() is not available with "
@@ -348,6 +388,35 @@ class CrossShardOptimizer(WrappedOptimizer):
             rnd, buffers = rounds.reduce_grads(RoundKind.SYNC)
             self._apply.hold(rnd, buffers)
 
+    def _managed_step(self) -> None:
+        """A step as one torchft round: the replica group's round, then the replicas', then
+        the inner step only if the round commits (see :mod:`distoptim.sync.replicated`)."""
+        replicated = self._replicated
+        assert replicated is not None
+        rounds = self._rounds
+        if rounds.size == 1:  # one process per replica group: pack (and divide passes) locally
+            rounds.refresh()
+            rnd = rounds.grad_round(rounds.solo_plan())
+            buffers = rnd.wait_all()
+        else:
+            rnd, buffers = rounds.reduce_grads()
+        kind = RoundKind.STEP
+        if not replicated.reduce_and_commit(rnd, buffers, kind, self.iterations, rounds.plan_word):
+            return
+        self._apply.step(rnd, buffers)
+        if rounds.size > 1:
+            rounds.end_step()
+        self.iterations += 1
+
+    def _load_counters(self, state: dict[str, int]) -> None:
+        """A healing replica takes its peer's step counter (with its parameters and state)."""
+        self.iterations = int(state["iterations"])
+
+    @property
+    def replica_stats(self) -> Any:
+        """With a torchft manager: rounds, commits, failed rounds, heals (else None)."""
+        return None if self._replicated is None else self._replicated.replicas.stats
+
     def finish(self) -> None:
         """Say that this rank takes no more steps; raise if some rank of the group still does.
 
@@ -360,6 +429,10 @@ class CrossShardOptimizer(WrappedOptimizer):
         """
         if self._rounds.size > 1:
             self._rounds.finish()
+        if self._replicated is not None:
+            self._replicated.reduce_and_commit(
+                None, [], RoundKind.FINISH, self.iterations, self._rounds.plan_word
+            )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``torch.optim.Optimizer.zero_grad``; with bucket views, zero the buckets in place.
@@ -370,6 +443,8 @@ class CrossShardOptimizer(WrappedOptimizer):
         :mod:`distoptim.comm.grad_views`). Other parameters follow torch.
         """
         self._apply.drop()  # a gradient synchronize() reduced is forgotten
+        if self._replicated is not None:  # the quorum forms during the forward pass
+            self._replicated.start(early=True)
         if self._apply.grads.zero(self._all_params(), set_to_none):
             self._rounds.note_zeroed()  # an in-place reduction in flight read other values
         else:
@@ -383,6 +458,11 @@ class CrossShardOptimizer(WrappedOptimizer):
 
     def _apply_pairs(self, pairs: GradsAndVars) -> None:
         """SUM the given gradients across the group into fresh tensors, then apply them once."""
+        if self._replicated is not None:
+            raise NotImplementedError(
+                "CrossShardOptimizer(manager=...) reduces .grad in step(); the TF path "
+                "(apply_gradients/minimize) is not fault-tolerant: use backward() and step()"
+            )
         for _, v in pairs:
             if not v.requires_grad:
                 raise ValueError(
