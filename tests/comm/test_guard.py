@@ -146,11 +146,11 @@ def test_different_hyperparameters_are_a_desync_naming_the_sides() -> None:
         check_round(
             [_words(hyper=1), _words(hyper=2), _words(hyper=1)],
             [3, 5, 7],
-            local_hyperparameters=lambda: "This rank (3): lr=0.1",
+            explain_hyperparameters=lambda: "group 0: lr: rank 3 0.1, rank 5 0.2",
         )
     assert not isinstance(info.value, ParameterMismatchError)
     assert "LR scheduler stepped on some ranks only" in str(info.value)
-    assert str(info.value).endswith("This rank (3): lr=0.1")
+    assert str(info.value).endswith("group 0: lr: rank 3 0.1, rank 5 0.2")
 
 
 def test_collective_calls_on_some_ranks_are_named() -> None:

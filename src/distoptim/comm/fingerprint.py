@@ -11,11 +11,6 @@ rank sees the same gathered table and all of them raise together. Later changes 
 parameter list are agreed round by round through the sequence words
 (:mod:`distoptim.comm.guard`), which carry a 48-bit prefix of the same digest;
 :class:`ParameterMismatchError` is defined there.
-
-The words also carry :func:`hyperparameter_word`, a 32-bit digest of an optimizer's param
-groups without their parameters (learning rate, momentum, betas, weight decay, ... of every
-group), recomputed for every round: an LR scheduler stepped on some ranks only, or any
-hyperparameter set differently on some ranks, shows in the round where it happens.
 """
 
 from __future__ import annotations
@@ -28,14 +23,7 @@ import torch.distributed as dist
 
 from distoptim.comm.guard import ParameterMismatchError
 
-__all__ = [
-    "MESSAGE_BYTES",
-    "ParameterMismatchError",
-    "check_agreement",
-    "describe_hyperparameters",
-    "digest",
-    "hyperparameter_word",
-]
+__all__ = ["MESSAGE_BYTES", "ParameterMismatchError", "check_agreement", "digest"]
 
 _WORDS = 4  # 32-byte digest as four int64 words
 MESSAGE_BYTES = 8 * (1 + _WORDS)
@@ -49,42 +37,6 @@ def digest(params: Sequence[torch.Tensor], options: Mapping[str, object]) -> byt
         h.update(f"{tuple(p.shape)}|{p.dtype}|{int(p.requires_grad)};".encode())
     h.update(repr(sorted((k, repr(v)) for k, v in options.items())).encode())
     return h.digest()
-
-
-def hyperparameter_word(groups: Sequence[Mapping[str, object]]) -> int:
-    """32 bits that differ when any group's hyperparameters do (every key but ``params``).
-
-    Values are digested by their exact text: floats by ``repr`` (exact), tensors by shape,
-    dtype and values (a sum beyond 64 elements), tuples element by element, and objects that
-    are not numbers, strings or tensors by their type name only (their ``repr`` may hold a
-    memory address, which differs between processes). Deterministic across processes.
-    """
-    h = hashlib.blake2b(digest_size=4)
-    for group in groups:
-        h.update(_group_text(group).encode())
-        h.update(b"|")
-    return int.from_bytes(h.digest(), "little")
-
-
-def describe_hyperparameters(groups: Sequence[Mapping[str, object]]) -> str:
-    """Every group's hyperparameters in words (for the error that names a difference)."""
-    return "; ".join(f"param group {i}: {_group_text(g, ', ')}" for i, g in enumerate(groups))
-
-
-def _group_text(group: Mapping[str, object], sep: str = ";") -> str:
-    return sep.join(f"{k}={_value_text(group[k])}" for k in sorted(group) if k != "params")
-
-
-def _value_text(value: object) -> str:
-    if isinstance(value, torch.Tensor):
-        v = value.detach()
-        data = v.flatten().tolist() if v.numel() <= 64 else float(v.double().sum())
-        return f"tensor({data}, {v.dtype})"
-    if isinstance(value, (tuple, list)):
-        return "(" + ",".join(_value_text(v) for v in value) + ")"
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return repr(value)
-    return type(value).__name__
 
 
 def check_agreement(

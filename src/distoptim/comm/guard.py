@@ -280,14 +280,13 @@ def check_round(
     table: Sequence[GuardWords],
     ranks: Sequence[int],
     owner: str = "CrossShardOptimizer",
-    local_hyperparameters: Callable[[], str] | None = None,
+    explain_hyperparameters: Callable[[], str] | None = None,
 ) -> Verdict:
     """The round's verdict from every rank's words, or the error every rank raises.
 
     ``ranks``: the global rank of each row; ``owner``: the optimizer errors name;
-    ``local_hyperparameters()``: this rank's hyperparameters in words, appended to the error
-    when the hyperparameter digests differ (the one part of a message that differs between
-    ranks).
+    ``explain_hyperparameters()``: what differs, in words, appended to the error when the
+    hyperparameter digests differ (every rank calls it there, so it may be a collective).
     Deterministic in ``table``, so every rank of the group reaches the same verdict (or raises
     the same error) without another message.
     """
@@ -328,7 +327,7 @@ def check_round(
             + table_lines(table, ranks)
             + "\nEvery rank must run the same optimizer with the same hyperparameters: step "
             "LR schedulers (and change param groups) on every rank."
-            + (f"\n{local_hyperparameters()}" if local_hyperparameters is not None else ""),
+            + (f"\n{explain_hyperparameters()}" if explain_hyperparameters is not None else ""),
             table,
         )
     return Verdict(

@@ -158,6 +158,15 @@ class Collectives:
             raise self.peer_lost("the gradient-norm all-reduce (max_grad_norm)", exc) from exc
         return out.to(t.device)
 
+    def gather_objects(self, obj: object, what: str) -> list[object]:
+        """Every rank's ``obj`` (picklable), in group-rank order: for error messages only."""
+        out: list[object] = [None] * self.replicas.size
+        try:
+            dist.all_gather_object(out, obj, group=self.replicas.group)
+        except RuntimeError as exc:
+            raise self.peer_lost(what, exc) from exc
+        return out
+
     def agree(self, params: Sequence[torch.Tensor], options: Mapping[str, object]) -> None:
         """Check that every rank has the same parameter list and ``options`` (one all-gather).
 

@@ -208,7 +208,7 @@ class CrossShardOptimizer(WrappedOptimizer):
             options,
             comm,
             self._apply,
-            groups=lambda: self._wrapped.param_groups,
+            inner=opt,
         )
         self._replicated: ReplicatedRounds | None = None
         if manager is not None:

@@ -26,8 +26,9 @@ backward passes (the sequence guard), and the life of every round:
   replica mean of the local gradients there, also when its result is not used.
 
 Besides the step counter, the pass count and the plan, every round's words carry a digest of the
-wrapped optimizer's hyperparameters (:func:`~distoptim.comm.fingerprint.hyperparameter_word`:
-an LR scheduler stepped on some ranks only is a ``DesyncError`` in the next round) and three
+wrapped optimizer's type and hyperparameters (:mod:`distoptim.comm.hyperparameters`, 32 bits
+of its fingerprint: an LR scheduler stepped on some ranks only is a ``DesyncError`` in the next
+round, whose ranks then exchange their descriptions to name each difference) and three
 informative marks of a ``.grad`` round: *uncounted* (no pass counted, yet the gradients changed
 since the last round: a backward that reached none of the pass counter's sentinels, which agrees
 with any count >= 1 instead of raising a false alarm), *local edit* (``.grad`` changed after
@@ -55,8 +56,14 @@ from typing import Any
 import torch
 
 from distoptim.comm.bucket import Bucket, BucketPlan
-from distoptim.comm.fingerprint import describe_hyperparameters, digest, hyperparameter_word
+from distoptim.comm.fingerprint import digest
 from distoptim.comm.guard import GuardWords, RoundKind, Verdict, check_round, plan_word
+from distoptim.comm.hyperparameters import (
+    describe_optimizer,
+    differences,
+    fingerprint,
+    group_members,
+)
 from distoptim.comm.overlap import BackwardOverlap, PassCounter, sentinels
 from distoptim.comm.reducer import ReduceRound, grads_changed
 from distoptim.sync.apply import ApplyStrategy
@@ -72,18 +79,15 @@ FIRST_BUCKET_BYTES = 1 << 20
 Reduced = tuple[ReduceRound, list[torch.Tensor]]
 """A closed round and its reduced buffers (shards with weight-update sharding), agreed."""
 
-Groups = Sequence[Mapping[str, Any]]
-"""An optimizer's param groups (their hyperparameters are digested into every round)."""
-
 
 class RoundDriver:
     """The rounds of one synchronous optimizer over ``comm``'s replicas.
 
     ``params()``: the optimizer's parameters (every param group, in order); ``steps()``: its
-    step counter (the words and the messages name it); ``groups()``: the wrapped optimizer's
-    param groups (their hyperparameters are digested into every round); ``apply``: the strategy
-    that builds rounds and follows the agreed plan. Construction builds this rank's plan (no
-    collective).
+    step counter (the words and the messages name it); ``apply``: the strategy that builds
+    rounds and follows the agreed plan; ``inner``: the wrapped optimizer (its type and
+    hyperparameters are digested into every round; None: not checked). Construction builds
+    this rank's plan (no collective).
     """
 
     def __init__(
@@ -93,11 +97,12 @@ class RoundDriver:
         options: SyncOptions,
         comm: Collectives,
         apply: ApplyStrategy,
-        groups: Callable[[], Groups] = lambda: (),
+        inner: torch.optim.Optimizer | None = None,
     ) -> None:
         self.params = params
         self.steps = steps
-        self.groups = groups
+        self.inner = inner
+        self.members: list[str] | None = None  # the inner optimizer's grouping, per plan
         self.options = options
         self.comm = comm
         self.apply = apply
@@ -144,6 +149,7 @@ class RoundDriver:
             return
         params = [p for p in self.params() if p.requires_grad]
         self.plan_key = key
+        self.members = None
         self.plan_word = plan_word(digest(params, self.fingerprint))
         self._install(params, order=None)
         if self.size == 1:
@@ -299,7 +305,7 @@ class RoundDriver:
         codec = self.comm.codec
         assert codec is not None
         guard = self.options.sequence_guard
-        groups = self.groups()
+        described = self._describe() if guard else None
         words = GuardWords(
             kind,
             step=self.steps() if guard else 0,
@@ -308,18 +314,26 @@ class RoundDriver:
             params=len(self.plan.params),
             edited=edited,
             replanned=self.plan is not self.agreed,
-            hyper=hyperparameter_word(groups) if guard else 0,
+            hyper=0 if described is None else fingerprint(described) & 0xFFFFFFFF,
             **marks,
         )
         buffers = rnd.wait_all(lambda trailer: codec.write(trailer, words))
         table = codec.read(rnd.trailer(buffers))
-        rank = codec.ranks[codec.group_rank]
-        verdict = check_round(
-            table,
-            codec.ranks,
-            local_hyperparameters=lambda: f"This rank ({rank}): {describe_hyperparameters(groups)}",
-        )
-        return verdict, buffers
+
+        def explain() -> str:  # every rank gets here alike: a collective on the error path
+            gathered = self.comm.gather_objects(described, "the hyperparameters' exchange")
+            return "\n".join(differences(gathered, [f"rank {r}" for r in codec.ranks]))
+
+        return check_round(table, codec.ranks, explain_hyperparameters=explain), buffers
+
+    def _describe(self) -> dict[str, Any] | None:
+        """The wrapped optimizer's type and hyperparameters as plain data (None: unchecked)."""
+        if self.inner is None:
+            return None
+        params = self.params()
+        if self.members is None:
+            self.members = group_members(self.inner, params)
+        return describe_optimizer(self.inner, params, self.members)
 
     def _settle(self, rnd: ReduceRound, buffers: list[torch.Tensor]) -> None:
         """After an in-place round: ``.grad`` = the replica mean (see the gradient source)."""
