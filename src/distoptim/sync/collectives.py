@@ -36,7 +36,7 @@ from distoptim.comm.groups import comm_device
 from distoptim.comm.guard import DesyncError, GuardCodec, ParameterMismatchError
 from distoptim.comm.reducer import BucketAllReduce
 from distoptim.comm.shard_reducer import BucketReduceScatter, ControlReduce, all_gather_shards
-from distoptim.comm.stats import CommStats
+from distoptim.comm.stats import CommStats, ring_allreduce_bytes
 
 __all__ = ["Collectives", "Replicas"]
 
@@ -143,6 +143,29 @@ class Collectives:
             all_gather_shards(flats, r.rank, r.size, r.group, self.stats)
         except RuntimeError as exc:
             raise self.peer_lost("the all-gather of the updated parameters", exc) from exc
+
+    def sum_scalar(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (a few elements) summed over the group, on every rank (``max_grad_norm``'s
+        norm of a sharded gradient); ``t`` itself on one shard."""
+        r = self.replicas
+        if r.size == 1:
+            return t
+        out = t.to(self.device)
+        self.stats.send(ring_allreduce_bytes(out.numel() * out.element_size(), r.size))
+        try:
+            dist.all_reduce(out, group=r.group)
+        except RuntimeError as exc:
+            raise self.peer_lost("the gradient-norm all-reduce (max_grad_norm)", exc) from exc
+        return out.to(t.device)
+
+    def gather_objects(self, obj: object, what: str) -> list[object]:
+        """Every rank's ``obj`` (picklable), in group-rank order: for error messages only."""
+        out: list[object] = [None] * self.replicas.size
+        try:
+            dist.all_gather_object(out, obj, group=self.replicas.group)
+        except RuntimeError as exc:
+            raise self.peer_lost(what, exc) from exc
+        return out
 
     def agree(self, params: Sequence[torch.Tensor], options: Mapping[str, object]) -> None:
         """Check that every rank has the same parameter list and ``options`` (one all-gather).
