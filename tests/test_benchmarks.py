@@ -122,10 +122,22 @@ def _lm_size(r: dict[str, Any]) -> None:
         assert _positive(row["median_step_ms"]) and _positive(row["final"]["loss"])
 
 
+def _ft(r: dict[str, Any]) -> None:
+    assert {"machine", "config", "goodput", "overhead", "load_before"} <= r.keys()
+    for g in r["goodput"].values():
+        for run in (g["fault_free"], g["faulty"]):
+            assert run["states_equal"] and run["commits"] > 0 and _positive(run["goodput"])
+        assert g["faulty"]["faults"]  # the schedule dealt at least one fault
+        assert _positive(g["goodput_ratio"])
+    for o in r["overhead"].values():
+        assert _positive(o["plain_step_ms"]) and _positive(o["managed_step_ms"])
+
+
 CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
     "agn.py": _agn,
     "cross_shard.py": _cross_shard,
     "diloco.py": _diloco,
+    "ft.py": _ft,
     "gpu_cross_shard.py": _gpu_cross_shard,
     "gpu_mesh_sgd.py": _gpu_mesh_sgd,
     "lm_size.py": _lm_size,

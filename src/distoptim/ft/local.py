@@ -49,7 +49,10 @@ class Chaos:
     replica was frozen, its peers went on, it heals when it rejoins). The first fault comes
     ``every`` seconds after every replica passed its start line
     (:meth:`ReplicaContext.wait_for_peers`). Written ``kill:EVERY[:PAUSE]`` or
-    ``stop:EVERY[:PAUSE]`` (:meth:`parse`; PAUSE defaults to 0 for kill, 5 for stop).
+    ``stop:EVERY[:PAUSE]`` (:meth:`parse`; PAUSE defaults to 0 for kill, 5 for stop). One fault
+    at a time: a period whose previous victim has not logged a ``commit`` since its fault (it
+    is still restarting or healing) deals none, so a schedule faster than a restart never takes
+    every replica down at once.
     """
 
     action: str
@@ -194,6 +197,8 @@ class _Chaos(threading.Thread):
                 return  # the run is failing at its start: the supervisor reports why
             victim = 0
             while not self.done.wait(self.chaos.every):
+                if self.run_state.recovering():
+                    continue  # one fault at a time: the last one has not healed yet
                 slot = victim % self.run_state.num_slots
                 victim += 1
                 action = self.run_state.fault(slot, self.chaos.action)
@@ -329,6 +334,8 @@ class _Run:
         self.index_of: list[int] = []  # slot -> supervisor index of its current process
         self.incarnations = [0] * num_slots
         self.expected: set[int] = set()  # supervisor indices whose death the chaos caused
+        self.faulted: set[int] = set()  # slots faulted that have not committed since
+        self.fault_times: dict[int, float] = {}
         # the replicas' start line; with chaos the schedule's clock waits on it too
         self.barrier = multiprocessing.get_context("spawn").Barrier(num_slots + int(chaos))
         self.start_timeout = start_timeout
@@ -358,6 +365,21 @@ class _Run:
             else:
                 self.index_of.append(index)
 
+    def recovering(self) -> bool:
+        """Has a slot the chaos faulted not logged a ``commit`` since (it is still healing)?"""
+        for slot in list(self.faulted):
+            path = self.log_path(slot)
+            with contextlib.suppress(FileNotFoundError), open(path, encoding="utf-8") as f:
+                lines = f.read().splitlines()
+            faulted_at = self.fault_times.get(slot, 0.0)
+            for line in reversed(lines):
+                with contextlib.suppress(json.JSONDecodeError):
+                    event = json.loads(line)
+                    if event["kind"] == "commit" and event["t"] > faulted_at:
+                        self.faulted.discard(slot)
+                        break
+        return bool(self.faulted)
+
     def ending(self) -> bool:
         """Has some replica returned (so the run is ending and no fault must be dealt)?"""
         return os.path.exists(os.path.join(self.workdir, "ENDING"))
@@ -378,7 +400,11 @@ class _Run:
             os.kill(pid, signal.SIGKILL if action == "kill" else signal.SIGSTOP)
         except ProcessLookupError:
             return None
-        return ChaosAction(action, slot, pid, time.time())
+        now = time.time()
+        with self.lock:
+            self.faulted.add(slot)
+            self.fault_times[slot] = now
+        return ChaosAction(action, slot, pid, now)
 
     def resume(self, action: ChaosAction) -> ChaosAction:
         """Restart a killed slot, or continue a stopped process."""
