@@ -36,6 +36,19 @@ server that stopped answering. Three rules make the caller see the cause, not a 
    :class:`RankFailedError` for the root cause, with the other failures listed after it
    (``others``).
 
+A script without a main guard
+-----------------------------
+Processes start with the ``spawn`` method: each new process imports the parent's main module
+(as ``__mp_main__``) before it runs anything. A script that starts processes at its top level,
+without ``if __name__ == "__main__":``, therefore starts them again in every child, where
+Python refuses ("An attempt has been made to start a new process before the current process
+has finished its bootstrapping phase"). Every entry point here calls
+:func:`exit_if_bootstrapping` before its first side effect: in such a child it exits at once
+with a code of its own, before the child has started the work it was made for, and the
+parent's :class:`ProcessSupervisor` turns that death into :class:`MainGuardError`, one line
+naming the script and the fix -- raised at once, whatever the process's ``restarts`` or
+``critical`` say (every child re-imports the same module, so none would fare better).
+
 Restarts
 --------
 A process added with ``restarts=N`` that raises or dies is started again with the same
@@ -84,11 +97,13 @@ __all__ = [
     "DEFAULT_GRACE",
     "DEFAULT_TIMEOUT",
     "RESTART_COUNT_ENV",
+    "MainGuardError",
     "PeerFailureError",
     "ProcessOutcome",
     "ProcessSupervisor",
     "ProcessTimeoutError",
     "RankFailedError",
+    "exit_if_bootstrapping",
     "from_bytes",
     "import_dynamo_before_groups",
     "is_peer_failure",
@@ -112,6 +127,11 @@ RESTART_COUNT_ENV = "DISTOPTIM_RESTART_COUNT"
 """How many times this process was restarted by its :class:`ProcessSupervisor` (unset: never)."""
 
 _KILL_GRACE = 5.0
+
+_BOOTSTRAP_EXIT = 86
+"""Exit code of a child that was still importing its parent's main module when that module
+started processes (:func:`exit_if_bootstrapping`). It means that only from a child that never
+announced its start (``_Started``), so a task that calls ``os._exit(86)`` is not mistaken."""
 
 # Substrings of the messages gloo/c10d raise on a rank whose *peer* failed or went away.
 _PEER_FAILURE_MARKERS = (
@@ -186,6 +206,43 @@ class ProcessTimeoutError(TimeoutError):
         )
 
 
+class MainGuardError(RankFailedError):
+    """A child re-imported an unguarded main module that starts processes (module docstring).
+
+    The message is one line: the script, and the fix -- its process-starting code under
+    ``if __name__ == "__main__":``.
+    """
+
+    def __init__(self, rank: int, name: str) -> None:
+        super().__init__(rank, name, _main_guard_hint(), None)
+
+
+def _main_guard_hint() -> str:
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    script = f"the main module {path!r}" if path else "the main module"
+    return (
+        f"it died while starting, re-importing {script}, which starts processes again when "
+        'imported: put the code that starts processes under `if __name__ == "__main__":` '
+        "(processes start with the spawn method, which imports the main module in each new "
+        "process)"
+    )
+
+
+def exit_if_bootstrapping() -> None:
+    """In a child that is still importing its parent's main module, exit now (code 86).
+
+    Such a child runs the script's top level again; if that starts processes, Python refuses
+    ("... before the current process has finished its bootstrapping phase") -- after whatever
+    the top level did before. Every entry point that starts processes calls this first, so the
+    child leaves before any side effect and its parent's :class:`ProcessSupervisor` raises
+    :class:`MainGuardError` naming the fix. Anywhere else it does nothing.
+    """
+    # multiprocessing's own test for this case (multiprocessing.spawn._check_not_importing_main)
+    if getattr(mp.current_process(), "_inheriting", False):
+        raise SystemExit(_BOOTSTRAP_EXIT)
+
+
 @dataclass
 class ProcessOutcome:
     """What one process did: ``ok`` with ``value``, or not ok with ``error`` (text).
@@ -238,6 +295,11 @@ def root_cause(failures: Sequence[ProcessOutcome]) -> ProcessOutcome:
 # ---------------------------------------------------------------------------------------------
 # child side
 # ---------------------------------------------------------------------------------------------
+@dataclass
+class _Started:
+    """Child -> parent: the child is past start-up (its parent's main module is imported)."""
+
+
 @dataclass
 class _Result:
     """Child -> parent: ``fn`` returned; its value as :func:`to_bytes`."""
@@ -319,6 +381,7 @@ def _child_main(
         torch.set_num_threads(num_threads)
     _PARENT = conn
     try:
+        conn.send(_Started())
         value = fn(*args)
     except BaseException as exc:  # report everything, SystemExit and KeyboardInterrupt too
         report_failure(exc)
@@ -383,6 +446,7 @@ class _Entry:
     proc: mp.process.BaseProcess | None = None
     conn: Connection | None = None
     restarts: int = 0
+    started: bool = False  # the current process announced _Started
     outcome: ProcessOutcome | None = None  # final (after restarts)
 
 
@@ -441,6 +505,7 @@ class ProcessSupervisor:
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {type(fn).__name__}")
         restarts = check_int("restarts", restarts, 0)
+        exit_if_bootstrapping()
         with self._lock:
             if self._closed:
                 raise RuntimeError("this supervisor has ended; start a new one")
@@ -464,6 +529,7 @@ class ProcessSupervisor:
         env = dict(entry.env)
         if entry.restarts:
             env[RESTART_COUNT_ENV] = str(entry.restarts)
+        entry.started = False
         proc = self._ctx.Process(
             target=_child_main,
             args=(send, entry.fn, entry.args, env, self.num_threads, os.getpid()),
@@ -541,6 +607,8 @@ class ProcessSupervisor:
         outcome = _read_outcome(e)
         if outcome is None:
             return
+        if _died_bootstrapping(e, outcome):  # every child would: no restart, no callback
+            raise MainGuardError(e.index, e.name)
         if not outcome.ok and e.restarts_left > 0:
             _stop(e.proc)  # a process that reported early may still be tearing down
             e.conn.close()
@@ -584,12 +652,16 @@ def _read_outcome(e: _Entry) -> ProcessOutcome | None:
     """Process ``e``'s outcome if it has one (a result, a failure, or death); else None."""
     assert e.conn is not None and e.proc is not None
     conn, proc = e.conn, e.proc
-    if conn.poll():  # a message, or EOF because the child is gone
+    gone = False
+    while not gone and conn.poll():  # a message, or EOF because the child is gone
         try:
             msg = conn.recv()
         except EOFError:
-            pass
+            gone = True
         else:
+            if isinstance(msg, _Started):
+                e.started = True
+                continue
             if isinstance(msg, _Result):
                 proc.join(_KILL_GRACE)
                 return ProcessOutcome(
@@ -616,7 +688,7 @@ def _read_outcome(e: _Entry) -> ProcessOutcome | None:
                 failed_at=msg.at,
                 restarts=e.restarts,
             )
-    elif proc.is_alive():
+    if not gone and proc.is_alive():
         return None
     seen = time.time()
     proc.join(_KILL_GRACE)
@@ -631,6 +703,12 @@ def _read_outcome(e: _Entry) -> ProcessOutcome | None:
         failed_at=seen,
         restarts=e.restarts,
     )
+
+
+def _died_bootstrapping(e: _Entry, outcome: ProcessOutcome) -> bool:
+    """Whether ``outcome`` is :func:`exit_if_bootstrapping`'s exit: a silent death with its code
+    before the child announced its start (the one place this case is recognised)."""
+    return not outcome.raised and not e.started and outcome.exitcode == _BOOTSTRAP_EXIT
 
 
 def run_processes(
@@ -815,6 +893,7 @@ def spawn(
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
     check_type("args", args, tuple, "a tuple")
     check_seconds("timeout", timeout)  # (also the collective timeout of every rank)
+    exit_if_bootstrapping()  # before the store: a re-imported script leaves at once
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     try:
         outcomes = run_processes(
