@@ -489,6 +489,8 @@ class ProcessSupervisor:
         self._entries: list[_Entry] = []
         self._wake_r, self._wake_w = os.pipe()
         self._closed = False
+        self._released = False
+        self._runner: threading.Thread | None = None  # the thread inside run(), if any
 
     # ---- starting -------------------------------------------------------------------------------
     def add(
@@ -521,7 +523,7 @@ class ProcessSupervisor:
             )
             self._start(entry)
             self._entries.append(entry)
-        os.write(self._wake_w, b"+")
+            os.write(self._wake_w, b"+")  # under the lock: close() cannot release it meanwhile
         return index
 
     def _start(self, entry: _Entry) -> None:
@@ -560,9 +562,15 @@ class ProcessSupervisor:
         """
         deadline = time.monotonic() + self.timeout
         grace_until: float | None = None
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("this supervisor has ended; start a new one")
+            self._runner = threading.current_thread()
         try:
             while True:
                 with self._lock:
+                    if self._closed:  # by close() in another thread: its processes are gone
+                        raise RuntimeError("the supervisor was closed while it waited")
                     entries = list(self._entries)
                 live = [e for e in entries if e.outcome is None]
                 failed = [e.outcome for e in entries if e.outcome is not None and not e.outcome.ok]
@@ -599,6 +607,8 @@ class ProcessSupervisor:
                 e.proc.join(_KILL_GRACE)
             return [e.outcome for e in entries]  # type: ignore[misc]
         finally:
+            with self._lock:
+                self._runner = None
             self.close()
 
     def _collect(self, e: _Entry) -> None:
@@ -623,24 +633,35 @@ class ProcessSupervisor:
         if not outcome.ok and not e.critical and self.on_failure is not None:
             self.on_failure(outcome)
 
-    def close(self) -> None:
-        """Kill every process still running (idempotent)."""
+    def close(self, grace: float = _KILL_GRACE) -> None:
+        """Kill every process still running (idempotent): SIGTERM, then SIGKILL for those
+        still running after ``grace`` seconds (0: SIGKILL at once). No process is added after."""
         with self._lock:
-            if self._closed:
-                return
+            first = not self._closed
             self._closed = True
             entries = list(self._entries)
+            runner = self._runner
+        if first:
+            for e in entries:
+                if e.proc is not None and e.proc.is_alive():
+                    e.proc.terminate() if grace > 0 else e.proc.kill()
+            deadline = time.monotonic() + grace
+            for e in entries:
+                if e.proc is None:
+                    continue
+                e.proc.join(max(0.0, deadline - time.monotonic()))
+                if e.proc.is_alive():
+                    e.proc.kill()
+                    e.proc.join(_KILL_GRACE)
+        if runner is not None and runner is not threading.current_thread():
+            with contextlib.suppress(OSError):
+                os.write(self._wake_w, b"x")  # run() wakes, sees the end, releases the pipes
+            return
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
         for e in entries:
-            if e.proc is not None and e.proc.is_alive():
-                e.proc.terminate()
-        deadline = time.monotonic() + _KILL_GRACE
-        for e in entries:
-            if e.proc is None:
-                continue
-            e.proc.join(max(0.0, deadline - time.monotonic()))
-            if e.proc.is_alive():
-                e.proc.kill()
-                e.proc.join(_KILL_GRACE)
             if e.conn is not None:
                 e.conn.close()
         for fd in (self._wake_r, self._wake_w):
