@@ -195,14 +195,21 @@ class RankFailedError(RuntimeError):
 
 
 class ProcessTimeoutError(TimeoutError):
-    """The run did not finish within ``timeout``; ``pending`` names the processes still running."""
+    """The run did not finish within ``timeout``; ``pending`` names the processes still running.
 
-    def __init__(self, timeout: float, pending: list[str]) -> None:
+    ``limit``: what set the limit, as the caller knows it (``timeout``, a command line's
+    ``--timeout``): the message names it first -- the run may simply need longer -- and a
+    hang second.
+    """
+
+    def __init__(self, timeout: float, pending: list[str], limit: str = "timeout") -> None:
         self.timeout = timeout
         self.pending = pending
+        self.limit = limit
         super().__init__(
-            f"processes did not finish within {timeout:g}s and were killed: {', '.join(pending)} "
-            "(a hang: a rank waiting in a collective its peers never entered, or a deadlock)"
+            f"processes did not finish within {timeout:g}s, the limit set by {limit}, and were "
+            f"killed: {', '.join(pending)}; if the run needs longer, raise {limit} (otherwise "
+            "it hung: a rank waiting in a collective its peers never entered, or a deadlock)"
         )
 
 

@@ -32,7 +32,7 @@ from typing import Any, NoReturn
 
 from distoptim._version import __version__
 from distoptim.checks import check_choice, check_int, check_real
-from distoptim.cli import algorithms
+from distoptim.cli import algorithms, outdir
 from distoptim.cli.algorithms import ALGORITHMS
 from distoptim.cli.datasets import (
     DIGITS,
@@ -766,13 +766,11 @@ def _output_folder(args: argparse.Namespace, create: bool) -> str:
             f"--out {args.out!r} already holds results of an earlier run; give another folder, "
             "or --overwrite to replace them"
         )
-    if create:
+    if create:  # claimed: a second command with this --out is refused (cli/outdir.py)
         try:
-            os.makedirs(out, exist_ok=True)
-        except OSError as exc:
-            raise UsageError(f"--out {args.out!r}: cannot create it ({exc.strerror})") from None
-        if not os.access(out, os.W_OK):
-            raise UsageError(f"--out {args.out!r} is not writable")
+            outdir.claim(out, args.out, args.overwrite, RESULTS_JSON)
+        except outdir.FolderInUseError as exc:
+            raise UsageError(str(exc)) from None
     return out
 
 

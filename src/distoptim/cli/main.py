@@ -27,6 +27,7 @@ def _usage_error(command: str | None, message: str) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with ``argv`` (default ``sys.argv[1:]``); return the exit code."""
+    from distoptim.cli import outdir
     from distoptim.cli.arguments import UsageError, build_parser, make_plan
     from distoptim.cli.session import run_plan
     from distoptim.cli.stopping import exit_code, flush_or_drop, signals_as_interrupt
@@ -59,6 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print("distoptim: interrupted", file=sys.stderr)
             return exit_code(exc)
         finally:
+            outdir.release()
             flush_or_drop()
 
 
