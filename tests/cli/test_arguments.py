@@ -237,6 +237,7 @@ def test_oversubscription_up_to_two_workers_per_core_is_recorded_not_warned(monk
     argv = ["compare", "--algos", "sync", "-n", "5", "--out", str(tmp_path / "r")]
     plan = make_plan(build_parser().parse_args(argv))
     assert [n for n in plan.notes if n.startswith("warning: oversubscribed")]
+    assert not [f for f in plan.footer if "oversubscribed" in f]  # said once, not twice
 
 
 def test_the_parser_is_the_option_table(capsys, tmp_path):

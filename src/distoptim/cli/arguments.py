@@ -704,7 +704,7 @@ def _oversubscription(configs: list[RunConfig]) -> tuple[dict[str, Any], list[st
         warning = (
             f"warning: {said}; runs are much slower (compare algorithms at the same --workers)"
         )
-        return record, [warning], [said]
+        return record, [warning], []  # said once, before the start (results.json: notes)
     return record, [], [said] if most > cores else []
 
 

@@ -179,9 +179,10 @@ class ProcessPool:
     ``context`` (picklable, e.g. the dataset and a progress queue) is sent once, at start, and
     is every task's first argument. ``inherit``: the positions of a tuple ``context`` that hold
     multiprocessing queues or locks (they can only be handed over when a process starts; the
-    rest follows once it is ready). ``lifetime`` bounds how long the pool may exist at all (a
-    backstop; each :meth:`run` has its own deadline). :meth:`start` it; end it with
-    :meth:`close` (normal) or :meth:`kill`.
+    rest follows once it is ready). ``env``: variables the processes have from their first
+    instruction (read by libraries as they load, e.g. ``TORCH_CPP_LOG_LEVEL``). ``lifetime``
+    bounds how long the pool may exist at all (a backstop; each :meth:`run` has its own
+    deadline). :meth:`start` it; end it with :meth:`close` (normal) or :meth:`kill`.
     """
 
     def __init__(
@@ -191,6 +192,7 @@ class ProcessPool:
         *,
         lifetime: float = 86_400.0,
         inherit: Sequence[int] = (),
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.size = check_int("pool size", size, 1)
         inherit = sorted({check_int("inherit", i, 0) for i in inherit})
@@ -202,6 +204,7 @@ class ProcessPool:
             )
         self._context = context
         self._inherit = inherit
+        self._env = dict(env or {})
         self._lifetime = lifetime
         self._sup: ProcessSupervisor | None = None
         self._conns: list[Connection] = []
@@ -238,7 +241,8 @@ class ProcessPool:
             # a stop never falls between starting a process and writing what it must read
             with _blocked(STOP_SIGNALS), signals_held() as held:
                 for i, child in enumerate(children):
-                    self._sup.add(_serve, (child, inherited), name=f"pool process {i}")
+                    name = f"pool process {i}"
+                    self._sup.add(_serve, (child, inherited), name=name, env=self._env)
             held.deliver()
             for child in children:  # the children hold their ends now: EOF means death
                 child.close()

@@ -62,6 +62,13 @@ __all__ = [
 
 PLOT_PNG = "accuracy_vs_time.png"
 
+_QUIET_CPP = {"TORCH_CPP_LOG_LEVEL": "ERROR"}
+"""The worker processes' C++ log level (unless the user sets one). torch's C++ warnings there
+are the expected side of a run's own retries -- a store wait that times out while a
+parameter-server shard is still accepting connections (c10d's ``waitForInput ... likely a
+timeout``, at 8 workers on a loaded machine) -- and say nothing a failure would not say as a
+Python exception naming its rank; errors still print."""
+
 
 def one_line(exc: BaseException) -> str:
     """``Type: first line of the message`` (a run's failure in the progress and on stderr)."""
@@ -333,6 +340,7 @@ def _start_pool(
         (plan.data, events.queue, plan.link_env),
         lifetime=sum(c.timeout for c in plan.configs) + 600.0,
         inherit=(1,),  # the queue; the data follows once each process is ready
+        env=_QUIET_CPP if "TORCH_CPP_LOG_LEVEL" not in os.environ else None,
     )
     try:
         timing.pool_starts.append(pool.start())
