@@ -13,7 +13,8 @@ Adding an option is one :class:`Option` in :data:`OPTIONS` (and, if a run needs 
 :class:`~distoptim.cli.runconfig.RunConfig` filled in :func:`_configs`).
 
 Output folder: ``--out DIR`` writes into ``DIR`` and refuses a ``DIR`` that already holds a
-``results.json`` unless ``--overwrite``; without ``--out`` every command writes into a new
+``results.json`` unless ``--overwrite``, or that another command holds now (it is claimed:
+:mod:`distoptim.cli.outdir`); without ``--out`` every command writes into a new
 folder ``distoptim-results/YYYYmmdd-HHMMSS-<command>/`` (``-2``, ``-3``... if taken), so two
 runs never overwrite each other.
 """
