@@ -47,7 +47,7 @@ def test_two_commands_started_together_with_one_out_one_runs_one_is_refused(tmp_
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), *sys.path])}
     cmd = [sys.executable, "-m", "distoptim.cli.main", "train", "--algo", "sync", "--workers"]
-    cmd += ["1", "--epochs", "3", "--progress", "none", "--out", str(out)]
+    cmd += ["1", "--epochs", "1", "--progress", "none", "--out", str(out)]
     procs = [
         subprocess.Popen(
             [*cmd, "--seed", str(seed)],
@@ -58,7 +58,7 @@ def test_two_commands_started_together_with_one_out_one_runs_one_is_refused(tmp_
         )
         for seed in (1, 2)
     ]
-    done = [(p, *p.communicate(timeout=200)) for p in procs]
+    done = [(p, *p.communicate(timeout=220)) for p in procs]
     codes = sorted(p.returncode for p, _, _ in done)
     assert codes == [0, 2], [e[-2000:] for _, _, e in done]
     (winner, _, _), (_, _, said) = sorted(done, key=lambda d: d[0].returncode)
