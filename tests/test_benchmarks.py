@@ -133,8 +133,23 @@ def _ft(r: dict[str, Any]) -> None:
         assert _positive(o["plain_step_ms"]) and _positive(o["managed_step_ms"])
 
 
+def _compare_runs(r: dict[str, Any]) -> None:
+    assert {"machine", "load_start", "load_end", "settings", "datasets"} <= r.keys()
+    runs = r["settings"]["runs"]
+    assert runs >= 2  # a spread needs two
+    for d in r["datasets"].values():
+        assert len(d["runs"]) == runs
+        assert all(run["results"]["status"] == "complete" for run in d["runs"])
+        assert all(run["load_before"] and run["load_after"] for run in d["runs"])
+        assert d["order"][0] == "sync" and set(d["order"]) == set(d["summary"])
+        assert d["summary"]["sync"]["time_to_target_vs_sync"]["median"] == 1.0  # paired with itself
+        assert all(row["wall_time_s"]["n"] == runs for row in d["summary"].values())
+        assert len(d["table"].splitlines()) == 2 + len(d["order"])
+
+
 CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
     "agn.py": _agn,
+    "compare_runs.py": _compare_runs,
     "cross_shard.py": _cross_shard,
     "diloco.py": _diloco,
     "ft.py": _ft,
@@ -169,3 +184,20 @@ def test_gpu_scripts_real_run_refuses_without_cuda(script, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "no CUDA device" in proc.stdout
     assert "no CUDA device" in json.loads(out.read_text())["skipped"]
+
+
+def test_the_readme_table_is_made_of_the_shipped_runs():
+    """Every number of the README's sample table comes from the runs recorded in
+    ``benchmarks/results/compare_runs.json``: recomputed from them, it is the README's table."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("compare_runs", BENCHMARKS / "compare_runs.py")
+    assert spec is not None and spec.loader is not None
+    compare_runs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare_runs)
+    doc = json.loads((BENCHMARKS / "results" / "compare_runs.json").read_text())
+    readme = (ROOT / "README.md").read_text()
+    for name, d in doc["datasets"].items():
+        again = compare_runs.table(compare_runs._summary(d["runs"]), compare_runs._order(d["runs"]))
+        assert again == d["table"], name
+    assert doc["datasets"]["digits"]["table"] in readme

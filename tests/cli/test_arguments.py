@@ -97,6 +97,16 @@ def test_bad_npz_shape_exits_2(capsys, tmp_path):
     assert code == 2 and "one label per sample" in err and err.count("\n") == 1
 
 
+def test_an_empty_validation_split_is_one_line_and_exit_2(capsys, tmp_path):
+    path = tmp_path / "empty_val.npz"
+    x, y = np.ones((20, 4)), np.arange(20) % 2
+    np.savez(path, x=x, y=y, x_val=np.zeros((0, 4)), y_val=np.zeros(0, int))
+    code = main(["train", "--algo", "sync", "--dataset", str(path), "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and "the validation split needs at least one" in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
 def test_out_must_be_a_directory(capsys, tmp_path):
     f = tmp_path / "file"
     f.write_text("")
@@ -227,6 +237,7 @@ def test_oversubscription_up_to_two_workers_per_core_is_recorded_not_warned(monk
     argv = ["compare", "--algos", "sync", "-n", "5", "--out", str(tmp_path / "r")]
     plan = make_plan(build_parser().parse_args(argv))
     assert [n for n in plan.notes if n.startswith("warning: oversubscribed")]
+    assert not [f for f in plan.footer if "oversubscribed" in f]  # said once, not twice
 
 
 def test_the_parser_is_the_option_table(capsys, tmp_path):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -70,6 +73,18 @@ def _write(tmp_path, **arrays):
         ({"x": np.zeros((10, 3)), "y": np.full(10, 0.5)}, "integer class labels"),
         ({"x": np.array([["a"]] * 10), "y": np.arange(10) % 2}, "must be numeric"),
         ({"x": np.zeros((10, 3)), "y": np.arange(10) % 2, "x_val": np.zeros((2, 3))}, "both"),
+        (
+            {
+                "x": np.ones((10, 3)),
+                "y": np.arange(10) % 2,
+                "x_val": np.zeros((0, 3)),
+                "y_val": np.zeros(0, int),
+            },
+            "x_val and y_val hold no samples: the validation split needs at least one (leave "
+            "out x_val and y_val for a 20 % split of x)",
+        ),
+        ({"x": np.zeros((0, 3)), "y": np.zeros(0, int)}, "x and y hold no samples"),
+        ({"x": np.zeros((10, 0)), "y": np.arange(10) % 2}, "x has no features"),
     ],
 )
 def test_bad_npz_arrays_say_what_is_wrong(tmp_path, arrays, message):
@@ -95,6 +110,28 @@ def test_unreadable_files(tmp_path):
         load_dataset(str(broken))
     with pytest.raises(DatasetError, match="directory"):
         load_dataset(str(tmp_path))
+
+
+def test_a_fifo_is_refused_at_once_not_waited_on(tmp_path):
+    # a named pipe with no writer: opening it to read would wait for a writer forever
+    fifo = tmp_path / "data.npz"
+    os.mkfifo(fifo)
+    said: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            load_dataset(str(fifo))
+        except BaseException as exc:
+            said.append(exc)
+
+    reader = threading.Thread(target=load, daemon=True)
+    reader.start()
+    reader.join(timeout=30)
+    if reader.is_alive():  # it waits in open(): be its writer, so that the thread can end
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail("loading a FIFO waited for a writer instead of refusing it")
+    assert len(said) == 1 and isinstance(said[0], DatasetError)
+    assert "is not a regular file (a pipe, a device or a socket)" in str(said[0])
 
 
 def test_an_epoch_reads_the_whole_shard_the_last_batch_holds_the_rest():

@@ -13,7 +13,8 @@ Adding an option is one :class:`Option` in :data:`OPTIONS` (and, if a run needs 
 :class:`~distoptim.cli.runconfig.RunConfig` filled in :func:`_configs`).
 
 Output folder: ``--out DIR`` writes into ``DIR`` and refuses a ``DIR`` that already holds a
-``results.json`` unless ``--overwrite``; without ``--out`` every command writes into a new
+``results.json`` unless ``--overwrite``, or that another command holds now (it is claimed:
+:mod:`distoptim.cli.outdir`); without ``--out`` every command writes into a new
 folder ``distoptim-results/YYYYmmdd-HHMMSS-<command>/`` (``-2``, ``-3``... if taken), so two
 runs never overwrite each other.
 """
@@ -32,7 +33,7 @@ from typing import Any, NoReturn
 
 from distoptim._version import __version__
 from distoptim.checks import check_choice, check_int, check_real
-from distoptim.cli import algorithms
+from distoptim.cli import algorithms, outdir
 from distoptim.cli.algorithms import ALGORITHMS
 from distoptim.cli.datasets import (
     DIGITS,
@@ -704,7 +705,7 @@ def _oversubscription(configs: list[RunConfig]) -> tuple[dict[str, Any], list[st
         warning = (
             f"warning: {said}; runs are much slower (compare algorithms at the same --workers)"
         )
-        return record, [warning], [said]
+        return record, [warning], []  # said once, before the start (results.json: notes)
     return record, [], [said] if most > cores else []
 
 
@@ -766,13 +767,11 @@ def _output_folder(args: argparse.Namespace, create: bool) -> str:
             f"--out {args.out!r} already holds results of an earlier run; give another folder, "
             "or --overwrite to replace them"
         )
-    if create:
+    if create:  # claimed: a second command with this --out is refused (cli/outdir.py)
         try:
-            os.makedirs(out, exist_ok=True)
-        except OSError as exc:
-            raise UsageError(f"--out {args.out!r}: cannot create it ({exc.strerror})") from None
-        if not os.access(out, os.W_OK):
-            raise UsageError(f"--out {args.out!r} is not writable")
+            outdir.claim(out, args.out, args.overwrite, RESULTS_JSON)
+        except outdir.FolderInUseError as exc:
+            raise UsageError(str(exc)) from None
     return out
 
 

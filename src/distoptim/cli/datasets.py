@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import stat
 import zipfile
 from dataclasses import dataclass
 
@@ -200,6 +201,11 @@ def _load_npz(path: str) -> Dataset:
         )
     if os.path.isdir(path):
         raise DatasetError(f"{where} is a directory; expected an .npz file with arrays x and y")
+    if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO with no writer would block the open
+        raise DatasetError(
+            f"{where} is not a regular file (a pipe, a device or a socket); expected an .npz "
+            "file with arrays x and y (an .npz is a zip archive: it must be a file to be read)"
+        )
     try:
         why = _not_an_npz(where, path)
     except OSError as exc:
@@ -275,6 +281,15 @@ def _check_xy(
         raise DatasetError(
             f"{where}: {xname} has {x.shape[0]} samples but {yname} has {y.shape[0]} labels"
         )
+    if x.shape[0] == 0:
+        split = "validation" if xname == "x_val" else "training"
+        fix = "leave out x_val and y_val for a 20 % split of x" if xname == "x_val" else ""
+        raise DatasetError(
+            f"{where}: {xname} and {yname} hold no samples: the {split} split needs at least one"
+            + (f" ({fix})" if fix else "")
+        )
+    if x[0].size == 0:
+        raise DatasetError(f"{where}: {xname} has no features (shape {x.shape})")
     x = x.reshape(x.shape[0], -1).astype(np.float32)
     if not np.all(np.isfinite(x)):
         raise DatasetError(f"{where}: {xname} contains NaN or infinite values")

@@ -385,7 +385,10 @@ def render_table(
         )
     for row in rows:
         table.add_row(*_cells(row))
-    console.print(table)
+    with console.capture() as drawn:
+        console.print(table)
+    # both boxes draw the table's top and bottom edges as blanks: no line of spaces around it
+    stream.write("".join(line for line in drawn.get().splitlines(True) if line.strip()))
     for line in footer(rows, notes):
         console.print(line, highlight=False, soft_wrap=True)
 
