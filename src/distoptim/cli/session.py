@@ -115,6 +115,7 @@ def _meta(
         "link": plan.link,
         "notes": plan.notes,
         "target_acc": plan.target_acc,
+        "target_loss": plan.target_loss,
         "oversubscription": plan.oversubscription,
         "timing": timing,
         "machine": {
@@ -133,26 +134,27 @@ def write_outputs(
     status: str,
     timing: _Timing | None = None,
     plots: bool = True,
-) -> tuple[str, str | None]:
-    """Write ``results.json`` (and the plots when ``plots``) under ``plan.out``; their paths."""
-    from distoptim.cli.plot import plot_accuracy
+) -> tuple[str, list[str]]:
+    """Write ``results.json`` (and the plots when ``plots``) under ``plan.out``; the JSON's
+    path and every plot written."""
+    from distoptim.cli.plot import plot_runs
 
     os.makedirs(plan.out, exist_ok=True)
     assign_temporal_efficiency(records)
-    assign_targets(records, plan.target_acc)
-    png = None
+    assign_targets(records, plan.target)
+    pngs: list[str] = []
     if plots:  # first, so that the timing written below includes them
-        title = f"{plan.data.name}: validation accuracy"
+        title = plan.data.name
         if plan.link:
             mbps = plan.link["mbps"]
             title += f" (emulated link {plan.link['latency_ms']:g} ms, "
             title += "unlimited" if mbps is None else f"{mbps:g} Mbit/s"
             title += ")"
-        png = plot_accuracy(records, os.path.join(plan.out, PLOT_PNG), title)
+        pngs = plot_runs(records, plan.out, title, plan.data.baseline)
     json_path = os.path.join(plan.out, RESULTS_JSON)
     meta = _meta(plan, argv, status, None if timing is None else timing.as_dict(records))
     write_results(json_path, records, meta, plan.footer)
-    return json_path, png
+    return json_path, pngs
 
 
 def _summary_line(rec: RunRecord, verbose: bool) -> str:
@@ -221,16 +223,15 @@ def run_plan(
     for note in plan.notes:
         print(f"distoptim: {note}", file=stderr)
     display = ProgressDisplay(plan.progress, stderr)
-    n_train = int(plan.data.x_train.shape[0])
     labels = [algorithms.label(c) for c in plan.configs]
-    totals = [c.total_samples(n_train) for c in plan.configs]
+    totals = [plan.data.total_samples(c) for c in plan.configs]
     timing = _Timing(max(algorithms.processes_of(c) for c in plan.configs), started)
     records: list[RunRecord] = []
     interrupt: KeyboardInterrupt | None = None
     failed = False
     pool: ProcessPool | None = None
     events: EventQueue | None = None
-    json_path = png = None
+    json_path, pngs = None, []
     with display.session(labels, totals):
         try:
             for i, cfg in enumerate(plan.configs):
@@ -275,7 +276,7 @@ def run_plan(
                         state = "running"  # rewritten after the next run
                     else:
                         state = "failed" if failed else "complete"
-                    json_path, png = write_outputs(plan, records, argv, state, timing, plots=last)
+                    json_path, pngs = write_outputs(plan, records, argv, state, timing, last)
                 if interrupt:
                     break
         finally:
@@ -283,13 +284,18 @@ def run_plan(
     rows = summarize(records)
     render_table(rows, stdout, plan.footer)
     print(_timing_line(timing.as_dict(records)), file=stdout)
-    print(f"results: {json_path}", file=stdout)
-    if png:
-        print(f"plot:    {png}", file=stdout)
+    _print_files(json_path, pngs, stdout)
     if interrupt is not None:
         print("distoptim: interrupted; the runs so far are in the results above", file=stderr)
         return exit_code(interrupt)
     return 1 if failed else 0
+
+
+def _print_files(json_path: str | None, pngs: Sequence[str], stream: TextIO) -> None:
+    """Every file the command wrote, one line each."""
+    print(f"results: {json_path}", file=stream)
+    for png in pngs:
+        print(f"plot:    {png}", file=stream)
 
 
 def _release(pool: ProcessPool | None, events: EventQueue | None, interrupted: bool) -> None:
@@ -337,9 +343,7 @@ def run_torchrun_plan(plan: Plan, argv: Sequence[str]) -> int:
     cfg = plan.configs[0]
     sink = None
     if plan.progress != "none":  # only the reporting rank uses it
-        sink = LineSink(
-            f"{algorithms.label(cfg)} (torchrun)", cfg.total_samples(len(plan.data.y_train))
-        )
+        sink = LineSink(f"{algorithms.label(cfg)} (torchrun)", plan.data.total_samples(cfg))
         sink.set_world(cfg.workers)
     use_link(plan.link_env)
     try:
@@ -348,9 +352,7 @@ def run_torchrun_plan(plan: Plan, argv: Sequence[str]) -> int:
         return exit_code(exc)
     if record is None:  # not the reporting rank
         return 0
-    json_path, png = write_outputs(plan, [record], argv, "complete")
+    json_path, pngs = write_outputs(plan, [record], argv, "complete")
     render_table(summarize([record]), sys.stdout, plan.footer)
-    print(f"results: {json_path}")
-    if png:
-        print(f"plot:    {png}")
+    _print_files(json_path, pngs, sys.stdout)
     return 0
