@@ -121,12 +121,45 @@ def _lm_size(r: dict[str, Any]) -> None:
         assert _positive(row["median_step_ms"]) and _positive(row["final"]["loss"])
 
 
+def _lm(r: dict[str, Any]) -> None:
+    assert {"machine", "config", "corpus", "goals", "quality", "step_time"} <= r.keys()
+    q = r["quality"]
+    assert q["load_before"] and q["load_after"]
+    runs = q["runs"]
+    assert "sync" in runs and len(runs) == 5
+    tokens = {run["tokens_per_worker"] for run in runs.values()}
+    assert len(tokens) == 1 and tokens.pop() > 0  # the same token budget per worker
+    for name, run in runs.items():
+        assert 0 < run["val_loss"] < 5 and run["bytes"] == sum(run["bytes_per_rank"]) > 0
+        assert run["history"][0]["step"] == 0 and run["history"][-1]["val_loss"] == run["val_loss"]
+        assert run["loss_gap_vs_sync"] == pytest.approx(
+            (run["val_loss"] - runs["sync"]["val_loss"]) / runs["sync"]["val_loss"]
+        )
+        if name != "sync":  # every outer-family contender sends fewer bytes than sync
+            assert run["bytes_ratio_vs_sync"] > 1, name
+    assert runs["sync"]["bytes_ratio_vs_sync"] == 1.0
+    goals = q["goals"]
+    assert set(goals) == {"streaming", "topk_lowbit"}
+    for goal in goals.values():
+        assert goal["contenders"] and isinstance(goal["met"], bool)
+        for row in goal["contenders"].values():
+            assert row["met"] == (row["loss_met"] and row["bytes_met"])
+    steps = r["step_time"]["contenders"]
+    assert "ddp" in steps and "cross_shard" in steps and len(steps) == 6
+    assert steps["ddp"]["paired_ratio_vs_ddp"] == 1.0
+    assert all(
+        _positive(s["median_step_ms"]) and _positive(s["paired_ratio_vs_ddp"])
+        for s in steps.values()
+    )
+
+
 CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
     "agn.py": _agn,
     "cross_shard.py": _cross_shard,
     "diloco.py": _diloco,
     "gpu_cross_shard.py": _gpu_cross_shard,
     "gpu_mesh_sgd.py": _gpu_mesh_sgd,
+    "lm.py": _lm,
     "lm_size.py": _lm_size,
     "mesh_sgd.py": _mesh_sgd,
     "zero.py": _zero,
