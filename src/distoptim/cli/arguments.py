@@ -734,13 +734,12 @@ def _resolved(args: argparse.Namespace, lm: bool) -> dict[str, Any]:
     if not lm and args.target_loss is not None:
         raise UsageError("--target-loss is for --dataset shakespeare; here use --target-acc")
     defaults = LM_DEFAULTS if lm else DEFAULTS
+    rates = LM_DEFAULTS["lr"] if lm else DEFAULT_LR
     resolved = {
         "model": model,
         "epochs": args.epochs if args.epochs is not None else defaults["epochs"],
         "eval_points": args.eval_points or defaults["eval_points"],
-        "lr": args.lr
-        if args.lr is not None
-        else (LM_DEFAULTS["lr"] if lm else DEFAULT_LR)[args.optimizer],
+        "lr": args.lr if args.lr is not None else rates[args.optimizer],
         "hidden": tuple(args.hidden or DEFAULT_HIDDEN),
     }
     for k in sizes:

@@ -394,9 +394,17 @@ def _headers(metric_name: str, efficiency: bool) -> list[str]:
 _CAPTION = (
     "n: workers, λ: local steps between commits (LocalSGD, DiLoCo: between syncs, H); commits / "
     "syncs: parameter-server commits of all workers, a rank's all-reduces (sync) or outer syncs "
-    "(LocalSGD, DiLoCo); temporal eff.: {what}-over-time area vs sync with the same n (see "
-    "results.json)"
+    "(LocalSGD, DiLoCo)"
 )
+_CAPTION_EFFICIENCY = (
+    "; temporal eff.: {what}-over-time area vs sync with the same n (see results.json)"
+)
+
+
+def _shows_efficiency(rows: Sequence[dict[str, Any]]) -> bool:
+    """Whether the table has a temporal-efficiency column: not for one run compared with
+    nothing (``distoptim train``)."""
+    return len(rows) > 1 or any(r["temporal_efficiency"] is not None for r in rows)
 
 
 def _against_sync(row: dict[str, Any]) -> bool:
@@ -409,7 +417,10 @@ def footer(rows: Sequence[dict[str, Any]], notes: Sequence[str] = ()) -> list[st
     algorithm's ``note``), the target, what * means, then ``notes`` (the command's own:
     oversubscription, stragglers)."""
     loss = bool(rows) and rows[0].get("metric") == LOSS.name
-    lines = [_CAPTION.format(what="loss" if loss else "accuracy")]
+    caption = _CAPTION
+    if _shows_efficiency(rows):
+        caption += _CAPTION_EFFICIENCY.format(what="loss" if loss else "accuracy")
+    lines = [caption]
     for note in dict.fromkeys(r["note"] for r in rows if r.get("note")):
         lines.append(note)
     lines += _target_lines(rows)
@@ -478,8 +489,7 @@ def render_table(
         pad_edge=not tty,
         collapse_padding=tty,
     )
-    # one run compared with nothing (distoptim train): no temporal efficiency column
-    efficiency = len(rows) > 1 or any(r["temporal_efficiency"] is not None for r in rows)
+    efficiency = _shows_efficiency(rows)
     metric_name = rows[0].get("metric", ACCURACY.name) if rows else ACCURACY.name
     for i, h in enumerate(_headers(metric_name, efficiency)):
         table.add_column(
