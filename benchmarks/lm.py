@@ -8,7 +8,11 @@ every wrapper, batches of 16 windows per worker from the LM's disjoint window sh
 **1. Validation loss and bytes at the same token budget** (``--world`` 4 replicas, ``--steps``
 1,000 local steps each: every contender's workers read exactly the same windows). Contenders:
 
-* ``sync``: ``CrossShardOptimizer(Adam)``, a gradient all-reduce every step (global batch 64);
+* ``sync``: ``CrossShardOptimizer(Adam)``, a gradient all-reduce every step (global batch 64),
+  at the command line's lr 3e-3 (measured best for one worker's batch of 16);
+* ``sync_sqrt_lr``: the same with Adam's lr scaled by the square root of its ``world``-times
+  larger batch (6e-3 for 4 replicas), the usual rule for Adam: a sync that is not handicapped
+  by a learning rate chosen for a smaller batch;
 * ``diloco_h100``: ``DiLoCo(Adam, outer, sync_every=100)``, fp32;
 * ``streaming_h100_f4_int8`` / ``streaming_h100_f4_int4``: ``DiLoCo(..., sync_every=100,
   fragments=4, fragment_sync_delay=1, fragment_update_alpha=0.5, wire="int8" / "int4")`` --
@@ -24,11 +28,18 @@ the DiLoCo family's global copy -- on the fixed validation subset (256 windows o
 held-out plays, ``distoptim.cli.lm``), and the clocks start again. Bytes are the optimizers'
 own ``comm_stats.bytes_sent`` of every rank, summed (exact: counted as sent, headers and
 setup checks included). Reported per contender: the final validation loss (nats, bits per
-character), the relative loss gap ``(L - L_sync) / L_sync``, total bytes and the paired ratio
-``bytes(sync) / bytes(contender)`` (the same run, the same token budget), training wall time;
-and the issue's goals, each met or missed: Streaming DiLoCo (int8 or lower) within 2 % of
-sync's validation loss with >= 400x fewer bytes; a top-k + low-bit variant within 2 % with
->= 1,000x fewer bytes.
+character), the relative loss gap ``(L - L_sync) / L_sync`` against the better of the two
+syncs (the lower final loss; both send the same bytes), total bytes and the paired ratio
+``bytes(sync) / bytes(contender)`` (the same token budget), training wall time; and the
+issue's goals, each met or missed: Streaming DiLoCo (int8 or lower) within 2 % of sync's
+validation loss with >= 400x fewer bytes; a top-k + low-bit variant within 2 % with >= 1,000x
+fewer bytes.
+
+Part 1 is deterministic: a contender's losses and bytes do not depend on the machine's load
+or on the other contenders (same seed, same windows, gloo on the CPU), only its wall time
+does. ``--resume FILE`` therefore adds the contenders a recorded run lacks (a contender added
+to the script later, or a run that was stopped) to that run's figures instead of training
+every contender again; each invocation's contenders and load are recorded.
 
 **2. Step time under each wrapper against plain DDP** (2 ranks: on a 2-core machine more
 would time the scheduler). Contenders, each on its own copy of the model: ``ddp``
@@ -45,6 +56,8 @@ Run::
 
     python benchmarks/lm.py            # ~25-40 min on 2 shared cores
     python benchmarks/lm.py --quick    # a smoke run: 2 replicas, 16 steps, H = 8
+    python benchmarks/lm.py --resume benchmarks/results/lm.json --skip-step-time   # add the
+                                       # contenders the recorded run lacks
 
 Prints the tables and writes ``benchmarks/results/lm.json`` (``--out``; a ``--quick`` run
 writes ``benchmarks/results/quick/lm.json`` unless ``--out`` says otherwise). The machine's
@@ -87,10 +100,12 @@ with >= 400x fewer bytes; a top-k + low-bit variant within 2 % with >= 1,000x fe
 
 
 def _contenders(h: int, fragments: int) -> dict[str, dict[str, Any] | None]:
-    """Part 1's contenders: name -> DiLoCo's keyword arguments (None: sync)."""
+    """Part 1's contenders: name -> DiLoCo's keyword arguments (None: sync; ``{"lr_scale":
+    "sqrt"}``: sync with Adam's lr times the square root of the number of replicas)."""
     streaming = {"fragments": fragments, "fragment_sync_delay": 1, "fragment_update_alpha": 0.5}
     return {
         "sync": None,
+        "sync_sqrt_lr": {"lr_scale": "sqrt"},
         f"diloco_h{h}": {"sync_every": h},
         f"streaming_h{h}_f{fragments}_int8": {"sync_every": h, **streaming, "wire": "int8"},
         f"streaming_h{h}_f{fragments}_int4": {"sync_every": h, **streaming, "wire": "int4"},
@@ -123,6 +138,10 @@ def _model(vocab: int) -> torch.nn.Module:
 def _optimizer(
     model: torch.nn.Module, kwargs: dict[str, Any] | None, outer: tuple[float, float]
 ) -> Any:
+    if kwargs is not None and kwargs.get("lr_scale") == "sqrt":
+        lr = LR * math.sqrt(dist.get_world_size())
+        adam = torch.optim.Adam(model.parameters(), lr=lr)
+        return distoptim.CrossShardOptimizer(adam, reduction="mean")
     inner = torch.optim.Adam(model.parameters(), lr=LR)
     if kwargs is None:
         return distoptim.CrossShardOptimizer(inner, reduction="mean")
@@ -164,7 +183,8 @@ def _quality_run(
     def score(step: int) -> None:  # outside the clock: every rank waits for rank 0's scoring
         sent = _total(opt.comm_stats.bytes_sent)
         if rank == 0:
-            params = model.parameters() if kwargs is None else opt.global_parameters
+            # the run's model: sync's parameters, the DiLoCo family's global copy
+            params = getattr(opt, "global_parameters", None) or list(model.parameters())
             with torch.no_grad():
                 for p, v in zip(scratch.parameters(), params):
                     p.copy_(v)
@@ -191,8 +211,10 @@ def _quality_run(
     if rank != 0:
         return {}
     final = history[-1]["val_loss"]
+    sync = kwargs is None or "lr_scale" in kwargs
+    lr = LR * (math.sqrt(world) if kwargs is not None and "lr_scale" in kwargs else 1.0)
     return {
-        "settings": kwargs or {"wrapper": "CrossShardOptimizer"},
+        "settings": {"wrapper": "CrossShardOptimizer", "lr": lr} if sync else kwargs,
         "steps_per_worker": step,
         "tokens_per_worker": step * BATCH * context,
         "train_s": clock,
@@ -220,11 +242,15 @@ def _quality_worker(rank: int, world: int, order: list[str], corpus: Any, cfg: d
 
 
 def _verdicts(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Paired ratios and loss gaps against sync, and the goals met or missed."""
-    sync = runs["sync"]
+    """Byte ratios and loss gaps against the better sync (the lower final validation loss;
+    every sync sends the same bytes), and the goals met or missed."""
+    syncs = [n for n in runs if n.startswith("sync")]
+    reference = min(syncs, key=lambda n: runs[n]["val_loss"])
+    sync, plain = runs[reference], runs["sync"]["val_loss"]
     for r in runs.values():
         r["bytes_ratio_vs_sync"] = sync["bytes"] / r["bytes"] if r["bytes"] else None
         r["loss_gap_vs_sync"] = (r["val_loss"] - sync["val_loss"]) / sync["val_loss"]
+        r["loss_gap_vs_sync_lr3e-3"] = (r["val_loss"] - plain) / plain
     goals = {}
     for goal, names in (
         ("streaming", [n for n in runs if n.startswith("streaming")]),
@@ -242,7 +268,7 @@ def _verdicts(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
             }
             rows[name]["met"] = rows[name]["loss_met"] and rows[name]["bytes_met"]
         goals[goal] = {**need, "contenders": rows, "met": any(v["met"] for v in rows.values())}
-    return goals
+    return {"reference": reference, **goals}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,11 +333,101 @@ def _print_quality(runs: dict[str, dict[str, Any]], goals: dict[str, Any]) -> No
             f"{100 * r['loss_gap_vs_sync']:>10.2f}% {r['bytes'] / 1e6:>10.2f} "
             f"{'-' if ratio is None else f'{ratio:,.0f}x':>11} {r['train_s']:>8.0f}"
         )
+    print(f"loss gaps against {goals['reference']}")
     for goal, g in goals.items():
+        if goal == "reference":
+            continue
         print(
             f"goal {goal}: within {100 * g['max_loss_gap']:g} % with >= "
             f"{g['min_bytes_ratio']:,.0f}x fewer bytes: {'MET' if g['met'] else 'MISSED'}"
         )
+
+
+def _quality(
+    args: argparse.Namespace, corpus: Any, outer: tuple, rng: random.Random, before: dict | None
+) -> dict[str, Any]:
+    """Part 1: train the contenders ``before`` (a recorded run's ``quality``, with
+    ``--resume``) lacks, and judge all of them."""
+    cfg = {
+        "steps": args.steps,
+        "eval_every": args.eval_every,
+        "h": args.sync_every,
+        "fragments": 4,
+        "outer": outer,
+    }
+    shape = {
+        "world": args.world,
+        "steps_per_worker": args.steps,
+        "eval_every": args.eval_every,
+        "sync_every": args.sync_every,
+        "fragments": cfg["fragments"],
+        "outer": list(outer),
+    }
+    done: dict[str, Any] = {}
+    invocations: list[dict[str, Any]] = []
+    if before is not None:
+        recorded = {k: before.get(k) for k in shape}
+        recorded["outer"] = before.get("outer", list(outer))
+        if recorded != shape:
+            raise SystemExit(f"--resume: the recorded run was {recorded}, this one {shape}")
+        done = dict(before["runs"])
+        invocations = before.get("invocations") or [
+            {k: before[k] for k in ("order", "load_before", "load_after")}
+        ]
+    every = list(_contenders(cfg["h"], cfg["fragments"]))
+    order = [name for name in every if name not in done]
+    rng.shuffle(order)
+    load_before, began = _load(), time.perf_counter()
+    if order:
+        print(f"part 1: {args.world} replicas, {args.steps} steps each, order {order}", flush=True)
+        ran = spawn(_quality_worker, args.world, (order, corpus, cfg), timeout=7200, num_threads=1)
+        done.update(ran[0])
+    invocations.append(
+        {
+            "order": order,
+            "load_before": load_before,
+            "load_after": _load(),
+            "elapsed_s": time.perf_counter() - began,
+        }
+    )
+    runs = {name: done[name] for name in every if name in done}
+    goals = _verdicts(runs)
+    _print_quality(runs, goals)
+    return {
+        **shape,
+        "order": [name for inv in invocations for name in inv["order"]],
+        "load_before": invocations[0]["load_before"],
+        "load_after": invocations[-1]["load_after"],
+        "invocations": invocations,
+        "runs": runs,
+        "goals": goals,
+    }
+
+
+def _step_time(
+    args: argparse.Namespace, corpus: Any, outer: tuple, rng: random.Random
+) -> dict[str, Any]:
+    """Part 2: every wrapper's step time against DDP's, interleaved over ``args.rounds``."""
+    step_h = 8 if args.quick else 20
+    names = list(_step_contenders(step_h, 4))
+    order = [rng.sample(names, len(names)) for _ in range(args.rounds)]
+    cfg = {"h": step_h, "fragments": 4, "outer": outer}
+    load_before = _load()
+    print(f"\npart 2: 2 ranks, {args.rounds} rounds of {step_h} steps per contender", flush=True)
+    blocks = spawn(_step_worker, 2, (order, corpus, cfg), timeout=3600, num_threads=1)[0]
+    steps = _step_summary(blocks, step_h)
+    print(f"{'wrapper':<28} {'median step ms':>14} {'vs DDP (paired)':>16}")
+    for name, s in steps.items():
+        print(f"{name:<28} {s['median_step_ms']:>14.1f} {s['paired_ratio_vs_ddp']:>16.3f}")
+    return {
+        "world": 2,
+        "sync_every": step_h,
+        "rounds": args.rounds,
+        "order": order,
+        "load_before": load_before,
+        "load_after": _load(),
+        "contenders": steps,
+    }
 
 
 def main() -> None:
@@ -325,14 +441,22 @@ def main() -> None:
     parser.add_argument("--outer-momentum", type=float, default=0.5)
     parser.add_argument("--quick", action="store_true", help="2 replicas, 16 steps, H = 8")
     parser.add_argument("--skip-quality", action="store_true", help="part 2 only")
+    parser.add_argument("--skip-step-time", action="store_true", help="part 1 only")
+    parser.add_argument(
+        "--resume",
+        type=Path,
+        default=None,
+        help="a recorded lm.json: train only the contenders it lacks, keep its figures (and, "
+        "with --skip-step-time, its part 2); written to --out (default: that file)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="shuffles the contenders' order")
     parser.add_argument("--out", type=Path, default=None, help=f"default {RESULTS}")
     args = parser.parse_args()
     if args.out is None:  # a quick run never overwrites the shipped figures
-        args.out = QUICK_RESULTS if args.quick else RESULTS
+        args.out = args.resume or (QUICK_RESULTS if args.quick else RESULTS)
+    previous = json.loads(args.resume.read_text()) if args.resume else {}
     if args.quick:
         args.world, args.steps, args.eval_every, args.sync_every, args.rounds = 2, 16, 8, 8, 2
-    step_h = 8 if args.quick else 20
     rng = random.Random(args.seed)
     outer = (args.outer_lr, args.outer_momentum)
     began = time.perf_counter()
@@ -358,52 +482,11 @@ def main() -> None:
         "goals": GOALS,
     }
     if not args.skip_quality:
-        cfg = {
-            "steps": args.steps,
-            "eval_every": args.eval_every,
-            "h": args.sync_every,
-            "fragments": 4,
-            "outer": outer,
-        }
-        order = list(_contenders(cfg["h"], cfg["fragments"]))
-        rng.shuffle(order)
-        load_before = _load()
-        print(f"part 1: {args.world} replicas, {args.steps} steps each, order {order}", flush=True)
-        runs = spawn(_quality_worker, args.world, (order, corpus, cfg), timeout=7200, num_threads=1)
-        runs = {name: runs[0][name] for name in _contenders(cfg["h"], cfg["fragments"])}
-        goals = _verdicts(runs)
-        _print_quality(runs, goals)
-        result["quality"] = {
-            "world": args.world,
-            "steps_per_worker": args.steps,
-            "eval_every": args.eval_every,
-            "sync_every": args.sync_every,
-            "fragments": cfg["fragments"],
-            "order": order,
-            "load_before": load_before,
-            "load_after": _load(),
-            "runs": runs,
-            "goals": goals,
-        }
-    names = list(_step_contenders(step_h, 4))
-    order = [rng.sample(names, len(names)) for _ in range(args.rounds)]
-    cfg = {"h": step_h, "fragments": 4, "outer": outer}
-    load_before = _load()
-    print(f"\npart 2: 2 ranks, {args.rounds} rounds of {step_h} steps per contender", flush=True)
-    blocks = spawn(_step_worker, 2, (order, corpus, cfg), timeout=3600, num_threads=1)[0]
-    steps = _step_summary(blocks, step_h)
-    print(f"{'wrapper':<28} {'median step ms':>14} {'vs DDP (paired)':>16}")
-    for name, s in steps.items():
-        print(f"{name:<28} {s['median_step_ms']:>14.1f} {s['paired_ratio_vs_ddp']:>16.3f}")
-    result["step_time"] = {
-        "world": 2,
-        "sync_every": step_h,
-        "rounds": args.rounds,
-        "order": order,
-        "load_before": load_before,
-        "load_after": _load(),
-        "contenders": steps,
-    }
+        result["quality"] = _quality(args, corpus, outer, rng, previous.get("quality"))
+    if not args.skip_step_time:
+        result["step_time"] = _step_time(args, corpus, outer, rng)
+    elif "step_time" in previous:
+        result["step_time"] = previous["step_time"]
     result["elapsed_s"] = time.perf_counter() - began
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
