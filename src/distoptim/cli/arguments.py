@@ -216,6 +216,16 @@ def _seed(text: str) -> int:
     return value
 
 
+def _chaos(text: str) -> Any:
+    """``--chaos``: a fault schedule (:class:`distoptim.ft.local.Chaos`), parsed as text."""
+    from distoptim.ft.local import Chaos
+
+    try:
+        return Chaos.parse(text.strip())
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _wire(text: str) -> str:
     """A wire format of the registry (``distoptim.comm.wire``), as its canonical name."""
     try:
@@ -637,6 +647,31 @@ OPTIONS: tuple[Option, ...] = (
         metavar="MBPS",
     ),
     Option(
+        ("--fault-tolerant",),
+        "run the synchronous family (sync, localsgd, diloco, streaming-diloco) as torchft "
+        "replica groups that may die and join: one process per group around a local "
+        "lighthouse (docs/fault_tolerance.md; needs the ft extra)",
+        action="store_true",
+        default=False,
+    ),
+    Option(
+        ("--chaos",),
+        "with --fault-tolerant: kill:EVERY_S[:RESTART_S] SIGKILLs one replica group every "
+        "EVERY_S seconds and restarts it RESTART_S later; stop:EVERY_S[:CONT_S] freezes one "
+        "with SIGSTOP instead; each run then also runs without faults, for the goodput ratio",
+        parse=_chaos,
+        metavar="SPEC",
+    ),
+    Option(
+        ("--ft-step-ms",),
+        "with --fault-tolerant: each replica's steps take at least this many milliseconds (a "
+        "machine of fixed speed, so a dead replica's core does not speed up the others; 0: "
+        "unpaced; default %(default)g)",
+        parse=_number(0.0, inclusive=True),
+        default=20.0,
+        metavar="MS",
+    ),
+    Option(
         ("--num-ps",),
         "parameter-server shards of the async algorithms (default 1)",
         parse=_positive_int,
@@ -706,6 +741,8 @@ class Plan:
     """Lines under the table that belong to the command (oversubscription, stragglers)."""
     oversubscription: dict[str, Any] | None = None
     """The largest run's processes, workers, cores and both per core (None under torchrun)."""
+    fault_tolerant: dict[str, Any] | None = None
+    """``--fault-tolerant``: ``{"chaos": Chaos | None, "step_ms": float}`` (else None)."""
 
     @property
     def target(self) -> float | None:
@@ -794,6 +831,32 @@ def _configs(
                             )
                         )
     return configs
+
+
+_FT_ALGORITHMS = ("sync", "localsgd", "diloco", "streaming-diloco")
+
+
+def _fault_tolerant(args: argparse.Namespace, configs: list[RunConfig]) -> dict[str, Any] | None:
+    """``--fault-tolerant`` and ``--chaos``, checked against the runs; ``UsageError`` else."""
+    chaos = getattr(args, "chaos", None)
+    if not getattr(args, "fault_tolerant", False):
+        if chaos is not None:
+            raise UsageError("--chaos needs --fault-tolerant (faults are dealt to replica groups)")
+        return None
+    odd = sorted({c.algo for c in configs if c.algo not in _FT_ALGORITHMS})
+    if odd:
+        raise UsageError(
+            f"--fault-tolerant runs {', '.join(_FT_ALGORITHMS)}; not {', '.join(odd)} (the "
+            "parameter-server family tolerates dead workers on its own: run it without the flag)"
+        )
+    if args.dataset == SHAKESPEARE:
+        raise UsageError("--fault-tolerant trains the MLP datasets (digits, mnist5k, .npz) only")
+    if args.link_latency_ms is not None or args.link_mbps is not None or args.straggler:
+        raise UsageError("--fault-tolerant does not emulate links or stragglers (--ft-step-ms)")
+    if chaos is not None and min(c.workers for c in configs) < 2:
+        raise UsageError("--chaos needs --workers >= 2: someone must survive each fault")
+    _check_modules({"torchft": '--fault-tolerant (torchft): pip install "distoptim[ft]"'})
+    return {"chaos": chaos, "step_ms": args.ft_step_ms}
 
 
 def _check_modules(needed: dict[str, str]) -> None:
@@ -928,7 +991,10 @@ def make_plan(args: argparse.Namespace, world_size: int | None = None, writes: b
         repeats = 1
     else:
         lm = args.dataset == SHAKESPEARE
-        algos = args.algos or (LM_DEFAULTS["algos"] if lm else list(ALGORITHMS))
+        default = LM_DEFAULTS["algos"] if lm else list(ALGORITHMS)
+        if getattr(args, "fault_tolerant", False):
+            default = list(_FT_ALGORITHMS)
+        algos = args.algos or default
         repeats = args.repeats
     workers = list(args.workers)
     if world_size is not None:  # torchrun decides: all ranks, or all but the PS shards
@@ -1008,6 +1074,7 @@ def make_plan(args: argparse.Namespace, world_size: int | None = None, writes: b
         target_loss=args.target_loss,
         footer=footer,
         oversubscription=oversubscription,
+        fault_tolerant=_fault_tolerant(args, configs),
     )
 
 

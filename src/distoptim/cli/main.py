@@ -54,6 +54,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 plan = make_plan(args)
             except UsageError as exc:
                 return _usage_error(args.command, str(exc))
+            if plan.fault_tolerant is not None:
+                from distoptim.cli.ftsession import run_fault_tolerant_plan
+
+                return run_fault_tolerant_plan(plan, argv)
             return run_plan(plan, argv, started=started)
         except KeyboardInterrupt as exc:  # during the checks, or printing the table
             with contextlib.suppress(OSError, ValueError):
