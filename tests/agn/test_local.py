@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -17,6 +18,7 @@ import distoptim
 from distoptim.agn import AGNCustomGetter, Cluster, ParameterServer, ShardLink, spawn
 from distoptim.agn.flat import FlatLayout
 from distoptim.agn.rules import AddUpdate, ApplyOptimizer, ElasticUpdate
+from distoptim.agn.store import StoreUnreachableError, store_namespace
 from distoptim.agn.transport import framing
 from distoptim.agn.transport.messages import (
     Commit,
@@ -579,7 +581,7 @@ def test_a_first_connection_moves_on_when_its_incarnation_died_before_serving_it
     from distoptim.agn.transport.p2p import _FIRST_WINDOW_S, P2PTransport
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    namespace = "distoptim.agn/0"
+    namespace = store_namespace()  # the Cluster below (this job's) uses it
     ns = dist.PrefixStore(namespace, store)
     assert ns.add("shard/0/incarnation", 1) == 1  # incarnation 1 started and died unseen
     worker = P2PTransport("127.0.0.1", store.port, namespace, num_ps=1, timeout=60)
@@ -613,3 +615,78 @@ def test_a_first_connection_moves_on_when_its_incarnation_died_before_serving_it
     assert "error" not in out, out
     assert out["incarnation"] == 2
     assert out["seconds"] < 3 * _FIRST_WINDOW_S  # one window on the dead one, not 60 s
+
+
+# ---- joining a cluster: every wait bounded, a wrong address named at once ----------------------
+@pytest.fixture
+def mute_port():
+    """A port where something accepts connections and never answers (another service)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    accepted: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            accepted.append(conn)
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield server.getsockname()[1]
+    for conn in accepted:  # the store clients' handshake threads see the end and stop
+        conn.close()
+    server.close()
+    for t in threading.enumerate():  # (their farewell warnings stay in this test's capture)
+        if t.name == "agn-store-handshake":
+            t.join(10)
+
+
+MUTE = r"did not answer as a torch\.distributed store"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_joining_a_wrong_address_is_named_at_once_and_a_mute_one_within_rpc_timeout(
+    mute_port, monkeypatch
+):
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnreachableError, match=r"nothing listens at 127\.0\.0\.1:.*refused"):
+        Cluster.join("127.0.0.1", _free_port(), rpc_timeout=30)
+    with pytest.raises(StoreUnreachableError, match=r"'no-such-host\.invalid' cannot be resolved"):
+        Cluster.join("no-such-host.invalid", 29500, rpc_timeout=30)
+    assert time.monotonic() - t0 < 10  # at once, not after rpc_timeout
+    for bad, why in [
+        ("abc", "no host and port"),
+        ("node7:port", "the port 'port' is not a number"),
+        ("node7:0", "port 0 is not in"),
+    ]:
+        monkeypatch.setenv("DISTOPTIM_AGN_JOIN", bad)
+        expected = f"DISTOPTIM_AGN_JOIN='{bad}' must be HOST:PORT.*{why}"
+        with pytest.raises(ValueError, match=expected):
+            Cluster.from_env()
+    # something else listens there: bounded by rpc_timeout (it never returned)
+    monkeypatch.setenv("DISTOPTIM_AGN_JOIN", f"127.0.0.1:{mute_port}")
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnreachableError, match=MUTE):
+        Cluster.from_env(rpc_timeout=1)
+    assert time.monotonic() - t0 < 10
+    # the same under torchrun's variables (e.g. MASTER_PORT under python -m distoptim.cli.train)
+    monkeypatch.delenv("DISTOPTIM_AGN_JOIN")
+    env = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    for k, v in {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(mute_port)}.items():
+        monkeypatch.setenv(k, v)
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnreachableError, match=MUTE):
+        Cluster.from_env(rpc_timeout=1)
+    assert time.monotonic() - t0 < 10
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    with pytest.raises(StoreUnreachableError, match="nothing listens"):
+        Cluster.from_env(rpc_timeout=30)
+    assert time.monotonic() - t0 < 15
