@@ -121,3 +121,44 @@ def test_messages_in_a_shared_segment_copy_nothing_in_place(pair):
 
 def test_a_segment_cannot_be_made_where_there_is_no_room(tmp_path):
     assert Segment.create(64, directory=str(tmp_path / "missing")) is None
+
+
+# ---- a worker dropped for idleness is told so ----------------------------------------------------
+def test_a_worker_dropped_after_idle_timeout_is_told_so_not_that_the_shard_died():
+    """A shard (in a thread of this process) with a short idle_timeout and a real worker
+    (Cluster + AGNOptimizer): after a pause longer than idle_timeout the worker's next commit
+    says it was dropped for idleness and how to raise idle_timeout -- the shard is alive."""
+    import distoptim
+    from distoptim.agn import Cluster, ParameterServer, WorkerDroppedError
+    from distoptim.agn.store import store_namespace
+    from distoptim.agn.transport.p2p import P2PTransport
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    namespace = store_namespace()
+    server = ParameterServer(0, 1, 1)
+    server.incarnation = int(dist.PrefixStore(namespace, store).add("shard/0/incarnation", 1))
+    shard = P2PTransport("127.0.0.1", store.port, namespace, num_ps=1, timeout=30, idle_timeout=3)
+    shard.serve(server)
+    worker = Cluster(
+        rank=1, world_size=2, num_ps=1, master_addr="127.0.0.1", master_port=store.port
+    )
+    try:
+        model = torch.nn.Linear(3, 2)
+        opt = distoptim.AGNOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), 1, None, 1)
+        hook = opt.make_session_run_hook(worker.is_chief, worker.task_index)
+        hook.begin()
+        hook.after_create_session()
+        model(torch.ones(1, 3)).sum().backward()
+        opt.step()
+        assert opt.global_step == 1
+        # the pause: the shard drops the silent worker (counted dead) while staying alive
+        server.wait_for_workers(lambda pending: {}, probe_period_s=0.05, timeout_s=30)
+        with pytest.raises(WorkerDroppedError) as info:
+            opt.step()
+        text = str(info.value)
+        assert "dropped worker 0's connection" in text and "idle_timeout=3s" in text
+        assert "the shard itself is alive" in text and "idle_timeout=SECONDS" in text
+        assert "died" not in text and "is gone" not in text
+    finally:
+        worker.shutdown()
+        shard.close()

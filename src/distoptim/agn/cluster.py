@@ -70,7 +70,13 @@ from distoptim.agn.store import (
     store_namespace,
 )
 from distoptim.agn.transport import TRANSPORTS
-from distoptim.agn.transport.base import ParameterServerError, Pending, Stream, Transport
+from distoptim.agn.transport.base import (
+    ParameterServerError,
+    Pending,
+    Stream,
+    Transport,
+    WorkerDroppedError,
+)
 from distoptim.agn.transport.messages import ErrorReply, Finish, Reply, Request
 from distoptim.agn.transport.p2p import DEFAULT_IDLE_TIMEOUT, P2PTransport
 from distoptim.checks import (
@@ -603,6 +609,8 @@ class Cluster:
         """After a lost connection: wait up to ``reconnect_timeout`` for ``shard`` to be back
         (restarted) and connect; returns its incarnation. Without a reconnect timeout, or on a
         transport without restarts, re-raise ``cause`` (a clear error)."""
+        if isinstance(cause, WorkerDroppedError) and self.reconnect_timeout <= 0:
+            raise cause  # the shard is alive: its message says why it dropped this worker
         if self.reconnect_timeout <= 0 or not self.transport.supports_restart:
             detail = f": {cause}" if cause is not None else ""
             raise ParameterServerError(

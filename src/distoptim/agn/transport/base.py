@@ -65,6 +65,7 @@ __all__ = [
     "ShardLostError",
     "Stream",
     "Transport",
+    "WorkerDroppedError",
 ]
 
 VERDICTS = ("ok", "refuse", "abort")
@@ -82,6 +83,11 @@ class ShardLostError(ParameterServerError):
     def __init__(self, shard: int, message: str) -> None:
         self.shard = shard
         super().__init__(message)
+
+
+class WorkerDroppedError(ShardLostError):
+    """The shard is alive but dropped this worker's connection: the worker sent no request for
+    the shard's ``idle_timeout`` (a long pause between steps). The message says how to raise it."""
 
 
 @dataclass

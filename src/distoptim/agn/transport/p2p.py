@@ -15,6 +15,10 @@ Rendezvous and control (all keys under the cluster's namespace in the job's ``TC
   own thread. ``close()`` pushes a stop request, which ends the acceptor without any timeout.
 * ``shard/<s>/<inc>/pg/<k>/...`` -- the ``PrefixStore`` in which connection ``k``'s 2-rank
   ``ProcessGroupGloo`` (shard rank 0, worker rank 1) makes its own rendezvous.
+* ``shard/<s>/<inc>/dropped/<k>`` -- set (to the shard's ``idle_timeout``) when the shard dropped
+  connection ``k`` because its worker sent no request for that long; a worker whose connection
+  broke reads it to tell this from a shard that died
+  (:class:`~distoptim.agn.transport.base.WorkerDroppedError`).
 
 A connection starts with :class:`~distoptim.agn.transport.messages.Hello` (the worker's task,
 pid and host; the reply is :class:`~distoptim.agn.transport.messages.Welcome`), then carries one
@@ -82,6 +86,7 @@ from distoptim.agn.transport.base import (
     ShardLostError,
     Stream,
     Transport,
+    WorkerDroppedError,
 )
 from distoptim.agn.transport.messages import (
     Attach,
@@ -118,6 +123,10 @@ def _store(addr: str, port: int, namespace: str, timeout: float) -> dist.Store:
 
 def _seconds(deadline: float) -> timedelta:
     return timedelta(seconds=max(0.001, deadline - time.monotonic()))
+
+
+class _Idle(TimeoutError):
+    """No message began to arrive by the deadline (the peer sent nothing: it is idle)."""
 
 
 class _Pipe:
@@ -173,14 +182,21 @@ class _Pipe:
         deadline: float,
         into: dict[str, torch.Tensor] | None = None,
         pool: dict[framing.BufferSpec, torch.Tensor] | None = None,
+        idle: bool = False,
     ) -> tuple[Any, list[framing.BufferSpec], framing.StreamInfo | None]:
         """Receive one message by ``deadline`` (``time.monotonic()``): ``(message, its buffer
         specs, its stream info)``. Buffers in the shared segment are views of it (valid until
         the next message); the others are received into ``into`` where key, dtype and size
         match, else into ``pool``'s (reused), else new ones. A streamed message's ``flats`` are
-        where its chunks will arrive (nothing is received yet: see :class:`_PipeInflow`)."""
+        where its chunks will arrive (nothing is received yet: see :class:`_PipeInflow`).
+        ``idle``: a message that did not begin by ``deadline`` raises :class:`_Idle`."""
         header = torch.empty(framing.HEADER_BYTES, dtype=torch.uint8)
-        self.pg.recv([header], self.peer, 0).wait(_seconds(deadline))
+        try:
+            self.pg.recv([header], self.peer, 0).wait(_seconds(deadline))
+        except RuntimeError as exc:
+            if idle and "Timed out" in str(exc):
+                raise _Idle(str(exc)) from exc
+            raise
         n, meta = framing.decode_header(header)
         if meta is None:
             extra = torch.empty(n, dtype=torch.uint8)
@@ -364,6 +380,7 @@ class _Channel:
     incarnation: int
     pipe: _Pipe
     lock: threading.Lock
+    number: int = 0  # the connection number k (store keys shard/<s>/<inc>/.../<k>)
     pid: int = 0  # the shard's process (from Welcome)
     host: str = ""
     chunk_bytes: int = 0  # the shard's chunk plan (from Welcome; 0: no streaming)
@@ -668,6 +685,7 @@ class P2PTransport(Transport):
             reply.incarnation,
             pipe,
             threading.Lock(),
+            k,
             reply.pid,
             reply.host,
             reply.chunk_bytes,
@@ -779,7 +797,27 @@ class P2PTransport(Transport):
         )
         if "Timed out" in str(exc):
             return ParameterServerError(text)
+        idle = self._dropped_after(ch)
+        if idle is not None:
+            return WorkerDroppedError(
+                ch.shard,
+                f"parameter server {ch.shard} dropped worker {self._task}'s connection because "
+                f"the worker sent it no request for idle_timeout={idle}s (a pause between steps "
+                "longer than that: evaluation, saving, a debugger); the shard itself is alive. "
+                "Raise the shards' idle_timeout (agn.spawn(..., idle_timeout=SECONDS), "
+                "Cluster.from_env(idle_timeout=SECONDS) or ClusterOptions(idle_timeout=SECONDS)), "
+                "or start workers with reconnect_timeout > 0 to reconnect after such a drop "
+                "(the commit in flight is then lost)",
+            )
         return ShardLostError(ch.shard, text)
+
+    def _dropped_after(self, ch: _Channel) -> str | None:
+        """The shard's ``idle_timeout`` if it dropped connection ``ch`` for idleness, else None."""
+        key = f"shard/{ch.shard}/{ch.incarnation}/dropped/{ch.number}"
+        try:
+            return self._store.get(key).decode() if self._store.check([key]) else None
+        except Exception:  # the store is gone too: the job is ending, say what was seen
+            return None
 
     def reconnect(self, shard: int, timeout: float) -> int:
         """Drop the broken connection to ``shard`` and connect to its next incarnation."""
@@ -858,8 +896,13 @@ class P2PTransport(Transport):
             while not self._stopping.is_set():
                 try:
                     request, specs, info = pipe.recv(
-                        time.monotonic() + self.idle_timeout, pool=pool
+                        time.monotonic() + self.idle_timeout, pool=pool, idle=True
                     )
+                except _Idle:  # the worker is told why, should it come back (WorkerDroppedError)
+                    with contextlib.suppress(Exception):
+                        store.set(f"{self._prefix()}/dropped/{k}", f"{self.idle_timeout:g}")
+                    handler.connection_lost(task)
+                    return
                 except Exception:
                     handler.connection_lost(task)
                     return
