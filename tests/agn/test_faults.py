@@ -10,7 +10,10 @@ Four small runs, each checking several behaviours:
   on; the commits lost are bounded by ``checkpoint_every`` (plus those in flight);
 * a worker killed during start-up fails the run within seconds, naming that worker;
 * the same death with ``on_startup_failure="drop"`` is dropped, while another worker's exception
-  still reaches the caller (root cause first, the death listed after it).
+  still reaches the caller (root cause first, the death listed after it);
+* two jobs at one store keep apart (a namespace per job id), a third with a taken job id is
+  refused at once, and the checkpoint directory of one of them removed mid-run is named as the
+  cause within seconds.
 """
 
 from __future__ import annotations
@@ -26,9 +29,9 @@ import pytest
 import torch
 
 import distoptim
-from distoptim.agn import LocalCluster, WorkerStartupError, spawn
+from distoptim.agn import Cluster, ClusterOptions, LocalCluster, WorkerStartupError, spawn
 from distoptim.agn.transport.messages import Ping
-from distoptim.launch import RankFailedError
+from distoptim.launch import RankFailedError, run_processes, torchrun_env
 
 pytestmark = [pytest.mark.timeout(150), pytest.mark.slow]
 
@@ -289,3 +292,75 @@ def test_torchrun_restarts_the_job_and_the_shard_resumes_from_its_checkpoint(tmp
     assert not (tmp_path / "out.0.0").exists()  # the first attempt ended at the kill
     assert all(w["at_init"] >= 4 for w in second)  # the resumed center, not a fresh seed
     assert all(w["end"] >= w["at_init"] + 6 for w in second)
+
+
+# ---------------------------------------------------------------------------------------------
+# two jobs at one store
+# ---------------------------------------------------------------------------------------------
+def _job_main(options: ClusterOptions, remove: str | None) -> dict:
+    """One process of a job of one shard and one worker; the worker removes ``remove`` (the
+    job's checkpoint directory) after its first commit."""
+    import shutil
+
+    cluster = Cluster.from_env(num_ps=1, options=options)
+    if cluster.is_ps:
+        try:
+            return {"report": cluster.serve()}
+        finally:
+            cluster.shutdown()
+    with cluster:
+        model = _model()
+        opt = _agn(cluster, model)
+        g = torch.Generator().manual_seed(0)
+        _step(opt, model, g)
+        out: dict = {"namespace": cluster.namespace}
+        if remove is not None:
+            shutil.rmtree(remove)
+        t0 = time.monotonic()
+        try:
+            for _ in range(2):
+                _step(opt, model, g)
+        except RuntimeError as exc:
+            out |= {"error": str(exc), "seconds": time.monotonic() - t0}
+        out["global_step"] = opt.global_step
+        return out
+
+
+def test_two_jobs_at_one_store_keep_apart_and_a_taken_job_id_is_refused(tmp_path, monkeypatch):
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ckpt = tmp_path / "ckpt_a"
+    a = ClusterOptions(rpc_timeout=60, checkpoint_dir=ckpt, checkpoint_every=1)
+    b = ClusterOptions(rpc_timeout=60)
+    jobs = [("a", a, str(ckpt)), ("b", b, None)]
+    outcomes = run_processes(
+        _job_main,
+        [(options, remove) for _, options, remove in jobs for _ in range(2)],
+        timeout=120,
+        envs=[
+            {**torchrun_env(rank, 2, store.port), "DISTOPTIM_AGN_JOB": job}
+            for job, _, _ in jobs
+            for rank in range(2)
+        ],
+        names=[f"{job} {role}" for job, _, _ in jobs for role in ("ps 0", "worker 0")],
+        fail_fast=False,
+    )
+    _, a_worker, b_shard, b_worker = outcomes
+    assert b_shard.ok and b_worker.ok, [o.headline() for o in outcomes]
+    # job b ran alone in its namespace: its own three commits, none of job a's
+    assert b_worker.value["namespace"] == "distoptim.agn/b/0"
+    assert b_worker.value["global_step"] == 3
+    assert b_shard.value["report"].stats.commits_per_worker == {0: 3}
+    # job a: the commit that made a checkpoint due names the removed directory, at once
+    assert a_worker.ok and a_worker.value["namespace"] == "distoptim.agn/a/0"
+    error = a_worker.value["error"]
+    assert f"could not write its checkpoint {ckpt / 'ps0.pt'}" in error, error
+    assert "checkpoint_dir removed during the run" in error
+    assert a_worker.value["seconds"] < 20
+    # a third job with job b's id at the same store stops at once, before writing anything
+    monkeypatch.setenv("DISTOPTIM_AGN_JOB", "b")
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 0 of the job in the store namespace "):
+        Cluster(rank=0, world_size=2, num_ps=1, master_addr="127.0.0.1", master_port=store.port)
+    assert time.monotonic() - t0 < 10

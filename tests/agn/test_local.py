@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import math
+import re
+import shutil
 import socket
 import threading
 import time
@@ -615,6 +617,52 @@ def test_a_first_connection_moves_on_when_its_incarnation_died_before_serving_it
     assert "error" not in out, out
     assert out["incarnation"] == 2
     assert out["seconds"] < 3 * _FIRST_WINDOW_S  # one window on the dead one, not 60 s
+
+
+# ---- checkpoints that go wrong say which file and why --------------------------------------------
+def test_checkpoint_problems_name_the_file_and_the_cause(tmp_path):
+    """A corrupt file, a stale one from another model, a directory removed during the run, and a
+    restart that finds the checkpoint of its own run gone: each named, at once."""
+    import torch.distributed as dist
+
+    params = [torch.nn.Parameter(torch.ones(2, 4)), torch.nn.Parameter(torch.zeros(2))]
+    opt = torch.optim.SGD(params, lr=0.5)
+    spec = _spec(ApplyOptimizer(), params, opt)
+    layout = spec.layout()
+    path = tmp_path / "ps0.pt"
+    at = re.escape(str(path))
+    path.write_bytes(b"\x80\x04garbage")  # what a crash or a copy cut short leaves
+    with pytest.raises(ValueError, match=f"checkpoint {at} cannot be read .*corrupt"):
+        ParameterServer(0, 1, 1, checkpoint_dir=tmp_path)
+    path.unlink()
+
+    # a checkpoint of model A, then a chief (and a worker) that build model B
+    store = dist.HashStore()
+    ps = ParameterServer(0, 1, 1, checkpoint_dir=tmp_path, checkpoint_every=1, store=store)
+    _seed(ps, "t", spec, layout.flatten(params))
+    assert path.exists()  # written when the table was seeded: a restart can resume it
+    other = [torch.nn.Parameter(torch.ones(3, 4)), torch.nn.Parameter(torch.zeros(3))]
+    other_spec = _spec(ApplyOptimizer(), other, torch.optim.SGD(other, lr=0.5))
+    resumed = ParameterServer(0, 1, 1, checkpoint_dir=tmp_path)
+    err = resumed.handle(Seed("t", other_spec, other_spec.layout().flatten(other))).reply
+    assert isinstance(err, ErrorReply) and err.kind == "ValueError", err
+    assert f"resumed from checkpoint {path}, which holds" in err.message
+    assert "remove it or use another checkpoint_dir" in err.message
+    assert "the chief seeded" not in err.message
+    with pytest.raises(ValueError, match=f"worker 1's parameters .* checkpoint {at}"):
+        _pull(resumed, "t", other_spec.layout())
+
+    # the directory is removed while the shard runs: the commit that makes a checkpoint due
+    # is answered with the real cause
+    shutil.rmtree(tmp_path)
+    grads = layout.flatten([torch.ones(2, 4), torch.ones(2)])
+    err = ps.handle(Commit("t", 0, 0, grads)).reply
+    assert isinstance(err, ErrorReply) and err.kind == "RuntimeError", err
+    assert f"could not write its checkpoint {path}" in err.message
+    assert "checkpoint_dir removed during the run" in err.message
+    # ... and a restart of that shard in the same run says its checkpoint is gone, at once
+    with pytest.raises(RuntimeError, match=f"its checkpoint {at}, written earlier"):
+        ParameterServer(0, 1, 1, checkpoint_dir=tmp_path, store=store)
 
 
 # ---- joining a cluster: every wait bounded, a wrong address named at once ----------------------

@@ -401,7 +401,12 @@ class Cluster:
         self.transport: Transport
         if self.is_ps:
             self._server = ParameterServer(
-                self.task_index, num_ps, self.num_worker, opts.checkpoint_dir, opts.checkpoint_every
+                self.task_index,
+                num_ps,
+                self.num_worker,
+                opts.checkpoint_dir,
+                opts.checkpoint_every,
+                store=self._store,
             )
             if self.task_index == 0:
                 self._root.set(CURRENT_KEY, self.namespace)

@@ -28,9 +28,11 @@ worker that reconnects (p2p) is alive again.
 Checkpoints (``checkpoint_dir``, :mod:`distoptim.agn.shard_checkpoint`): every
 ``checkpoint_every`` accepted commits of a table -- before that table accepts its next commit, so a
 restart loses at most ``checkpoint_every`` of its accepted commits (plus the commits in flight,
-which their workers see fail) -- and when the shard stops. A shard started with an existing
-checkpoint loads it: its tables are seeded already, so the chief's seed is ignored (the chief
-pulls the resumed center like everyone else) and ``version`` continues.
+which their workers see fail) -- when the chief seeds a table, and when the shard stops. A shard
+started with an existing checkpoint loads it: its tables are seeded already, so the chief's seed
+is ignored (the chief pulls the resumed center like everyone else) and ``version`` continues; a
+chief or worker whose model differs from the checkpoint's is told that the checkpoint holds
+another model (a stale file in ``checkpoint_dir``), naming it.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
+
+import torch.distributed as dist
 
 from distoptim.agn.flat import DEFAULT_CHUNK_BYTES, nbytes
 from distoptim.agn.shard_checkpoint import CHECKPOINT_FORMAT, ShardCheckpoint
@@ -92,7 +96,8 @@ class ParameterServer:
     was restarted (told to workers in :class:`~distoptim.agn.transport.messages.Welcome`).
     ``chunk_bytes``: the chunk size of every table's plan (default
     :data:`~distoptim.flat.DEFAULT_CHUNK_BYTES`, or ``DISTOPTIM_AGN_CHUNK_BYTES``), told to
-    workers in ``Welcome``.
+    workers in ``Welcome``. ``store``: the cluster's store (a ``torch.distributed.Store``), where
+    the checkpoints written are recorded (:class:`~distoptim.agn.shard_checkpoint.ShardCheckpoint`).
     """
 
     def __init__(
@@ -104,6 +109,7 @@ class ParameterServer:
         checkpoint_every: int | None = None,
         incarnation: int = 1,
         chunk_bytes: int | None = None,
+        store: dist.Store | None = None,
     ) -> None:
         self.shard = shard
         self.num_ps = num_ps
@@ -124,11 +130,20 @@ class ParameterServer:
         self.started = time.monotonic()
         self._checkpoint: ShardCheckpoint | None = None
         if self.checkpoint_dir is not None:
-            self._checkpoint = ShardCheckpoint(self.checkpoint_dir, shard, num_ps)
+            self._checkpoint = ShardCheckpoint(self.checkpoint_dir, shard, num_ps, store)
             self.removed_temporaries = self._checkpoint.remove_temporaries()
+            path = self._checkpoint.path
             for name, state in self._checkpoint.load().items():
-                table = Table.from_state(name, state, self.chunk_bytes)
+                try:
+                    table = Table.from_state(name, state, self.chunk_bytes)
+                except Exception as exc:
+                    raise ValueError(
+                        f"checkpoint {path}: optimizer {name!r} cannot be restored "
+                        f"({type(exc).__name__}: {exc}); remove the checkpoint or use another "
+                        "checkpoint_dir"
+                    ) from exc
                 table.saved_state = state
+                table.resumed_from = path
                 self._tables[name] = table
                 self._resumed.add(name)
 
@@ -194,6 +209,7 @@ class ParameterServer:
             raise TypeError("seed needs a TableSpec")
         layout = spec.layout()
         layout.check(flats, "seed")
+        created = False
         with self._cond:
             table = self._tables.get(request.table)
             if table is None:
@@ -201,13 +217,16 @@ class ParameterServer:
                 table.saved_state = table.state() if self.checkpoint_dir is not None else None
                 self._tables[request.table] = table
                 self._cond.notify_all()
+                created = True
             else:
                 table.check_worker(spec.algorithm, layout.signature(), task=-1)
                 if table.spec.rule != spec.rule:
                     raise ValueError(
-                        f"optimizer {request.table!r} exists with rule {table.spec.rule!r}, the "
-                        f"chief now seeds {spec.rule!r}"
+                        f"optimizer {request.table!r} {table.origin()} rule {table.spec.rule!r}, "
+                        f"the chief now seeds {spec.rule!r}{table.remedy()}"
                     )
+        if created:  # a restart from here on resumes this table (not a seed nobody sends again)
+            self.checkpoint()
         with table.stats_lock:
             table.bytes_in += nbytes(flats)
         pull = Pull(request.table, -1, spec.algorithm, layout.signature(), 0.0)

@@ -148,6 +148,7 @@ class Table:
             self.backup = backup_for(self.flats, self.chunks, self.server_opt, self.chunkwise)
         self.bound = Bound()
         self.saved_state: dict[str, Any] | None = None  # as of its latest checkpoint
+        self.resumed_from: str | None = None  # the checkpoint file it was loaded from
         self.refreshing = threading.Lock()
         self.rw = ReadWriteLock()
         self.stats_lock = threading.Lock()
@@ -306,17 +307,40 @@ class Table:
     def snapshot(self) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in self.flats.items()}
 
+    def origin(self) -> str:
+        """Where this table came from, in words: ``"was seeded by the chief as"`` or ``"was
+        resumed from checkpoint PATH, which holds"``."""
+        if self.resumed_from is None:
+            return "was seeded by the chief as"
+        return f"was resumed from checkpoint {self.resumed_from}, which holds"
+
+    def remedy(self) -> str:
+        """What to do about a mismatch with a resumed table (a stale checkpoint), or ``""``."""
+        if self.resumed_from is None:
+            return ""
+        return (
+            ". The checkpoint is from another run: remove it or use another checkpoint_dir "
+            "(or build the model it was written with)"
+        )
+
     def check_worker(self, algorithm: str, signature: tuple, task: int) -> None:
+        """Raise ``ValueError`` unless ``task`` (-1: the chief's seed) runs this table's
+        algorithm on the same model (parameter order, shapes, dtypes)."""
+        who = "the chief" if task < 0 else f"worker {task}"
         if algorithm != self.spec.algorithm:
             raise ValueError(
-                f"worker {task} runs {algorithm} but optimizer {self.name!r} was seeded by the "
-                f"chief as {self.spec.algorithm}: every worker must wrap the same algorithm"
+                f"{who} runs {algorithm} but optimizer {self.name!r} {self.origin()} "
+                f"{self.spec.algorithm}: every worker must wrap the same algorithm{self.remedy()}"
             )
         if signature != self.layout.signature():
+            if self.resumed_from is None:
+                held = f"the chief seeded {list(self.layout.signature())}"
+            else:
+                held = f"{self.origin()} {list(self.layout.signature())}"
             raise ValueError(
-                f"worker {task}'s parameters for optimizer {self.name!r} on this shard are "
-                f"{list(signature)}, the chief seeded {list(self.layout.signature())}: every "
-                "worker must build the same model (same parameter order, shapes and dtypes)"
+                f"{who}'s parameters for optimizer {self.name!r} on this shard are "
+                f"{list(signature)}; {held}: every worker must build the same model (same "
+                f"parameter order, shapes and dtypes){self.remedy()}"
             )
 
     def counters(self) -> dict[str, Any]:
