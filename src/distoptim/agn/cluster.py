@@ -79,6 +79,7 @@ from distoptim.agn.transport.base import (
 )
 from distoptim.agn.transport.messages import ErrorReply, Finish, Reply, Request
 from distoptim.agn.transport.p2p import DEFAULT_IDLE_TIMEOUT, P2PTransport
+from distoptim.agn.transport.shared_center import SharedCenters, shm_enabled
 from distoptim.checks import (
     check_choice,
     check_int,
@@ -407,6 +408,7 @@ class Cluster:
                 opts.checkpoint_dir,
                 opts.checkpoint_every,
                 store=self._store,
+                centers=SharedCenters() if opts.transport == "p2p" and shm_enabled() else None,
             )
             if self.task_index == 0:
                 self._root.set(CURRENT_KEY, self.namespace)

@@ -32,8 +32,11 @@ whole payload and takes the reply from the spent payload buffers.
 
 Replies from the live center: when the transport sends a reply before anything else can change
 the center (p2p), reply chunks are sent from the center itself (no copy) or copied into the
-connection's shared segment while in cache; the write lock is then downgraded to a read lock,
-held until the reply's bytes are out. Readers (replies, pulls) proceed together; a commit waits
+connection's shared segment while in cache -- or, for a whole commit to a worker on the same
+machine, not copied at all: the center's buffers live where such workers map them
+(``allocate``, :mod:`~distoptim.agn.transport.shared_center`) and the worker reads them in
+place. The write lock is then downgraded to a read lock, held until the reply's bytes are out
+(read in place: until the worker released them). Readers (replies, pulls) proceed together; a commit waits
 for them (writers first, so commits are not starved). With ``use_locking=False`` additive rules
 run without the lock (Hogwild!-style: a concurrent pull may see a partly applied update, as with
 TF's ``use_locking=False``), whole, guarded by a bound (:func:`~distoptim.agn.center_guard.
@@ -127,12 +130,20 @@ class Table:
     checkpoint)."""
 
     def __init__(
-        self, name: str, spec: TableSpec, flats: Mapping[str, torch.Tensor], chunk_bytes: int
+        self,
+        name: str,
+        spec: TableSpec,
+        flats: Mapping[str, torch.Tensor],
+        chunk_bytes: int,
+        allocate: Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
     ) -> None:
         self.name = name
         self.spec = spec
         self.layout = spec.layout()
-        self.flats = {k: v.detach().clone().contiguous() for k, v in flats.items()}
+        if allocate is None:
+            self.flats = {k: v.detach().clone().contiguous() for k, v in flats.items()}
+        else:  # where same-machine workers read replies in place (p2p)
+            self.flats = allocate(flats)
         self.views = self.layout.views(self.flats)
         self.chunks = self.layout.chunks(chunk_bytes)
         rule = spec.rule
@@ -386,8 +397,14 @@ class Table:
                 self.rw.release_read()
 
     @classmethod
-    def from_state(cls, name: str, state: dict[str, Any], chunk_bytes: int) -> Table:
-        t = cls(name, state["spec"], state["flats"], chunk_bytes)
+    def from_state(
+        cls,
+        name: str,
+        state: dict[str, Any],
+        chunk_bytes: int,
+        allocate: Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+    ) -> Table:
+        t = cls(name, state["spec"], state["flats"], chunk_bytes, allocate)
         if t.server_opt is not None and state["optimizer"] is not None:
             t.server_opt.load_state_dict(torch.load(io.BytesIO(state["optimizer"])))
         t.load_counters(state["counters"])
@@ -438,6 +455,7 @@ class AppliedCommit:
             else:
                 self.table.rw.release_write()
         transmit(nbytes(self.table.flats))
+        in_place = self.live and not self.streamed
         reply = CommitReply(
             refused=self.refusal is not None,
             version=self.version,
@@ -446,4 +464,4 @@ class AppliedCommit:
             reason="" if self.refusal is None else self.refusal.describe(),
             streamed=self.streamed,
         )
-        return Handled(reply, after)
+        return Handled(reply, after, in_place)
