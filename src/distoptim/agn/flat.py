@@ -20,9 +20,10 @@ consecutive ranges of at most ``chunk_bytes`` bytes, and the shard updates, chec
 one chunk at a time (while it is in the cache). Streamed commits also travel that way, so a
 shard can update chunk ``k`` while chunk ``k + 1`` is still arriving and a worker can take chunk
 ``k`` of the reply while the shard works on the next one; both ends then build the same plan
-from the same layout and ``chunk_bytes`` (the shard's, told to each worker when it connects). A chunk never spans two
-buffers; it is made of :class:`Piece` s, its intersections with the variables, so that
-per-variable work (copying into a parameter, a server optimizer's state) can follow it:
+from the same layout and ``chunk_bytes`` (the shard's, told to each worker when it connects).
+A chunk never spans two buffers; it is made of :class:`Piece` s, its intersections with the
+variables, so that per-variable work (copying into a parameter, a server optimizer's state) can
+follow it:
 
 * the chunks of a buffer are disjoint and cover it in order; ``chunks[k].index == k``;
 * each piece of a chunk lies in one variable, and the pieces of a chunk cover it in order;

@@ -36,11 +36,11 @@ connection's shared segment while in cache -- or, for a whole commit to a worker
 machine, not copied at all: the center's buffers live where such workers map them
 (``allocate``, :mod:`~distoptim.agn.transport.shared_center`) and the worker reads them in
 place. The write lock is then downgraded to a read lock, held until the reply's bytes are out
-(read in place: until the worker released them). Readers (replies, pulls) proceed together; a commit waits
-for them (writers first, so commits are not starved). With ``use_locking=False`` additive rules
-run without the lock (Hogwild!-style: a concurrent pull may see a partly applied update, as with
-TF's ``use_locking=False``), whole, guarded by a bound (:func:`~distoptim.agn.center_guard.
-apply_unlocked`). Counters are always exact (their own lock).
+(read in place: until the worker released them). Readers (replies, pulls) proceed together; a
+commit waits for them (writers first, so commits are not starved). With ``use_locking=False``
+additive rules run without the lock (Hogwild!-style: a concurrent pull may see a partly applied
+update, as with TF's ``use_locking=False``), whole, guarded by a bound
+(:func:`~distoptim.agn.center_guard.apply_unlocked`). Counters are always exact (their own lock).
 """
 
 from __future__ import annotations

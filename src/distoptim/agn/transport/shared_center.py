@@ -68,6 +68,9 @@ class RegionRef:
     nbytes: int
     token: bytes
 
+    def __reduce__(self) -> tuple:  # compact in a message header: no field names
+        return (RegionRef, (self.pid, self.fd, self.nbytes, self.token))
+
 
 def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
