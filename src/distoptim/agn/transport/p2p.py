@@ -206,6 +206,12 @@ class _Pipe:
             works.append(self.pg.send([buf], self.peer, 1 + i))
         return works, shared
 
+    def post(self) -> tuple[torch.Tensor, Any]:
+        """Start receiving the next message's header: ``(header, work)`` for :meth:`recv`
+        (``work.is_completed()`` tells whether a message began to arrive)."""
+        header = torch.empty(framing.HEADER_BYTES, dtype=torch.uint8)
+        return header, self.pg.recv([header], self.peer, 0)
+
     def release(self) -> None:
         """Worker: done with the last reply read in place (the shard may change it again)."""
         if self.unreleased and self.segment is not None:
@@ -226,16 +232,18 @@ class _Pipe:
         into: dict[str, torch.Tensor] | None = None,
         pool: dict[framing.BufferSpec, torch.Tensor] | None = None,
         idle: bool = False,
+        posted: tuple[torch.Tensor, Any] | None = None,
     ) -> tuple[Any, list[framing.BufferSpec], framing.StreamInfo | None]:
         """Receive one message by ``deadline`` (``time.monotonic()``): ``(message, its buffer
         specs, its stream info)``. Buffers in the shared segment are views of it (valid until
         the next message); the others are received into ``into`` where key, dtype and size
         match, else into ``pool``'s (reused), else new ones. A streamed message's ``flats`` are
         where its chunks will arrive (nothing is received yet: see :class:`_PipeInflow`).
-        ``idle``: a message that did not begin by ``deadline`` raises :class:`_Idle`."""
-        header = torch.empty(framing.HEADER_BYTES, dtype=torch.uint8)
+        ``idle``: a message that did not begin by ``deadline`` raises :class:`_Idle`.
+        ``posted``: the header's receive, started earlier (:meth:`post`)."""
+        header, work = posted if posted is not None else self.post()
         try:
-            self.pg.recv([header], self.peer, 0).wait(_seconds(deadline))
+            work.wait(_seconds(deadline))
         except RuntimeError as exc:
             if idle and "Timed out" in str(exc):
                 raise _Idle(str(exc)) from exc
@@ -958,11 +966,13 @@ class P2PTransport(Transport):
                 if _process_gone(first.pid, first.host):
                     raise ShardLostError(handler.shard, f"worker {task}'s process ended")
 
+            posted = None  # the next request's header, received while the shard works ahead
             while not self._stopping.is_set():
                 try:
                     request, specs, info = pipe.recv(
-                        time.monotonic() + self.idle_timeout, pool=pool, idle=True
+                        time.monotonic() + self.idle_timeout, pool=pool, idle=True, posted=posted
                     )
+                    posted = None
                 except _Idle:  # the worker is told why, should it come back (WorkerDroppedError)
                     with contextlib.suppress(Exception):
                         store.set(f"{self._prefix()}/dropped/{k}", f"{self.idle_timeout:g}")
@@ -1002,7 +1012,8 @@ class P2PTransport(Transport):
                     handled.sent()
                 if isinstance(request, Finish) and not isinstance(handled.reply, ErrorReply):
                     return
-                handler.idle()
+                posted = pipe.post()  # work ahead until the worker's next request begins
+                handler.idle(posted[1].is_completed)
         except Exception:
             handler.connection_lost(task)
         finally:
