@@ -619,37 +619,24 @@ class AsyncWorkerOptimizer(WrappedOptimizer):
         except ShardLostError as exc:
             f.lost = exc
             return
-        try:
-            self._take_reply(f, reply, center, parts, reasons)
+        try:  # absorbed, and only then released
+            if isinstance(reply, ErrorReply):
+                self._resync(link)  # the local copy may hold part of a reply: take the center
+                raise reply.to_exception()
+            assert isinstance(reply, CommitReply)
+            link.version = reply.version
+            self.global_step = max(self.global_step, reply.version)
+            if reply.refused:
+                reasons.append(reply.reason or "refused")
+                link.sent_hparams.clear()
+                self._reset_to(link, reply.flats)
+            elif reply.streamed and parts:
+                self._absorbed(link, center)
+            else:
+                self._absorb(link, f.payload, center if reply.streamed else reply.flats)
         finally:
             if pending is not None:
                 pending.release()
-
-    def _take_reply(
-        self,
-        f: _Flow,
-        reply: Reply,
-        center: dict[str, torch.Tensor],
-        parts: bool,
-        reasons: list[str],
-    ) -> None:
-        """The outcome of link ``f.link``'s commit: absorb the center, or reset to it (refused),
-        or raise the shard's error."""
-        link = f.link
-        if isinstance(reply, ErrorReply):
-            self._resync(link)  # the local copy may hold part of a reply: take the center
-            raise reply.to_exception()
-        assert isinstance(reply, CommitReply)
-        link.version = reply.version
-        self.global_step = max(self.global_step, reply.version)
-        if reply.refused:
-            reasons.append(reply.reason or "refused")
-            link.sent_hparams.clear()
-            self._reset_to(link, reply.flats)
-        elif reply.streamed and parts:
-            self._absorbed(link, center)
-        else:
-            self._absorb(link, f.payload, center if reply.streamed else reply.flats)
 
     # ---- state ----------------------------------------------------------------------------------
     def _wrapper_state_dict(self) -> dict[str, Any]:
