@@ -6,10 +6,11 @@ Every process runs on this machine (loopback). Sections (all by default):
 * ``passes`` -- the cost of each pass over the payload a commit makes, timed alone in one
   process (median of repeats): the worker's ``a/λ``, the shard's checks, backup, optimizer step,
   and the worker's copy of the reply into its parameters.
-* ``round trip`` -- one shard process serving **both** transports over the same tables and one
-  worker process connected by both; in one shuffled order per repetition the worker times: an
-  AGN commit+pull (``AGNOptimizer._commit``) over p2p and over rpc, a raw echo of the same
-  bytes (the ``Echo`` request: the shard sends the buffers back as they came) over each, and
+* ``round trip`` -- one shard process serving **both** transports (a table each, so one's
+  commits do not disturb the other's) and one worker process connected by both; in one shuffled
+  order per repetition the worker times: an AGN commit+pull (``AGNOptimizer._commit``) over p2p
+  and over rpc, a raw echo of the same bytes (the ``Echo`` request: the shard sends the buffers
+  back as they came) over each, and
   the two passes a commit cannot avoid beyond moving its bytes, on the same bytes in the
   worker's process: the server optimizer's step and the copy of the reply into the parameters.
   A commit's **floor** is its transport's echo + that step + that copy of the same repetition;
@@ -183,18 +184,31 @@ def _run_dual(
     return [o.value for o in outcomes[num_ps:]]
 
 
-def _agn(ctx) -> tuple[nn.Module, distoptim.AGNOptimizer]:
-    model = _mlp()
-    opt = distoptim.AGNOptimizer(
-        torch.optim.SGD(model.parameters(), lr=1e-9), ctx.num_worker, communication_period=1
-    )
-    hook = opt.make_session_run_hook(ctx.is_chief, ctx.task_index)
-    hook.begin()
-    hook.after_create_session()
-    g = torch.Generator().manual_seed(ctx.task_index)
-    for p in model.parameters():
-        p.grad = torch.randn(p.shape, generator=g) * 1e-3
-    return model, opt
+_Agn = dict[str, tuple[nn.Module, distoptim.AGNOptimizer]]
+
+
+def _agn(ctx) -> _Agn:
+    """Per transport, a model and its AGN optimizer: a table of its own on the shards, so that
+    one transport's commits never leave the other's center guard backup stale (a shard takes it
+    ahead after answering on p2p; an rpc commit to the same table would put that copy back on
+    the next p2p commit's path -- an artifact of serving both, not what a run on one sees)."""
+    out: _Agn = {}
+    for kind in ("p2p", "rpc"):
+        model = _mlp()
+        opt = distoptim.AGNOptimizer(
+            torch.optim.SGD(model.parameters(), lr=1e-9),
+            ctx.num_worker,
+            communication_period=1,
+            name=f"AGN over {kind}",
+        )
+        hook = opt.make_session_run_hook(ctx.is_chief, ctx.task_index)
+        hook.begin()
+        hook.after_create_session()
+        g = torch.Generator().manual_seed(ctx.task_index)
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=g) * 1e-3
+        out[kind] = (model, opt)
+    return out
 
 
 def _echo(ctx, flats: list[torch.Tensor]) -> None:
@@ -242,10 +256,11 @@ class _Floor:
         return time.perf_counter() - t
 
 
-def _round_trip(ctx, transports, reps: int, agn=None) -> dict[str, Any]:
+def _round_trip(ctx, transports, reps: int, agn: _Agn | None = None) -> dict[str, Any]:
     """Per repetition, in a shuffled order: a commit and an echo on each transport, and the
     floor's two passes (:class:`_Floor`)."""
-    model, opt = agn or _agn(ctx)
+    agn = agn or _agn(ctx)
+    model, opt = agn["p2p"]
     n = sum(p.numel() for p in model.parameters())
     flat = [torch.randn(link.layout.numel()) for link in opt._conn.links]
     floor = _Floor(model, opt)
@@ -265,7 +280,7 @@ def _round_trip(ctx, transports, reps: int, agn=None) -> dict[str, Any]:
                 ctx.transport = transports[kind]
                 t = time.perf_counter()
                 if op == "commit":
-                    opt._commit()
+                    agn[kind][1]._commit()
                 else:
                     _echo(ctx, flat)
                 took = time.perf_counter() - t
@@ -284,8 +299,8 @@ def _barrier(ctx, name: str) -> None:
         time.sleep(0.001)
 
 
-def _throughput(ctx, transports, seconds: float, agn=None) -> list[dict[str, Any]]:
-    _, opt = agn or _agn(ctx)
+def _throughput(ctx, transports, seconds: float, agn: _Agn | None = None) -> list[dict[str, Any]]:
+    agn = agn or _agn(ctx)
     out = []
     for phase, kind in enumerate(("p2p", "rpc", "rpc", "p2p")):
         _barrier(ctx, f"bench/phase{phase}")
@@ -293,7 +308,7 @@ def _throughput(ctx, transports, seconds: float, agn=None) -> list[dict[str, Any
         start = time.time()
         steps = 0
         while time.time() - start < seconds:
-            opt.step()  # λ=1: local SGD step + accumulate + commit + pull
+            agn[kind][1].step()  # λ=1: local SGD step + accumulate + commit + pull
             steps += 1
         out.append({"kind": kind, "phase": phase, "start": start, "end": time.time(), "n": steps})
     return out
