@@ -8,6 +8,8 @@ Four small runs, each checking several behaviours:
   the flat buffers travel on the gloo pairs here (shared memory off), as between machines;
 * restart: a shard killed mid-run is restarted from its checkpoint, the workers reconnect and go
   on; the commits lost are bounded by ``checkpoint_every`` (plus those in flight);
+* a checkpoint directory removed mid-run (``max_restarts=1``) is named by the commit that made a
+  checkpoint due, at once, and the shard is not restarted empty;
 * a worker killed during start-up fails the run within seconds, naming that worker;
 * the same death with ``on_startup_failure="drop"`` is dropped, while another worker's exception
   still reaches the caller (root cause first, the death listed after it);
@@ -196,6 +198,43 @@ def test_shard_killed_mid_run_is_restarted_from_its_checkpoint(tmp_path):
     assert result.stats.per_optimizer["AGNOptimizer"]["resumed"]
     assert sorted(os.listdir(tmp_path)) == ["ps0.pt"]  # no temporary file left behind
     assert all(torch.isfinite(c).all() for c in result.center)
+
+
+def _vanishing_dir_worker(ctx, ckpt: str) -> None:
+    """The chief's second commit makes a checkpoint due after the directory was removed."""
+    import shutil
+
+    model = _model()
+    opt = _agn(ctx, model)
+    g = torch.Generator().manual_seed(0)
+    _step(opt, model, g)
+    shutil.rmtree(ckpt)
+    _step(opt, model, g)
+
+
+def test_checkpoint_dir_removed_mid_run_is_named_at_once(tmp_path):
+    """With ``max_restarts=1`` the shard used to die writing, come back with nothing to resume,
+    and the worker failed after the whole ``rpc_timeout`` asking whether a chief was running."""
+    ckpt = tmp_path / "ckpt"
+    t0 = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        spawn(
+            _vanishing_dir_worker,
+            1,
+            num_ps=1,
+            args=(str(ckpt),),
+            timeout=150,
+            rpc_timeout=90,
+            checkpoint_dir=ckpt,
+            checkpoint_every=1,
+            max_restarts=1,
+        )
+    elapsed = time.monotonic() - t0
+    message = str(info.value)
+    assert f"checkpoint {ckpt / 'ps0.pt'}" in message, message
+    assert "checkpoint_dir removed" in message, message
+    assert "is a chief running" not in message
+    assert elapsed < 60, elapsed  # start-up included; never the whole rpc_timeout
 
 
 # ---------------------------------------------------------------------------------------------
