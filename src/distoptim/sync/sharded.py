@@ -39,6 +39,7 @@ from distoptim.sync.apply import (
 )
 from distoptim.sync.collectives import Collectives
 from distoptim.sync.options import SyncOptions
+from distoptim.sync.packed import TensorGrads
 from distoptim.sync.sharding import ShardedUpdate
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -74,7 +75,8 @@ class ShardedApply(ApplyStrategy):
         return PlanShape(trailer=0, pad_to=self.comm.replicas.size, flags=False)
 
     def reduces_copy(self, overlap: bool) -> bool:
-        return self.comm.scatter.via_all_reduce  # that all-reduce would overwrite .grad
+        # a reduce-scatter only reads .grad; an all-reduce standing in for it would not
+        return not self.comm.scatter.reads_input_only
 
     def new_round(
         self,
@@ -86,11 +88,12 @@ class ShardedApply(ApplyStrategy):
     ) -> ReduceRound:
         update, control = self.update, self.control
         assert update is not None and control is not None and update.plan is plan
+        if isinstance(self.grads, TensorGrads) and buffer_of is Bucket.persistent_buffer:
+            buffer_of = Bucket.new_buffer  # a packed copy is needed only until it is sent
         return ShardRound(
             plan,
             self.comm.scatter,
             update.layout,
-            update.shards,
             control,
             grads_of,
             buffer_of,
@@ -117,7 +120,7 @@ class ShardedApply(ApplyStrategy):
             carried[id(p)] = (p, state)
         r = self.comm.replicas
         layout = ShardLayout(plan, r.size, r.rank)
-        update = ShardedUpdate(plan, layout, self.opt, r.group, self.comm.stats)
+        update = ShardedUpdate(plan, layout, self.opt, self.comm)
         update.load(
             {i: carried.pop(id(p))[1] for i, p in enumerate(plan.params) if id(p) in carried}
         )
@@ -143,7 +146,7 @@ class ShardedApply(ApplyStrategy):
         if adopt:
             self.grads.adopt_packed()
         update.ensure_params()
-        update.step(self.opt, present)
+        update.step(self.opt, present, buffers)
         self.comm.all_gather(update.flats)
 
     def step(self, rnd: ReduceRound, buffers: list[torch.Tensor]) -> None:
@@ -198,3 +201,4 @@ class ShardedApply(ApplyStrategy):
             {i: carried.pop(id(p))[1] for i, p in enumerate(update.plan.params) if id(p) in carried}
         )
         self.parked = carried
+

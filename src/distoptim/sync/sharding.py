@@ -49,14 +49,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from distoptim import elementwise_rule as _elementwise
 from distoptim.comm.bucket import BucketPlan
 from distoptim.comm.shard import Piece, ShardLayout
-from distoptim.comm.shard_reducer import all_gather_shards
-from distoptim.comm.stats import CommStats
 from distoptim.elementwise_rule import is_per_element
+from distoptim.sync.collectives import Collectives
 
 __all__ = ["SEGMENT_ELEMENTS", "ShardedUpdate", "State", "check_elementwise"]
 
@@ -141,7 +139,6 @@ class _Segment:
     bucket: int
     pieces: list[Piece]
     param: torch.Tensor  # a 1-D view of the flat parameter buffer
-    grad: torch.Tensor  # a 1-D view of the bucket's reduced shard
     members: list[int] = field(default_factory=list)
 
     @property
@@ -160,10 +157,10 @@ class ShardedUpdate:
         plan: the agreed bucket plan (built with ``pad_to=num_shards``, ``flags=False``).
         layout: this rank's ranges of ``plan``'s buckets.
         opt: the wrapped optimizer (its param groups give each parameter's group).
-        group: the process group of the replicas (None: the default one).
-        stats: where the all-gathers' bytes are counted.
+        comm: the replicas' collectives (gathering the state goes through them).
 
     Construction re-points every parameter of ``plan`` into the flat buffers (values kept).
+    The reduced gradients are not kept here: each step is given the round's shards.
     """
 
     def __init__(
@@ -171,19 +168,16 @@ class ShardedUpdate:
         plan: BucketPlan,
         layout: ShardLayout,
         opt: torch.optim.Optimizer,
-        group: dist.ProcessGroup | None,
-        stats: CommStats,
+        comm: Collectives,
     ) -> None:
         self.plan = plan
         self.layout = layout
-        self.process_group = group
-        self.stats = stats
+        self.comm = comm
         group_of = {id(p): gi for gi, g in enumerate(opt.param_groups) for p in g["params"]}
         self.groups = [group_of[id(p)] for p in plan.params]
         self.flats: list[torch.Tensor] = []
-        self.shards: list[torch.Tensor] = []
         with torch.no_grad():
-            for bucket, size in zip(plan.buckets, layout.shard_size):
+            for bucket in plan.buckets:
                 flat = torch.zeros(bucket.padded, dtype=bucket.dtype, device=bucket.device)
                 views = bucket.views(flat)
                 if views:
@@ -191,7 +185,6 @@ class ShardedUpdate:
                 for i, view in zip(bucket.members, views):
                     plan.params[i].data = view
                 self.flats.append(flat)
-                self.shards.append(torch.zeros(size, dtype=bucket.dtype, device=bucket.device))
         self._ptrs = [p.data_ptr() for p in plan.params]
         self.state: defaultdict[torch.Tensor, State] = defaultdict(dict)
         self.segments: list[_Segment] = []
@@ -202,13 +195,11 @@ class ShardedUpdate:
         """One segment over ``pieces`` (consecutive, one group) with their states joined."""
         b = pieces[0].bucket
         start, stop = pieces[0].start, pieces[-1].stop
-        lo = self.layout.start_of(b)
         seg = _Segment(
             group=self.groups[pieces[0].member],
             bucket=b,
             pieces=pieces,
             param=self.flats[b][start:stop],
-            grad=self.shards[b][start - lo : stop - lo],
             members=[p.member for p in pieces],
         )
         if states[0]:
@@ -296,11 +287,15 @@ class ShardedUpdate:
                 p.data = view
                 self._ptrs[i] = p.data_ptr()
 
-    def step(self, opt: torch.optim.Optimizer, present: Sequence[bool]) -> None:
-        """Run ``opt`` once on this rank's segments with the reduced shards as gradients.
+    def step(
+        self, opt: torch.optim.Optimizer, present: Sequence[bool], shards: Sequence[torch.Tensor]
+    ) -> None:
+        """Run ``opt`` once on this rank's segments with the reduced ``shards`` as gradients.
 
-        ``present[i]``: some rank had a gradient for plan parameter ``i`` (agreed); segments
-        mixing present and absent members are split first. Absent pieces get no update.
+        ``shards[b]``: this rank's reduced range of bucket ``b`` (``layout.shard_size[b]``
+        elements). ``present[i]``: some rank had a gradient for plan parameter ``i`` (agreed);
+        segments mixing present and absent members are split first. Absent pieces get no
+        update. The segments hold no gradient afterwards (the shards are the round's).
         """
         segments: list[_Segment] = []
         for seg in self.segments:
@@ -311,9 +306,15 @@ class ShardedUpdate:
                 segments.extend(self._split(seg, flags))
         self.segments = segments
         for seg in segments:
-            seg.param.grad = seg.grad if present[seg.members[0]] else None
-        with self._redirected(opt):
-            opt.step()
+            if present[seg.members[0]]:
+                lo = self.layout.start_of(seg.bucket)
+                seg.param.grad = shards[seg.bucket][seg.start - lo : seg.stop - lo]
+        try:
+            with self._redirected(opt):
+                opt.step()
+        finally:
+            for seg in segments:
+                seg.param.grad = None
 
     @contextlib.contextmanager
     def _redirected(self, opt: torch.optim.Optimizer) -> Iterator[None]:
@@ -333,13 +334,6 @@ class ShardedUpdate:
             for g, params in zip(groups, saved):
                 g["params"] = params
             opt.state = saved_state
-
-    def all_gather(self) -> None:
-        """Every rank's updated range to every rank: the parameters are whole again."""
-        layout = self.layout
-        all_gather_shards(
-            self.flats, layout.rank, layout.num_shards, self.process_group, self.stats
-        )
 
     # ---- state -------------------------------------------------------------------------------
     def state_bytes(self) -> int:
@@ -391,10 +385,8 @@ class ShardedUpdate:
                     else:
                         scalars.setdefault(key, _portable(value))
         table: list[Any] = [(mine, elems)]
-        n = self.layout.num_shards
-        if n > 1:
-            table = [None] * n
-            dist.all_gather_object(table, (mine, elems), group=self.process_group)
+        if self.layout.num_shards > 1:
+            table = self.comm.gather_objects((mine, elems), "the optimizer state's layout")
         members: dict[int, State] = {}
         keys: dict[int, dict[str, torch.dtype]] = {}
         for their_members, their_elems in table:
@@ -428,8 +420,7 @@ class ShardedUpdate:
             value = self.state.get(seg.param, {}).get(key)
             if seg.bucket == b and isinstance(value, torch.Tensor) and value.dim() == 1:
                 mine[seg.start - lo : seg.stop - lo].copy_(value)
-        layout = self.layout
-        all_gather_shards([whole], layout.rank, layout.num_shards, self.process_group, self.stats)
+        self.comm.all_gather([whole], f"the optimizer state {key!r}")
         return whole
 
 
