@@ -42,6 +42,7 @@ A step's way down: ``step()`` -> :meth:`RoundDriver.reduce_grads
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -360,6 +361,69 @@ class CrossShardOptimizer(WrappedOptimizer):
             check_saved_hyperparameters(self._wrapped, state_dict.get("param_groups"))
         super().load_state_dict(state_dict)
         self._apply.after_load()
+
+    # ---- per-rank checkpoints through torch.distributed.checkpoint --------------------------
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's part of the optimizer state, as a state dict DCP saves per rank.
+
+        Local (no communication, no gather): with ``shard_optimizer_state=True`` only this
+        rank's ``1/n`` of the per-element state, as ``ShardedTensor`` pieces; without it the
+        whole state, which DCP writes once. Save it with ``torch.distributed.checkpoint.save``
+        on every rank, alone or next to the model's (``{"model": ..., "optim":
+        opt.sharded_state_dict()}``); load it with :meth:`load_sharded`, on any number of
+        ranks, sharded or not. Format: :mod:`distoptim.sync.sharded_checkpoint`.
+        """
+        from distoptim.sync import sharded_checkpoint  # imports DCP: seconds, on first use
+
+        self._rounds.refresh()
+        return sharded_checkpoint.state_dict_of(
+            self._wrapped, self._apply, self.iterations, self._rounds.comm.replicas.group
+        )
+
+    def save_sharded(self, checkpoint_id: str | os.PathLike[str]) -> None:
+        """``torch.distributed.checkpoint.save(self.sharded_state_dict(), checkpoint_id=...)``:
+        every rank writes only what it holds. A collective (DCP's): call it on every rank."""
+        import torch.distributed.checkpoint as dcp
+
+        checks.check_type("checkpoint_id", checkpoint_id, (str, os.PathLike), "a path")
+        dcp.save(self.sharded_state_dict(), checkpoint_id=checkpoint_id)
+
+    def load_sharded(self, checkpoint_id: str | os.PathLike[str], prefix: str = "") -> None:
+        """Load a per-rank checkpoint (:meth:`sharded_state_dict`) written by any number of ranks.
+
+        Every rank reads only the state it holds in its current layout (resharding from the
+        saved one). ``prefix``: where the optimizer's entries sit when it was saved nested
+        (``"optim"`` for ``{"optim": opt.sharded_state_dict()}``). Checks that the
+        checkpoint fits (format, parameter groups, hyperparameters, sizes) before anything
+        changes. A collective: call it on every rank (the parameter list is agreed first, as
+        the first ``step()`` does; with sharding, the parameters move into their flat buffers).
+        """
+        import torch.distributed.checkpoint as dcp
+
+        from distoptim.sync import sharded_checkpoint
+
+        checks.check_type("checkpoint_id", checkpoint_id, (str, os.PathLike), "a path")
+        checks.check_type("prefix", prefix, str, "a str")
+        rounds = self._rounds
+        rounds.refresh()
+        if rounds.size == 1:
+            rounds.solo_plan()
+        else:
+            rounds.agree()
+        where = sharded_checkpoint.dotted(prefix)
+        metadata = dcp.FileSystemReader(checkpoint_id).read_metadata()
+        group = rounds.comm.replicas.group
+        template = sharded_checkpoint.template_of(
+            self._wrapped, self._apply, metadata, where, group
+        )
+        nested = sharded_checkpoint.nest(template, where)
+        dcp.load(nested, checkpoint_id=checkpoint_id)
+        iterations, groups, owned = sharded_checkpoint.loaded_state(
+            self._wrapped, sharded_checkpoint.unnest(nested, where)
+        )
+        # hyperparameters and iterations through the checked path (the state comes next)
+        self.load_state_dict({"state": {}, "param_groups": groups, "iterations": iterations})
+        self._apply.load_owned(owned)
 
     def __repr__(self) -> str:
         return (

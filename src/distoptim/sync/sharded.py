@@ -34,6 +34,7 @@ from distoptim.sync.apply import (
     BufferOf,
     GradPairs,
     GradSource,
+    Owned,
     PlanShape,
     State,
 )
@@ -202,3 +203,62 @@ class ShardedApply(ApplyStrategy):
         )
         self.parked = carried
 
+    # ---- per-rank checkpoints -------------------------------------------------------------
+    def _holders(self) -> dict[int, list[tuple[int, int, int]]]:
+        """Per plan member: ``(global rank, first, numel)`` of every rank's piece of it."""
+        update = self.update
+        assert update is not None
+        r = self.comm.replicas
+        holders: dict[int, list[tuple[int, int, int]]] = {}
+        for q in range(r.size):
+            layout = update.layout if q == r.rank else ShardLayout(update.plan, r.size, q)
+            for pieces in layout.pieces:
+                for piece in pieces:
+                    holders.setdefault(piece.member, []).append(
+                        (r.ranks[q], piece.first, piece.numel)
+                    )
+        return holders
+
+    def owned(self) -> dict[torch.Tensor, Owned]:
+        """This rank's pieces of the shard state, and the parked state (whole, local)."""
+        update = self.update
+        if update is None:
+            return super().owned()  # no step yet: what opt holds (a loaded checkpoint, or none)
+        holders = self._holders()
+        out = {p: Owned.whole(p, s) for p, s in self.parked.values() if s}
+        for member, (piece, elements, scalars) in update.owned().items():
+            out[update.plan.params[member]] = Owned(
+                piece.first, piece.numel, elements, scalars, holders[member]
+            )
+        return out
+
+    def slots(self, params: Sequence[torch.Tensor]) -> dict[torch.Tensor, Owned]:
+        """This rank's pieces of the agreed plan's parameters; the others whole."""
+        update = self.update
+        assert update is not None, "the plan is agreed before a per-rank checkpoint loads"
+        holders = self._holders()
+        out: dict[torch.Tensor, Owned] = {}
+        planned = {id(p) for p in update.plan.params}
+        for p in params:
+            if id(p) not in planned:
+                out[p] = Owned(0, p.numel())
+        for pieces in update.layout.pieces:
+            for piece in pieces:
+                p = update.plan.params[piece.member]
+                out[p] = Owned(piece.first, piece.numel, holders=holders[piece.member])
+        return out
+
+    def load_owned(self, owned: dict[torch.Tensor, Owned]) -> None:
+        """This rank's pieces go into the shards, the rest is parked (local)."""
+        update = self.update
+        assert update is not None
+        index = {id(p): i for i, p in enumerate(update.plan.params)}
+        mine: dict[int, tuple[dict[str, torch.Tensor], State]] = {}
+        parked: dict[int, tuple[torch.Tensor, State]] = {}
+        for p, o in owned.items():
+            if id(p) in index:
+                mine[index[id(p)]] = (o.elements, o.scalars)
+            else:
+                parked[id(p)] = (p, o.as_state(p))
+        update.load_owned(mine)
+        self.parked = parked

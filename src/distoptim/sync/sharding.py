@@ -365,6 +365,58 @@ class ShardedUpdate:
         self.state = defaultdict(dict)
         self.segments = self._merge(pieces, states)
 
+    def owned(self) -> dict[int, tuple[Piece, dict[str, torch.Tensor], State]]:
+        """This rank's state by plan member: ``(piece, per-element, scalars)`` (local).
+
+        ``piece`` is the member's piece of this rank's layout (at most one per member); the
+        per-element values are 1-D tensors of ``piece.numel`` elements -- views of the shard
+        state, copies only where a piece spans several segments (longer than
+        :data:`SEGMENT_ELEMENTS`). Members this rank holds no state for are left out.
+        """
+        parts: dict[int, list[tuple[Piece, State]]] = {}
+        for seg in self.segments:
+            for piece, part in zip(seg.pieces, self._piece_states(seg)):
+                if part:
+                    parts.setdefault(piece.member, []).append((piece, part))
+        out: dict[int, tuple[Piece, dict[str, torch.Tensor], State]] = {}
+        for member, runs in parts.items():
+            runs.sort(key=lambda run: run[0].start)
+            first, last = runs[0][0], runs[-1][0]
+            piece = Piece(member, first.bucket, first.start, last.stop, first.first)
+            elements: dict[str, torch.Tensor] = {}
+            scalars: State = {}
+            for key, value in runs[0][1].items():
+                if isinstance(value, _Elements):
+                    values = [run[1][key].tensor for run in runs]
+                    elements[key] = values[0] if len(values) == 1 else torch.cat(values)
+                else:
+                    scalars[key] = value
+            out[member] = (piece, elements, scalars)
+        return out
+
+    def load_owned(self, owned: dict[int, tuple[dict[str, torch.Tensor], State]]) -> None:
+        """Replace the shard state by this rank's pieces (local, no communication).
+
+        ``owned[i] = (per-element, scalars)`` for plan member ``i``: the per-element values are
+        1-D tensors of this rank's piece of member ``i`` (:attr:`layout`), the scalars are
+        shared by all its pieces. Members left out get no state.
+        """
+        pieces = [piece for ps in self.layout.pieces for piece in ps]
+        states: list[State] = []
+        for piece in pieces:
+            elements, scalars = owned.get(piece.member, ({}, {}))
+            part: State = dict(scalars)
+            for key, value in elements.items():
+                if value.shape != (piece.numel,):
+                    raise ValueError(
+                        f"state {key!r} of parameter {piece.member} of the plan: this rank's "
+                        f"piece holds {piece.numel} elements, got shape {tuple(value.shape)}"
+                    )
+                part[key] = _Elements(value.to(device=self.flats[piece.bucket].device))
+            states.append(part)
+        self.state = defaultdict(dict)
+        self.segments = self._merge(pieces, states)
+
     def full_state(self) -> dict[int, State]:
         """Every parameter's whole optimizer state (plan index -> state), on every rank.
 
