@@ -13,6 +13,14 @@ parameters outside it (frozen ones, or ones a new plan dropped) is *parked* here
 and a plan change carries the state over (a collective gather of the old layout, then each rank
 keeps its new pieces). :meth:`ShardedApply.full_state` gathers it back into the unsharded
 per-parameter format, so checkpoints load into a sharded or an unsharded optimizer alike.
+:meth:`ShardedApply.owned` gives each rank's own part instead (per-rank checkpoints,
+:mod:`distoptim.sync.sharded_checkpoint`).
+
+Memory. Between steps a rank keeps the parameters (the flat buffers are their storage), ``.grad``
+(with bucket views the buckets themselves; otherwise tensors of their own plus one persistent
+pack buffer per bucket, as the unsharded optimizer and DDP keep), ``1/n`` of the state and the
+small control message. Each round allocates the shards it reduces into (``1/n`` of its
+buckets); they are freed with the round, at the end of the step.
 """
 
 from __future__ import annotations
@@ -40,7 +48,6 @@ from distoptim.sync.apply import (
 )
 from distoptim.sync.collectives import Collectives
 from distoptim.sync.options import SyncOptions
-from distoptim.sync.packed import TensorGrads
 from distoptim.sync.sharding import ShardedUpdate
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -89,8 +96,6 @@ class ShardedApply(ApplyStrategy):
     ) -> ReduceRound:
         update, control = self.update, self.control
         assert update is not None and control is not None and update.plan is plan
-        if isinstance(self.grads, TensorGrads) and buffer_of is Bucket.persistent_buffer:
-            buffer_of = Bucket.new_buffer  # a packed copy is needed only until it is sent
         return ShardRound(
             plan,
             self.comm.scatter,
