@@ -38,6 +38,11 @@ parameters again and its own ``state`` stays empty.
 Which optimizers: the element-wise ones of :mod:`distoptim.elementwise_rule`; anything else is
 refused by :func:`check_elementwise`. The round around this update -- reduce-scatter, agreement,
 all-gather -- is :class:`~distoptim.sync.sharded.ShardedApply`'s.
+
+State. :meth:`ShardedUpdate.full_state` gathers every parameter's whole state (a collective,
+through :class:`~distoptim.sync.collectives.Collectives`); :meth:`ShardedUpdate.owned` and
+:meth:`ShardedUpdate.load_owned` read and install this rank's own pieces without communication
+(per-rank checkpoints).
 """
 
 from __future__ import annotations
@@ -58,8 +63,11 @@ from distoptim.sync.collectives import Collectives
 
 __all__ = ["SEGMENT_ELEMENTS", "ShardedUpdate", "State", "check_elementwise"]
 
-SEGMENT_ELEMENTS = 1 << 21
-"""Largest segment (elements): 8 MB in float32, so Adam's temporaries stay under 16 MB."""
+SEGMENT_ELEMENTS = 1 << 18
+"""Largest segment (elements): 1 MB in float32, so Adam's two temporaries stay under 2 MB.
+
+(At 8 MB segments they made the sharded step's peak resident memory 13.5 MB higher on a
+5M-parameter model, 2 ranks; the step time did not change measurably.)"""
 
 
 def check_elementwise(opt: torch.optim.Optimizer) -> None:
