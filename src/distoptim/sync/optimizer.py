@@ -123,7 +123,9 @@ class CrossShardOptimizer(WrappedOptimizer):
             gradient (also with bucket views). The parameters' storage moves into flat
             buffers at the first step. ``state_dict()``, ``get_slot()``, ``get_slot_names()``
             and ``variables()`` gather the full per-parameter state: collectives, call them
-            on every rank. The state dict has the unsharded format (either loads into either).
+            on every rank. The state dict has the unsharded format (either loads into either);
+            :meth:`save_sharded` / :meth:`load_sharded` write and read each rank's own part
+            instead, through ``torch.distributed.checkpoint``, resharding on load.
 
     Collectives are bucketed (see :mod:`distoptim.comm.bucket`). A parameter whose gradient is
     None on some ranks is zero-filled there; one with no gradient on any rank keeps ``None``.
