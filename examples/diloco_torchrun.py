@@ -105,8 +105,10 @@ def _run(rank: int, world_size: int, algo: str, args: argparse.Namespace) -> flo
                 f"({opt.iterations} inner steps, {opt.syncs} fragment syncs, "
                 f"{opt.comm_stats.bytes_sent / 1e3:.1f} kB sent by rank 0)"
             )
-    # every replica holds the same global copy
+    # the final sync, on every replica: every model is then the global model
+    opt.finish()
     g = torch.cat([t.reshape(-1) for t in opt.global_parameters])
+    assert torch.equal(g, torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
     ref = g.clone()
     dist.broadcast(ref, 0)
     assert torch.equal(g, ref), f"{algo}: replicas' global copies diverged"

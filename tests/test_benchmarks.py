@@ -146,12 +146,74 @@ def _lm_size(r: dict[str, Any]) -> None:
         assert _positive(row["median_step_ms"]) and _positive(row["final"]["loss"])
 
 
+def _ft(r: dict[str, Any]) -> None:
+    assert {"machine", "config", "goodput", "overhead", "load_before"} <= r.keys()
+    for g in r["goodput"].values():
+        for run in (g["fault_free"], g["faulty"]):
+            assert run["states_equal"] and run["commits"] > 0 and _positive(run["goodput"])
+        assert g["faulty"]["faults"]  # the schedule dealt at least one fault
+        assert _positive(g["goodput_ratio"])
+    for o in r["overhead"].values():
+        assert _positive(o["plain_step_ms"]) and _positive(o["managed_step_ms"])
+
+
+def _compare_runs(r: dict[str, Any]) -> None:
+    assert {"machine", "load_start", "load_end", "settings", "datasets"} <= r.keys()
+    runs = r["settings"]["runs"]
+    assert runs >= 2  # a spread needs two
+    for d in r["datasets"].values():
+        assert len(d["runs"]) == runs
+        assert all(run["results"]["status"] == "complete" for run in d["runs"])
+        assert all(run["load_before"] and run["load_after"] for run in d["runs"])
+        assert d["order"][0] == "sync" and set(d["order"]) == set(d["summary"])
+        assert d["summary"]["sync"]["time_to_target_vs_sync"]["median"] == 1.0  # paired with itself
+        assert all(row["wall_time_s"]["n"] == runs for row in d["summary"].values())
+        assert len(d["table"].splitlines()) == 2 + len(d["order"])
+
+
+def _lm(r: dict[str, Any]) -> None:
+    assert {"machine", "config", "corpus", "goals", "quality", "step_time"} <= r.keys()
+    q = r["quality"]
+    assert q["load_before"] and q["load_after"]
+    runs = q["runs"]
+    assert {"sync", "sync_sqrt_lr"} <= runs.keys() and len(runs) == 6
+    assert runs["sync_sqrt_lr"]["settings"]["lr"] == pytest.approx(3e-3 * 2**0.5)  # 2 replicas
+    tokens = {run["tokens_per_worker"] for run in runs.values()}
+    assert len(tokens) == 1 and tokens.pop() > 0  # the same token budget per worker
+    for name, run in runs.items():
+        assert 0 < run["val_loss"] < 5 and run["bytes"] == sum(run["bytes_per_rank"]) > 0
+        assert run["history"][0]["step"] == 0 and run["history"][-1]["val_loss"] == run["val_loss"]
+        reference = runs[q["goals"]["reference"]]["val_loss"]  # the better sync
+        assert reference == min(runs["sync"]["val_loss"], runs["sync_sqrt_lr"]["val_loss"])
+        assert run["loss_gap_vs_sync"] == pytest.approx((run["val_loss"] - reference) / reference)
+        if not name.startswith("sync"):  # every outer-family contender sends fewer bytes
+            assert run["bytes_ratio_vs_sync"] > 1, name
+    assert runs["sync"]["bytes_ratio_vs_sync"] == runs["sync_sqrt_lr"]["bytes_ratio_vs_sync"] == 1
+    assert q["invocations"] and q["invocations"][0]["order"]
+    goals = {k: v for k, v in q["goals"].items() if k != "reference"}
+    assert set(goals) == {"streaming", "topk_lowbit"}
+    for goal in goals.values():
+        assert goal["contenders"] and isinstance(goal["met"], bool)
+        for row in goal["contenders"].values():
+            assert row["met"] == (row["loss_met"] and row["bytes_met"])
+    steps = r["step_time"]["contenders"]
+    assert "ddp" in steps and "cross_shard" in steps and len(steps) == 6
+    assert steps["ddp"]["paired_ratio_vs_ddp"] == 1.0
+    assert all(
+        _positive(s["median_step_ms"]) and _positive(s["paired_ratio_vs_ddp"])
+        for s in steps.values()
+    )
+
+
 CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
     "agn.py": _agn,
+    "compare_runs.py": _compare_runs,
     "cross_shard.py": _cross_shard,
     "diloco.py": _diloco,
+    "ft.py": _ft,
     "gpu_cross_shard.py": _gpu_cross_shard,
     "gpu_mesh_sgd.py": _gpu_mesh_sgd,
+    "lm.py": _lm,
     "lm_size.py": _lm_size,
     "memory.py": _memory,
     "mesh_sgd.py": _mesh_sgd,
@@ -182,3 +244,20 @@ def test_gpu_scripts_real_run_refuses_without_cuda(script, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "no CUDA device" in proc.stdout
     assert "no CUDA device" in json.loads(out.read_text())["skipped"]
+
+
+def test_the_readme_table_is_made_of_the_shipped_runs():
+    """Every number of the README's sample table comes from the runs recorded in
+    ``benchmarks/results/compare_runs.json``: recomputed from them, it is the README's table."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("compare_runs", BENCHMARKS / "compare_runs.py")
+    assert spec is not None and spec.loader is not None
+    compare_runs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare_runs)
+    doc = json.loads((BENCHMARKS / "results" / "compare_runs.json").read_text())
+    readme = (ROOT / "README.md").read_text()
+    for name, d in doc["datasets"].items():
+        again = compare_runs.table(compare_runs._summary(d["runs"]), compare_runs._order(d["runs"]))
+        assert again == d["table"], name
+    assert doc["datasets"]["digits"]["table"] in readme

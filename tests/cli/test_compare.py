@@ -127,6 +127,12 @@ def test_compare_every_algorithm_from_the_console_script(tmp_path):
     for png in ("accuracy_vs_time.png", "accuracy_vs_samples.png"):
         data = (out / png).read_bytes()
         assert data[:4] == b"\x89PNG" and len(data) > 20_000
+        assert f"plot:    {out / png}" in proc.stdout  # every file written is listed
+    assert sorted(os.listdir(out)) == [
+        "accuracy_vs_samples.png",
+        "accuracy_vs_time.png",
+        "results.json",
+    ]
 
 
 def test_compare_sweeps_the_lambda_grid(tmp_path, capsys):

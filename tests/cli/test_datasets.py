@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import threading
+
 import numpy as np
 import pytest
 import torch
 
 from distoptim.cli.datasets import DatasetError, batches_per_epoch, load_dataset, shard_indices
 from distoptim.cli.runconfig import RunConfig
-from distoptim.cli.training import _batches
+from distoptim.cli.workloads import Classification
 
 
 def test_digits_split_is_fixed_stratified_and_scaled():
@@ -70,6 +73,18 @@ def _write(tmp_path, **arrays):
         ({"x": np.zeros((10, 3)), "y": np.full(10, 0.5)}, "integer class labels"),
         ({"x": np.array([["a"]] * 10), "y": np.arange(10) % 2}, "must be numeric"),
         ({"x": np.zeros((10, 3)), "y": np.arange(10) % 2, "x_val": np.zeros((2, 3))}, "both"),
+        (
+            {
+                "x": np.ones((10, 3)),
+                "y": np.arange(10) % 2,
+                "x_val": np.zeros((0, 3)),
+                "y_val": np.zeros(0, int),
+            },
+            "x_val and y_val hold no samples: the validation split needs at least one (leave "
+            "out x_val and y_val for a 20 % split of x)",
+        ),
+        ({"x": np.zeros((0, 3)), "y": np.zeros(0, int)}, "x and y hold no samples"),
+        ({"x": np.zeros((10, 0)), "y": np.arange(10) % 2}, "x has no features"),
     ],
 )
 def test_bad_npz_arrays_say_what_is_wrong(tmp_path, arrays, message):
@@ -97,12 +112,34 @@ def test_unreadable_files(tmp_path):
         load_dataset(str(tmp_path))
 
 
+def test_a_fifo_is_refused_at_once_not_waited_on(tmp_path):
+    # a named pipe with no writer: opening it to read would wait for a writer forever
+    fifo = tmp_path / "data.npz"
+    os.mkfifo(fifo)
+    said: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            load_dataset(str(fifo))
+        except BaseException as exc:
+            said.append(exc)
+
+    reader = threading.Thread(target=load, daemon=True)
+    reader.start()
+    reader.join(timeout=30)
+    if reader.is_alive():  # it waits in open(): be its writer, so that the thread can end
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail("loading a FIFO waited for a writer instead of refusing it")
+    assert len(said) == 1 and isinstance(said[0], DatasetError)
+    assert "is not a regular file (a pipe, a device or a socket)" in str(said[0])
+
+
 def test_an_epoch_reads_the_whole_shard_the_last_batch_holds_the_rest():
     # 64 workers on digits: 22 samples each, batch 16 -> batches of 16 and 6, none dropped
     assert batches_per_epoch(22, 16) == 2 and batches_per_epoch(32, 16) == 2
     data = load_dataset("digits")
     cfg = RunConfig("agn", 64, 10, 2, 16, "adam", 0.001, 0)
-    sizes = [len(y) for _, y in _batches(cfg, data, rank=5)]
+    sizes = [len(y) for _, y in Classification(data).batches(cfg, rank=5)]
     assert sizes == [16, 6, 16, 6] and cfg.steps_per_epoch(1438) == 2
     assert cfg.total_samples(1438) == 2 * 64 * 22  # the 30 left over rotate, said at start
 

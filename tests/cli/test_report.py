@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from distoptim.cli.plot import accuracy_range, plot_accuracy
+from distoptim.cli.plot import MAX_COLUMNS, accuracy_range, loss_range, plot_runs
 from distoptim.cli.record import RunRecord, build_history
 from distoptim.cli.report import (
     assign_targets,
@@ -121,17 +121,113 @@ def test_history_counts_every_workers_latest_samples():
     assert points[1]["t"] == pytest.approx(1.2) and points[1]["train_loss"] == pytest.approx(1.6)
 
 
-def test_plot_writes_both_pngs_with_a_zoomed_accuracy_axis(tmp_path):
+def _png_size(path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def test_plot_writes_both_pngs_with_a_zoomed_accuracy_axis_and_returns_every_path(tmp_path):
     records = [_rec("sync", 0.9), _rec("agn", 0.8), _rec("agn", 0.85, lam=10, workers=4)]
     records[1].history = _hist([(0, 0.1), (2, 0.7), (4, 0.62), (6, 0.9), (8, 0.93)])
     assert accuracy_range(records) == (55.0, 100.0)  # 62 % late in a run is shown, 10 % not
     assert accuracy_range([RunRecord(_cfg("sync"))]) == (0.0, 100.0)
-    path = plot_accuracy(records, tmp_path / "p.png", "title")
-    for name in ("p.png", "accuracy_vs_samples.png"):
-        data = (tmp_path / name).read_bytes()
-        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
-    assert path == str(tmp_path / "p.png")
-    assert plot_accuracy([RunRecord(_cfg("sync"))], tmp_path / "q.png", "t") is None
+    paths = plot_runs(records, tmp_path, "title")
+    assert paths == [str(tmp_path / n) for n in ("accuracy_vs_time.png", "accuracy_vs_samples.png")]
+    for path in paths:
+        _png_size(Path(path))
+    assert plot_runs([RunRecord(_cfg("sync"))], tmp_path / "none", "t") == []
+
+
+def test_many_algorithms_wrap_into_a_grid_that_reads_at_normal_size(tmp_path):
+    # the default comparison: sync and 7 more algorithms, one worker count
+    algos = ["localsgd", "diloco", "streaming-diloco", "agn", "downpour", "easgd", "async-diloco"]
+    records = [_rec("sync", 0.9)] + [_rec(a, 0.8 + 0.01 * i) for i, a in enumerate(algos)]
+    paths = plot_runs(records, tmp_path, "digits")
+    width, height = _png_size(Path(paths[0]))
+    assert MAX_COLUMNS == 4
+    assert width < 1500 and height > 500  # two rows of 4 and 3 panels, not one row of 7
+    assert width / height < 3
+
+
+def _loss_rec(algo, losses, bytes_, **cfg):
+    r = _rec(algo, 0.3, **cfg)
+    r.config = RunConfig(
+        algo, 2, 1 if algo == "sync" else 5, 0.1, 8, "adam", 3e-3, 0, model="gpt", wire=None
+    )
+    r.history = [
+        {"t": 2.0 * i, "samples": 1000 * i, "val_acc": 0.2, "val_loss": v, "train_loss": v,
+         "bytes": b}
+        for i, (v, b) in enumerate(zip(losses, bytes_))
+    ]  # fmt: skip
+    r.val_loss, r.train_loss, r.bytes_moved = losses[-1], losses[-1], bytes_[-1]
+    return r
+
+
+def test_the_language_models_runs_are_judged_by_validation_loss(tmp_path):
+    sync = _loss_rec("sync", [4.3, 2.6, 2.0], [0, 500, 1000])
+    diloco = _loss_rec("diloco", [4.3, 2.07, 2.05], [0, 5, 10])  # 2.07 <= 1.04 x 2.0
+    slow = _loss_rec("agn", [4.3, 3.0, 2.5], [0, 50, 100])
+    records = [sync, diloco, slow]
+    assign_temporal_efficiency(records)
+    assign_targets(records)
+    assert sync.target_loss == diloco.target_loss == pytest.approx(2.08)
+    assert sync.target_acc is None and sync.target == pytest.approx(2.08)
+    assert (diloco.time_to_target_s, diloco.bytes_to_target) == (2.0, 5)  # first, not last
+    assert (sync.time_to_target_s, sync.bytes_to_target) == (4.0, 1000)
+    assert slow.time_to_target_s is None
+    # lower loss sooner than sync: E > 1 (the reference's area over the run's)
+    assert sync.temporal_efficiency == pytest.approx(1.0)
+    assert diloco.temporal_efficiency > 1.0 > slow.temporal_efficiency
+    rows = summarize(records)
+    row = {r["algorithm"]: r for r in rows}["diloco"]
+    assert row["metric"] == "loss" and row["val_loss"] == 2.05
+    assert row["val_bpc"] == pytest.approx(2.05 / math.log(2))
+    assert row["val_perplexity"] == pytest.approx(math.exp(2.05))
+    buf = io.StringIO()
+    render_table(rows, buf)
+    text = buf.getvalue()
+    assert "val loss (nats)" in text and "bits per char" in text and "perplexity" in text
+    header = next(line for line in text.splitlines() if line.startswith("| algorithm"))
+    assert "val acc" not in header and " 2.050 |" in text and " 7.77 |" in text
+    assert "val loss <= 1.04 x the final val loss of sync with the same n (2.080" in text
+    doc = write_results(tmp_path / "r.json", records, {})
+    assert doc["metric"] == "loss" and "lower loss sooner" in doc["temporal_efficiency_definition"]
+    run = doc["runs"][1]
+    assert run["metric"] == "loss" and run["target_loss"] == pytest.approx(2.08)
+    assert run["val_bpc"] == pytest.approx(2.05 / math.log(2))
+    assert run["val_perplexity"] == pytest.approx(math.exp(2.05))
+    assign_targets(records, 2.3)  # --target-loss
+    assert slow.target_loss == 2.3 and slow.time_to_target_s is None
+    assert diloco.target_reference is None and diloco.time_to_target_s == 2.0
+
+
+def test_the_language_models_plots_are_loss_against_time_bytes_and_tokens(tmp_path):
+    records = [
+        _loss_rec("sync", [4.3, 2.6, 2.0], [0, 500, 1000]),
+        _loss_rec("diloco", [4.3, 2.4, 2.1], [0, 5, 10]),
+        _loss_rec("agn", [4.3, 3.0, 2.5], [0, 50, 100]),
+    ]
+    assert loss_range(records, 3.3) == pytest.approx((2.0 - 0.04 * 1.564, 3.564))
+    paths = plot_runs(records, tmp_path, "shakespeare", ("unigram", 3.3))
+    names = ["loss_vs_time.png", "loss_vs_bytes.png", "loss_vs_tokens.png"]
+    assert paths == [str(tmp_path / n) for n in names]
+    for path in paths:
+        width, height = _png_size(Path(path))
+        assert 800 <= width <= 1100 and 400 <= height <= 700
+
+
+def test_one_run_is_not_compared_with_itself():
+    # distoptim train: one run; its reference would be itself
+    one = [_rec("sync", 0.9)]
+    assign_temporal_efficiency(one)
+    assert one[0].temporal_efficiency is None
+    buf = io.StringIO()
+    render_table(summarize(one), buf)
+    text = buf.getvalue()
+    header = next(line for line in text.splitlines() if line.startswith("| algorithm"))
+    assert "1.00" not in text and "temporal" not in header
+    assert "temporal eff" not in text  # neither a column nor a line under the table
 
 
 def _curve(algo, points, **cfg):

@@ -4,7 +4,8 @@ One spawned 2-rank group runs every format (SUM all-reduce, two-phase mean, gath
 with and without error feedback, for many rounds; the parent checks: the same result on both
 ranks, bit for bit the reference's mean (residuals included, round after round), the bytes each
 rank sent, error feedback keeping the summed error bounded, a settled mean restored from its
-slot finishing as the original, and finite means of finite inputs above FLT_MAX / n.
+slot finishing as the original, finite means of finite inputs above FLT_MAX / n, and the mean
+dividing by the channel's contributors (a member that takes part without contributing).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from distoptim.comm.averaging import Mean
+from distoptim.comm.channel import GroupChannel
 from distoptim.comm.stats import CommStats
 from distoptim.comm.wire import parse_wire
 from distoptim.launch import spawn
@@ -41,7 +43,7 @@ def _once(mean: Mean, x: torch.Tensor, buffers) -> torch.Tensor:
 
 def _rounds(wire: str, error_feedback: bool) -> dict:
     stats = CommStats()
-    mean = parse_wire(wire).mean(None, 2, stats, error_feedback)
+    mean = parse_wire(wire).mean(GroupChannel(None, 2), stats, error_feedback)
     x = _inputs(torch.distributed.get_rank())
     buffers = mean.buffers(x.clone(), keep_payload=False)
     outs = [_once(mean, x, buffers) for _ in range(ROUNDS)]
@@ -56,7 +58,7 @@ def _rounds(wire: str, error_feedback: bool) -> dict:
 def _settled_then_restored(wire: str) -> bool:
     """A launched mean settled into its slot (as a checkpoint would hold it) and restored from
     a copy of that slot finishes bit-identically, residuals included."""
-    mean = parse_wire(wire).mean(None, 2, CommStats(), True)
+    mean = parse_wire(wire).mean(GroupChannel(None, 2), CommStats(), True)
     x = _inputs(torch.distributed.get_rank())
     direct_buffers = mean.buffers(x.clone(), keep_payload=True)
     direct = _once(mean, x, direct_buffers)
@@ -77,14 +79,34 @@ def _settled_then_restored(wire: str) -> bool:
 
 def _huge(wire: str) -> torch.Tensor:
     """The mean of ±0.75 FLT_MAX in float32 on both ranks."""
-    mean = parse_wire(wire).mean(None, 2, CommStats(), True)
+    mean = parse_wire(wire).mean(GroupChannel(None, 2), CommStats(), True)
     x = torch.full((NUMEL,), HUGE, dtype=torch.float32)
     x[1::2] *= -1
     return _once(mean, x, mean.buffers(x.clone(), keep_payload=False))
 
 
+class _FirstOnly(GroupChannel):
+    """The default group, in which only rank 0's payload counts (rank 1 sends zeros)."""
+
+    @property
+    def contributors(self) -> int:
+        return 1
+
+
+def _contributors(wire: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """One mean over a channel of 2 members with 1 contributor, and over the plain channel."""
+    x = _inputs(0) if torch.distributed.get_rank() == 0 else torch.zeros(NUMEL, dtype=torch.float64)
+    outs = []
+    for channel in (_FirstOnly(None, 2), GroupChannel(None, 2)):
+        mean = parse_wire(wire).mean(channel, CommStats(), False)
+        outs.append(_once(mean, x, mean.buffers(x.clone(), keep_payload=False)))
+    return outs[0], outs[1]
+
+
 def _two_ranks(rank: int, world: int) -> dict:
     out: dict = {}
+    for wire in ("fp32", "int8", "topk:0.1"):
+        out["contributors", wire] = _contributors(wire)
     for wire in WIRES:
         out[wire, True] = _rounds(wire, True)
         if wire in LOSSY:
@@ -174,6 +196,17 @@ def test_topk_at_density_one_is_the_lossless_mean_bit_for_bit(two_ranks):
 @pytest.mark.parametrize("wire", WIRES)
 def test_a_settled_mean_restored_from_its_slot_finishes_identically(two_ranks, wire):
     assert two_ranks[0]["restored", wire] and two_ranks[1]["restored", wire]
+
+
+@pytest.mark.parametrize("wire", ["fp32", "int8", "topk:0.1"])
+def test_the_mean_divides_by_the_channels_contributors(two_ranks, wire):
+    one, plain = two_ranks[0]["contributors", wire]
+    assert torch.equal(one, two_ranks[1]["contributors", wire][0])
+    # rank 1 sent zeros: over one contributor the mean is twice the mean over two, exactly
+    # (every encoding scales by powers of two), and for fp32 rank 0's payload itself
+    assert torch.equal(one, 2 * plain)
+    if wire == "fp32":
+        assert torch.equal(one, _inputs(0))
 
 
 @pytest.mark.parametrize("wire", WIRES)

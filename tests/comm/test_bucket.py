@@ -57,6 +57,21 @@ def test_pack_zero_fills_missing_grads_and_never_writes_the_inputs() -> None:
     assert bucket.views(persistent) is bucket.views(persistent)
 
 
+def test_pack_densifies_sparse_grads_and_names_a_wrong_shape() -> None:
+    params = [torch.zeros(4, 2, requires_grad=True), torch.zeros(3, requires_grad=True)]
+    plan = BucketPlan(params, cap_bytes=1 << 20)
+    (bucket,) = plan.buckets
+    sparse = torch.sparse_coo_tensor([[1, 3]], torch.ones(2, 2), (4, 2), check_invariants=True)
+    buf = bucket.new_buffer()
+    bucket.pack(buf, [None, sparse])
+    assert torch.equal(bucket.views(buf)[1], sparse.to_dense())
+    bad = torch.zeros(5)
+    with pytest.raises(ValueError, match=r"parameter 1 .* has shape \(5,\), but .* \(3,\)"):
+        bucket.pack(buf, [bad, None])
+    with pytest.raises(ValueError, match=r"has shape \(1,\)"):  # not even broadcast
+        bucket.pack(buf, [torch.zeros(1), None])
+
+
 def test_wire_format_parses_and_only_narrows_wide_floats() -> None:
     assert WireFormat.parse(None).dtype is None
     fp16 = WireFormat.parse("FP16")

@@ -7,6 +7,8 @@ they matter. The multi-rank behaviour is in ``tests/test_desync.py``.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -118,6 +120,56 @@ def test_verdicts_are_deterministic_in_the_table() -> None:
         assert "no update was applied" in str(info.value)
 
 
+def test_every_flag_and_the_hyperparameter_word_survive_the_sum() -> None:
+    rows = [
+        _words(hyper=(1 << 32) - 1, uncounted=True, passes=0, local_edit=True),
+        _words(kind=RoundKind.STATE, foreign=True, replanned=True, hyper=0),
+        _words(kind=RoundKind.SYNC, edited=True, hyper=12345),
+        _words(kind=RoundKind.SLOTS),
+    ]
+    assert _reduce(rows, torch.bfloat16, None) == rows
+
+
+def test_an_uncounted_pass_agrees_with_any_count_of_one_or_more() -> None:
+    unseen = _words(passes=0, uncounted=True)
+    assert not check_round([unseen, _words(passes=1)], [0, 1]).repeat
+    assert not check_round([unseen, _words(passes=2), _words(passes=2)], [0, 1, 2]).repeat
+    assert not check_round([unseen, unseen], [0, 1]).repeat
+    for other in (_words(passes=0), [_words(passes=1), _words(passes=2)]):
+        others = other if isinstance(other, list) else [other]
+        with pytest.raises(DesyncError, match="backward passes since the last step"):
+            check_round([unseen, *others], list(range(1 + len(others))))
+
+
+def test_different_hyperparameters_are_a_desync_naming_the_sides() -> None:
+    with pytest.raises(DesyncError, match=r"ranks \[3, 7\] / ranks \[5\]") as info:
+        check_round(
+            [_words(hyper=1), _words(hyper=2), _words(hyper=1)],
+            [3, 5, 7],
+            explain_hyperparameters=lambda: "group 0: lr: rank 3 0.1, rank 5 0.2",
+        )
+    assert not isinstance(info.value, ParameterMismatchError)
+    assert "LR scheduler stepped on some ranks only" in str(info.value)
+    assert str(info.value).endswith("group 0: lr: rank 3 0.1, rank 5 0.2")
+
+
+def test_collective_calls_on_some_ranks_are_named() -> None:
+    cases = [
+        (RoundKind.STATE, "state_dict() called on rank(s) [1] only while the others are in step()"),
+        (RoundKind.SLOTS, "get_slot()/get_slot_names()/variables() called on rank(s) [1] only"),
+        (RoundKind.FINISH, "finish() called on rank(s) [1] only"),
+        (RoundKind.SYNC, "synchronize() called on rank(s) [1] only"),
+    ]
+    for kind, text in cases:
+        with pytest.raises(DesyncError, match=re.escape(text)):
+            check_round([_words(), _words(kind=kind)], [0, 1])
+
+
+def test_informative_marks_name_their_ranks_without_a_repeat() -> None:
+    v = check_round([_words(local_edit=True), _words(foreign=True), _words()], [4, 5, 6])
+    assert not v.repeat and v.local_edits == (4,) and v.foreign == (5,)
+
+
 def test_plan_word_is_48_bits_of_the_digest() -> None:
     assert plan_word(bytes(range(32))) == int.from_bytes(bytes(range(6)), "little")
     assert plan_word(b"\xff" * 32) == (1 << 48) - 1
@@ -183,6 +235,38 @@ def test_pass_counter_counts_passes_not_gradients() -> None:
     counter.unwatch()
     model(x).sum().backward()
     assert counter.completed == 1
+
+
+def test_pass_counter_stamps_edits_after_backward_and_rewrites_during_it() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(3)])
+    params = list(model.parameters())
+    counter = PassCounter()
+    counter.watch(sentinels(params))
+    x = torch.randn(3, 4)
+    model(x).sum().backward()
+    assert counter.completed == 1 and not counter.foreign
+    assert not counter.edited_since_pass()
+    nn.utils.clip_grad_norm_(params, 1e-3)  # edits every gradient in place
+    assert counter.edited_since_pass()
+    counter.reset()
+    assert not counter.edited_since_pass()  # nothing counted since
+
+    # a hook that rewrites .grad during backward, after autograd accumulated it (as DDP's
+    # reducer does at finalize_backward): foreign
+    def rewrite() -> None:
+        for p in params:
+            p.grad.mul_(0.5)
+
+    handle = params[0].register_post_accumulate_grad_hook(
+        lambda p: torch.autograd.Variable._execution_engine.queue_callback(rewrite)
+    )
+    model(x).sum().backward()
+    assert counter.foreign and not counter.edited_since_pass()
+    handle.remove()
+    counter.reset()
+    model(x).sum().backward()
+    assert not counter.foreign
 
 
 def test_overlap_holds_the_last_bucket_for_step() -> None:

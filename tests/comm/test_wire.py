@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from distoptim.comm.averaging import SumMean
+from distoptim.comm.channel import GroupChannel
 from distoptim.comm.compression import WireFormat
 from distoptim.comm.gather import GatheredMean
 from distoptim.comm.quantize import QuantizedMean
@@ -70,9 +71,9 @@ def test_each_format_builds_the_scheme_it_declares():
     schemes = {"all-reduce": SumMean, "two-phase": QuantizedMean, "gather": GatheredMean}
     for spec in (*NAMES, "topk:0.1", "topk:0.1+int2"):
         fmt = parse_wire(spec)
-        assert isinstance(fmt.mean(None, 2, stats, True), schemes[fmt.scheme])
+        assert isinstance(fmt.mean(GroupChannel(None, 2), stats, True), schemes[fmt.scheme])
         # a group of one: nothing travels and nothing is encoded, whatever the format
-        assert isinstance(fmt.mean(None, 1, stats, True), SumMean)
+        assert isinstance(fmt.mean(GroupChannel(None, 1), stats, True), SumMean)
 
 
 def test_the_casts_that_ride_a_plain_all_reduce():

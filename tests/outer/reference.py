@@ -118,11 +118,14 @@ def run(
 
 
 def simulate(
-    cfg: Config, world: int, ranks: list[int] | None = None
+    cfg: Config, world: int, ranks: list[int] | None = None, finish: bool = False
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """The reference: ``(final local parameters of each replica, final global copy)``, flat.
 
-    The replicas are ``ranks`` (default: all ``world``), each reading its rank's data.
+    The replicas are ``ranks`` (default: all ``world``), each reading its rank's data. With
+    ``finish`` the run ends as ``finish()`` ends it: the sync in flight is applied now, then
+    every fragment whose local values are not its global copy (no sync applied at the last
+    step with ``alpha = 0``) syncs once more, its local values set to the new global values.
     """
     x, y = data(world)
     ranks = list(range(world)) if ranks is None else ranks
@@ -141,8 +144,12 @@ def simulate(
     lossy = cfg.outer is not None and cfg.wire.lower() != "fp32" and replicas > 1
     wires = [Mean(cfg.wire, replicas, cfg.error_feedback) for _ in frags] if lossy else []
 
-    def apply(p: int, mean: list[torch.Tensor]) -> None:
+    synced_at = [0] * len(frags)  # the step at which each fragment's local values were global
+
+    def apply(p: int, mean: list[torch.Tensor], t: int, alpha: float = cfg.alpha) -> None:
         lo, hi = frags[p]
+        if alpha == 0:
+            synced_at[p] = t
         if outer is None:  # LocalSGD: the average of the replicas
             for i in range(lo, hi):
                 avg = torch.stack([list(m.parameters())[i].detach() for m in models]).mean(0)
@@ -156,7 +163,20 @@ def simulate(
             ps = list(m.parameters())
             with torch.no_grad():
                 for i in range(lo, hi):
-                    ps[i].copy_(cfg.alpha * ps[i] + (1 - cfg.alpha) * gparams[i])
+                    ps[i].copy_(alpha * ps[i] + (1 - alpha) * gparams[i])
+
+    def pseudo_gradient_mean(p: int) -> list[torch.Tensor]:
+        lo, hi = frags[p]
+        deltas = [
+            [gparams[i].detach() - list(m.parameters())[i].detach() for m in models]
+            for i in range(lo, hi)
+        ]
+        if not lossy:
+            return [torch.stack(d).mean(0) for d in deltas]
+        # the fragment flattened, as its one bucket travels
+        flat_mean = wires[p]([flat(d[r] for d in deltas) for r in range(replicas)])
+        sizes = [gparams[i].numel() for i in range(lo, hi)]
+        return [v.view_as(gparams[i]) for i, v in zip(range(lo, hi), flat_mean.split(sizes))]
 
     for t in range(1, cfg.steps + 1):
         for r, (m, inner) in enumerate(zip(models, inners)):
@@ -164,25 +184,18 @@ def simulate(
             loss_of(m, x[r, t - 1], y[r, t - 1]).backward()
             inner.step()
         if pending is not None and pending[1] + cfg.delay == t:
-            apply(pending[0], pending[2])
+            apply(pending[0], pending[2], t)
             pending = None
         if t % period == 0:
             p = (t // period - 1) % cfg.fragments
-            lo, hi = frags[p]
-            deltas = [
-                [gparams[i].detach() - list(m.parameters())[i].detach() for m in models]
-                for i in range(lo, hi)
-            ]
-            if lossy:  # the fragment flattened, as its one bucket travels
-                flat_mean = wires[p]([flat(d[r] for d in deltas) for r in range(replicas)])
-                sizes = [gparams[i].numel() for i in range(lo, hi)]
-                mean = [
-                    v.view_as(gparams[i]) for i, v in zip(range(lo, hi), flat_mean.split(sizes))
-                ]
-            else:
-                mean = [torch.stack(d).mean(0) for d in deltas]
-            pending = (p, t, mean)
+            pending = (p, t, pseudo_gradient_mean(p))
             if cfg.delay == 0:
-                apply(p, mean)
+                apply(p, pending[2], t)
                 pending = None
+    if finish:
+        if pending is not None:
+            apply(pending[0], pending[2], cfg.steps)
+        for p in range(len(frags)):
+            if synced_at[p] != cfg.steps:
+                apply(p, pseudo_gradient_mean(p), cfg.steps, alpha=0.0)
     return [flat(m.parameters()) for m in models], flat(gparams)

@@ -4,7 +4,8 @@ One 2-rank spawn runs every 2-replica check (the exact replays, every wire forma
 registry replayed against the reference with its own averaging math, ``topk:1.0`` against
 ``fp32`` bit for bit, error feedback over 50 syncs, checkpoints with a sync in flight -- and
 residuals -- through torch.save for every format and torch.distributed.checkpoint, finite
-syncs of huge pseudo-gradients, the agreement check); one 4-rank spawn (slow) runs subgroups
+syncs of huge pseudo-gradients, the agreement check, a fragment exchange moved to other
+channels); one 4-rank spawn (slow) runs subgroups
 and 4-way lossy means. The parent compares against :mod:`tests.outer.reference`.
 """
 
@@ -20,10 +21,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from distoptim import DiLoCo
-from distoptim.comm.guard import CHUNKS, DesyncError
+from distoptim.comm.channel import GroupChannel
+from distoptim.comm.guard import DesyncError
 from distoptim.comm.stats import CommStats, ring_allreduce_bytes
 from distoptim.comm.wire import parse_wire
 from distoptim.launch import spawn
+from distoptim.outer.agreement import HEADER_BYTES
+from distoptim.outer.exchange import FragmentExchange
 from tests.comm import reference as wire_ref
 from tests.outer import reference as ref
 from tests.outer.reference import Config
@@ -142,8 +146,35 @@ def _formats(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def _rebind(rank: int) -> dict[str, bool]:
+    """FragmentExchange.rebind: a channel of the same size and rank keeps the scheme and its
+    residuals; another size rebuilds them (residuals from zero) for the new layout."""
+    local = [torch.randn(300, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))]
+    global_ = [torch.zeros(300, dtype=torch.float64)]
+    ex = FragmentExchange(
+        local, global_, parse_wire("int8"), GroupChannel(None, 2), CommStats(), True, 1 << 20, False
+    )
+
+    def sync() -> torch.Tensor:
+        ex.form()
+        return ex.finish(ex.launch())[0]
+
+    first = sync().clone()
+    residual = ex.residuals[0]["local"]
+    out = {"kept": not ex.rebind(GroupChannel(None, 2)) and ex.residuals[0]["local"] is residual}
+    alone, _ = dist.new_subgroups_by_enumeration([[0], [1]])
+    out["alone"] = ex.rebind(GroupChannel(alone, 1)) and ex.residuals == []
+    out["own"] = torch.equal(sync(), global_[0] - local[0])  # Δ itself
+    out["back"] = ex.rebind(GroupChannel(None, 2)) and all(
+        not r.any() for r in ex.residuals[0].values()
+    )
+    out["fresh"] = torch.equal(sync(), first)  # zero residuals, as at first
+    return out
+
+
 def _two_ranks(rank: int, world: int, ckpt_dir: str) -> dict[str, Any]:
     out: dict[str, Any] = {name: _run(cfg, rank, world) for name, cfg in EXACT.items()}
+    out["rebind"] = _rebind(rank)
     for wire in ("fp32", "bf16", "int8"):
         out["first", wire] = _run(_with(FIRST_SYNC, wire=wire), rank, world)
         for ef in (True, False) if wire != "fp32" else (True,):
@@ -192,6 +223,13 @@ def test_two_replicas_match_reference(two_ranks, name):
     assert torch.equal(two_ranks[0][name]["global"], two_ranks[1][name]["global"])
 
 
+def test_a_fragment_exchange_moves_to_another_channel(two_ranks):
+    for rank in range(2):
+        assert two_ranks[rank]["rebind"] == dict.fromkeys(
+            ("kept", "alone", "own", "back", "fresh"), True
+        )
+
+
 def test_localsgd_is_the_parameter_average(two_ranks):
     # at a sync step every replica holds the mean of the replicas' parameters
     cfg = Config(outer=None, sync_every=1000, steps=6)  # the same steps, never synced
@@ -203,8 +241,8 @@ def test_localsgd_is_the_parameter_average(two_ranks):
 def test_fp32_bytes_are_one_ring_all_reduce_per_sync(two_ranks):
     got = two_ranks[0]["diloco_sgd"]
     syncs = EXACT["diloco_sgd"].steps // EXACT["diloco_sgd"].sync_every
-    header = CHUNKS + 16  # sequence words and two float64 sums, to the one peer
-    assert got["bytes"] == syncs * (ring_allreduce_bytes(NUMEL * 8, 2) + header)
+    # each sync's header (words, fingerprints and two float64 sums) goes to the one peer
+    assert got["bytes"] == syncs * (ring_allreduce_bytes(NUMEL * 8, 2) + HEADER_BYTES)
     assert got["collectives"] == 2 * syncs  # each sync: its header, then the all-reduce
 
 
@@ -309,8 +347,9 @@ def test_huge_finite_pseudo_gradients_give_a_finite_global_copy(two_ranks, wire)
 @pytest.mark.parametrize(
     ("case", "says"),
     [
-        ("mismatch_options", "ParameterMismatchError: DiLoCo: ranks disagree on the parameter"),
-        ("mismatch_steps", "DesyncError: DiLoCo: ranks are out of step"),
+        ("mismatch_options", "ParameterMismatchError: DiLoCo: replicas disagree on the"),
+        ("mismatch_options", "options: sync_every: rank 0 2, rank 1 4"),
+        ("mismatch_steps", "DesyncError: DiLoCo: replicas are out of step -- step counters"),
         ("mismatch_weights", "ParameterMismatchError: DiLoCo: replicas hold different global"),
     ],
 )
@@ -335,7 +374,7 @@ def _four_ranks(rank: int, world: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(1000, generator=g, dtype=torch.float64)
     for wire in ("int8", "topk:0.1+int2"):
-        mean = parse_wire(wire).mean(None, world, CommStats(), True)
+        mean = parse_wire(wire).mean(GroupChannel(None, world), CommStats(), True)
         buffers = mean.buffers(x.clone(), keep_payload=False)
         payload = x.clone()
         mean.finish(mean.launch(payload, buffers), payload, buffers)

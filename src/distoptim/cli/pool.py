@@ -30,12 +30,19 @@ grace period (``grace``, ending early once every task has answered) and raises
 a peer's consequence), the other failures listed after it. A process that dies, or a run that
 passes its deadline, ends the whole pool: every process is killed (``SIGKILL``, by the ids they
 reported) and :class:`PoolBrokenError` / :class:`~distoptim.launch.ProcessTimeoutError` is
-raised; the caller starts a new pool for the next run. Pool processes ignore ``SIGINT`` and
-``SIGTERM``: the parent decides (it stops them, after keeping what they reported); they still
-die with the parent (``distoptim.launch.run_processes``).
+raised; the caller starts a new pool for the next run.
 
-The processes are started by :func:`distoptim.launch.run_processes` in a background thread, so
-they die with the parent and none outlives the pool.
+Signals. Pool processes ignore ``SIGINT``, ``SIGTERM`` and ``SIGHUP`` -- a Ctrl-C or a closed
+terminal reaches the whole process group -- and start with them blocked, so that one arriving
+while a process is still starting does not kill it mid-import either: the parent decides (it
+stops them, after keeping what they reported); they still die with the parent.
+
+Starting. The processes belong to a :class:`~distoptim.launch.ProcessSupervisor` the pool
+holds (they die with the parent; none outlives the pool), watched by a background thread. A
+process starts with only what cannot travel later (``inherit``: multiprocessing queues and
+locks); the rest of the context goes down its pipe once it is ready. So starting a process
+never waits for it to read a large context, the processes import torch side by side, and
+:meth:`ProcessPool.kill` can stop every one of them at any moment, start-up included.
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -58,15 +65,16 @@ import numpy as np
 import torch
 
 from distoptim.checks import check_int
+from distoptim.cli.stopping import STOP_SIGNALS, signals_held
 from distoptim.launch import (
     DEFAULT_GRACE,
     ProcessOutcome,
+    ProcessSupervisor,
     ProcessTimeoutError,
     RankFailedError,
     from_bytes,
     is_peer_failure,
     root_cause,
-    run_processes,
     to_bytes,
 )
 
@@ -142,11 +150,16 @@ def _run_task(task: Task, context: Any) -> _Reply:
         os.environ.update(before)
 
 
-def _serve(conn: Connection, context: Any) -> None:
-    """A pool process: announce itself, then run tasks until told to stop (None) or EOF."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
+def _serve(conn: Connection, inherited: tuple[Any, ...] | None) -> None:
+    """A pool process: announce itself, take the context, then run tasks until told to stop
+    (None) or EOF. ``inherited``: the context's ``inherit`` entries (None elsewhere)."""
+    for sig in STOP_SIGNALS:  # ignored first: one that arrived while blocked is discarded
         signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     conn.send(("ready", os.getpid()))
+    context = conn.recv()
+    if inherited is not None:
+        context = tuple(i if i is not None else c for i, c in zip(inherited, context))
     while True:
         try:
             task = conn.recv()
@@ -164,20 +177,42 @@ class ProcessPool:
     """``size`` long-lived processes; :meth:`run` gives one task to each of the first ``k``.
 
     ``context`` (picklable, e.g. the dataset and a progress queue) is sent once, at start, and
-    is every task's first argument. ``lifetime`` bounds how long the pool may exist at all (a
-    backstop; each :meth:`run` has its own deadline). :meth:`start` it; end it with
-    :meth:`close` (normal) or :meth:`kill`.
+    is every task's first argument. ``inherit``: the positions of a tuple ``context`` that hold
+    multiprocessing queues or locks (they can only be handed over when a process starts; the
+    rest follows once it is ready). ``env``: variables the processes have from their first
+    instruction (read by libraries as they load, e.g. ``TORCH_CPP_LOG_LEVEL``). ``lifetime``
+    bounds how long the pool may exist at all (a backstop; each :meth:`run` has its own
+    deadline). :meth:`start` it; end it with :meth:`close` (normal) or :meth:`kill`.
     """
 
-    def __init__(self, size: int, context: Any = None, *, lifetime: float = 86_400.0) -> None:
+    def __init__(
+        self,
+        size: int,
+        context: Any = None,
+        *,
+        lifetime: float = 86_400.0,
+        inherit: Sequence[int] = (),
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         self.size = check_int("pool size", size, 1)
+        inherit = sorted({check_int("inherit", i, 0) for i in inherit})
+        if inherit and not (isinstance(context, tuple) and inherit[-1] < len(context)):
+            raise ValueError(
+                f"inherit {inherit} names positions of a tuple context; got "
+                f"{type(context).__name__}"
+                + (f" of {len(context)}" if isinstance(context, tuple) else "")
+            )
         self._context = context
+        self._inherit = inherit
+        self._env = dict(env or {})
         self._lifetime = lifetime
+        self._sup: ProcessSupervisor | None = None
         self._conns: list[Connection] = []
         self._pids: list[int] = []
-        self._pidfds: list[int] = []
         self._thread: threading.Thread | None = None
         self._broken: str | None = None
+        self.failure: BaseException | None = None
+        """Why the pool's processes ended, when one died or failed (else None)."""
         self.startup_s: float | None = None
         """Seconds :meth:`start` took (processes started and torch imported)."""
 
@@ -186,58 +221,82 @@ class ProcessPool:
         return self._thread is not None and self._broken is None
 
     def start(self) -> float:
-        """Start the processes and wait until every one is ready; returns the seconds taken."""
+        """Start the processes and wait until every one is ready; returns the seconds taken.
+
+        Interruptible at any point (Ctrl-C, SIGTERM): every process started so far is killed
+        before the exception leaves. A process that fails while starting raises
+        :class:`PoolBrokenError` (``failure``: what its supervisor raised)."""
         t0 = time.monotonic()
         ctx = mp.get_context("spawn")
         pairs = [ctx.Pipe(duplex=True) for _ in range(self.size)]
         self._conns = [parent for parent, _ in pairs]
         children = [child for _, child in pairs]
-
-        def _host() -> None:
-            try:
-                run_processes(
-                    _serve,
-                    [(child, self._context) for child in children],
-                    timeout=self._lifetime,
-                    names=[f"pool process {i}" for i in range(self.size)],
-                    num_threads=1,
-                )
-            except BaseException as exc:  # a death, or the lifetime passed: the pool is over
-                self._broken = self._broken or f"{type(exc).__name__}: {exc}".splitlines()[0]
-            else:
-                self._broken = self._broken or "the pool was closed"
-
-        self._thread = threading.Thread(target=_host, name="distoptim-pool", daemon=True)
-        self._thread.start()
+        sent, inherited = self._context, None
+        if self._inherit:
+            inherited = tuple(c if i in self._inherit else None for i, c in enumerate(sent))
+            sent = tuple(None if i in self._inherit else c for i, c in enumerate(sent))
+        self._sup = ProcessSupervisor(timeout=self._lifetime, num_threads=1)
         try:
-            pending = dict(enumerate(self._conns))
-            pids: dict[int, int] = {}
-            deadline = time.monotonic() + _READY_TIMEOUT
-            while pending:
-                left = deadline - time.monotonic()
-                if left <= 0 or self._broken is not None:
-                    raise PoolBrokenError(
-                        f"the pool's processes did not start within {_READY_TIMEOUT:g}s"
-                        if self._broken is None
-                        else f"a pool process failed while starting: {self._broken}"
-                    )
-                for conn in wait(list(pending.values()), timeout=min(left, 1.0)):
-                    i = next(k for k, c in pending.items() if c is conn)
-                    _, pid = conn.recv()
-                    pids[i] = pid
-                    del pending[i]
-            self._pids = [pids[i] for i in range(self.size)]
-            # a pidfd names the process itself, not its number: signalling it can never hit
-            # another process that got the same pid after ours was reaped
-            self._pidfds = [os.pidfd_open(pid) for pid in self._pids]
+            # the mask is inherited by the children (see _serve); the handlers wait, so that
+            # a stop never falls between starting a process and writing what it must read
+            with _blocked(STOP_SIGNALS), signals_held() as held:
+                for i, child in enumerate(children):
+                    name = f"pool process {i}"
+                    self._sup.add(_serve, (child, inherited), name=name, env=self._env)
+            held.deliver()
+            for child in children:  # the children hold their ends now: EOF means death
+                child.close()
+            self._thread = threading.Thread(target=self._host, name="distoptim-pool", daemon=True)
+            self._thread.start()
+            self._pids = self._await_ready(sent)
         except BaseException:
             self.kill()
             raise
         finally:
-            for child in children:  # the children hold their ends now: EOF means death
+            for child in children:
                 child.close()
         self.startup_s = time.monotonic() - t0
         return self.startup_s
+
+    def _host(self) -> None:
+        """The background thread: the supervisor watches the processes until they end."""
+        assert self._sup is not None
+        try:
+            self._sup.run()
+        except BaseException as exc:  # a death, or the lifetime passed: the pool is over
+            self.failure = exc
+            self._broken = self._broken or f"{type(exc).__name__}: {exc}".splitlines()[0]
+        else:
+            self._broken = self._broken or "the pool was closed"
+
+    def _await_ready(self, context: Any) -> list[int]:
+        """Wait for each process's ``ready``, send it the context; their pids in order."""
+        pending = dict(enumerate(self._conns))
+        pids: dict[int, int] = {}
+        deadline = time.monotonic() + _READY_TIMEOUT
+        while pending:
+            left = deadline - time.monotonic()
+            if self._broken is not None:
+                raise PoolBrokenError(
+                    f"a pool process failed while starting: {self._broken}"
+                ) from self.failure
+            if left <= 0:
+                raise PoolBrokenError(
+                    f"the pool's processes did not start within {_READY_TIMEOUT:g}s"
+                )
+            for conn in wait(list(pending.values()), timeout=min(left, 1.0)):
+                i = next(k for k, c in pending.items() if c is conn)
+                try:
+                    _, pids[i] = conn.recv()
+                    conn.send(context)
+                except (EOFError, OSError):  # it died: the supervisor says why (next turn)
+                    assert self._thread is not None
+                    self._thread.join(timeout=_READY_TIMEOUT)
+                    raise PoolBrokenError(
+                        f"a pool process failed while starting: {self._broken or 'it died'}"
+                    ) from self.failure
+                del pending[i]
+        return [pids[i] for i in range(self.size)]
 
     def run(
         self,
@@ -329,6 +388,7 @@ class ProcessPool:
     def close(self) -> None:
         """Stop the processes normally (each finishes its loop) and wait for them."""
         if self._thread is None:
+            self.kill()
             return
         for conn in self._conns:
             with contextlib.suppress(OSError, ValueError):
@@ -339,11 +399,10 @@ class ProcessPool:
         self._finish()
 
     def kill(self) -> None:
-        """Kill every process at once (SIGKILL, through a pidfd of each) and wait for them."""
+        """Kill every process at once (SIGKILL), started or still starting, and reap them."""
         self._broken = self._broken or "the pool was stopped"
-        for fd in self._pidfds:
-            with contextlib.suppress(ProcessLookupError, OSError):
-                signal.pidfd_send_signal(fd, signal.SIGKILL)
+        if self._sup is not None:
+            self._sup.close(grace=0.0)
         if self._thread is not None:
             self._thread.join(timeout=30.0)
         self._finish()
@@ -352,6 +411,15 @@ class ProcessPool:
         self._broken = self._broken or "the pool was closed"
         for conn in self._conns:
             conn.close()
-        for fd in self._pidfds:
-            os.close(fd)
-        self._conns, self._pids, self._pidfds = [], [], []
+        self._conns, self._pids = [], []
+
+
+@contextlib.contextmanager
+def _blocked(signals: Sequence[signal.Signals]) -> Iterator[None]:
+    """``signals`` blocked in this thread while inside (a process started meanwhile starts
+    with them blocked); one that arrives meanwhile is delivered when the block ends."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)

@@ -292,7 +292,8 @@ class ProgressDisplay:
             yield self
         finally:
             if self._progress is not None:
-                self._progress.stop()
+                with contextlib.suppress(OSError, ValueError):  # a closed terminal (SIGHUP)
+                    self._progress.stop()
                 self._progress = None
 
     def run(self, index: int, label: str, total: int) -> RunProgress:
@@ -319,7 +320,7 @@ class ProgressDisplay:
 
     # -- called from RunProgress (drain thread or main thread) ---------------------------
     def _print(self, text: str) -> None:
-        with self._lock:
+        with self._lock, contextlib.suppress(OSError, ValueError):  # a closed terminal
             print(text, file=self.stream, flush=True)
 
     def _detach(self, run: RunProgress) -> None:

@@ -6,6 +6,11 @@ how it is made from what the processes return -- the history from their progress
 process group (sync) or of the parameter servers (async) -- and the record of a run that did
 not finish (:func:`partial_record`).
 
+For the language model (``--model gpt``) ``val_acc``/``train_acc`` are next-character
+accuracies, ``val_loss``/``train_loss`` losses in nats per character on the fixed subsets of
+:mod:`distoptim.cli.lm` (:meth:`RunRecord.to_dict` adds bits per character and perplexity), and
+``samples`` count tokens (the workload's unit).
+
 What is measured: wall time from the moment all workers are ready (process start-up excluded)
 until the last one finishes; validation accuracy during training, evaluated by one worker
 (sync: rank 0, whose parameters every rank shares; async: the chief, on the center variables
@@ -29,6 +34,7 @@ as sync's evaluation on rank 0 moves nothing either.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -37,8 +43,10 @@ import torch
 
 from distoptim.cli import algorithms
 from distoptim.cli.datasets import Dataset
-from distoptim.cli.model import build_model, evaluate, load_parameters
+from distoptim.cli.metrics import LOSS, metric_of
+from distoptim.cli.model import load_parameters
 from distoptim.cli.runconfig import RunConfig
+from distoptim.cli.workloads import Workload, as_workload
 
 __all__ = [
     "RunRecord",
@@ -77,6 +85,7 @@ class RunRecord:
     temporal_efficiency: float | None = None
     temporal_efficiency_reference: str | None = None
     target_acc: float | None = None
+    target_loss: float | None = None
     target_reference: str | None = None
     time_to_target_s: float | None = None
     bytes_to_target: int | None = None
@@ -88,11 +97,35 @@ class RunRecord:
     def label(self) -> str:
         return algorithms.label(self.config)
 
+    @property
+    def metric(self) -> Any:
+        """What this run is judged by (:func:`distoptim.cli.metrics.metric_of` its model)."""
+        return metric_of(self.config.model)
+
+    @property
+    def target(self) -> float | None:
+        """The target of "time / bytes to target" in this run's metric."""
+        return self.target_loss if self.metric is LOSS else self.target_acc
+
+    @target.setter
+    def target(self, value: float | None) -> None:
+        if self.metric is LOSS:
+            self.target_loss = value
+        else:
+            self.target_acc = value
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["config"] = asdict(self.config)
         d["label"] = self.label
         d["settings"] = algorithms.get(self.config.algo).settings(self.config)
+        d["metric"] = self.metric.name
+        if self.metric is LOSS:  # the language model: the loss's two other spellings
+            for split in ("train", "val"):
+                loss = d[f"{split}_loss"]
+                finite = loss is not None and math.isfinite(loss)
+                d[f"{split}_bpc"] = loss / math.log(2) if finite else None
+                d[f"{split}_perplexity"] = math.exp(min(loss, 700.0)) if finite else None
         return d
 
 
@@ -146,19 +179,19 @@ def build_history(events: Sequence[dict[str, Any]]) -> tuple[float | None, list[
 
 def finish_record(
     record: RunRecord,
-    data: Dataset,
+    data: Workload | Dataset,
     events: list[dict[str, Any]],
     final_params: Sequence[torch.Tensor],
 ) -> float | None:
-    """Fill times, samples, history and final accuracies into ``record``; returns ``t0``
+    """Fill times, samples, history and final scores into ``record``; returns ``t0``
     (``time.time()`` when the first worker was ready), or None without a start event."""
-    cfg = record.config
+    workload = as_workload(data)
     t0, points = build_history(events)
     ends = [e for e in events if e["kind"] == "finish"]
-    model = build_model(data.num_features, data.num_classes, cfg.seed, cfg.hidden)
+    model = workload.build_model(record.config)
     load_parameters(model, final_params)
-    record.train_acc, record.train_loss = evaluate(model, data.x_train, data.y_train)
-    record.val_acc, record.val_loss = evaluate(model, data.x_val, data.y_val)
+    record.train_acc, record.train_loss = workload.evaluate(model, "train")
+    record.val_acc, record.val_loss = workload.evaluate(model, "val")
     record.samples = sum(e["samples"] for e in ends)
     if t0 is not None and ends:
         record.wall_time_s = max(e["t"] for e in ends) - t0

@@ -37,6 +37,7 @@ from distoptim.cli.record import RunRecord, finish_record, record_collective, re
 from distoptim.cli.runconfig import RunConfig
 from distoptim.cli.training import cluster_role, collective_rank, collective_task, server_task
 from distoptim.launch import (
+    ProcessTimeoutError,
     RankFailedError,
     from_bytes,
     to_bytes,
@@ -72,6 +73,8 @@ def run_on_pool(cfg: RunConfig, run: int, pool: ProcessPool, data: Dataset) -> R
         outcomes = pool.run(
             tasks, timeout=cfg.timeout, names=names, fail_fast=family == "collective"
         )
+    except ProcessTimeoutError as exc:  # the user's limit: say so before suspecting a hang
+        raise ProcessTimeoutError(exc.timeout, exc.pending, limit="--timeout") from None
     finally:
         del store
     record = RunRecord(cfg)

@@ -1,9 +1,10 @@
 """What one run is: the command line's constants and :class:`RunConfig`.
 
-Owns: the defaults of ``distoptim train`` / ``distoptim compare``, the choices of the options
-that are not algorithms (torch optimizer, AGN rule, EASGD moving rate, the outer optimizer of
-the DiLoCo family, wire formats, the parameter server's transport, emulated stragglers), and
-the frozen :class:`RunConfig` every process of a run receives. The algorithms themselves
+Owns: the defaults of ``distoptim train`` / ``distoptim compare`` (the digits job's, and the
+language model's where they differ: :data:`LM_DEFAULTS`), the choices of the options that are
+not algorithms (model, torch optimizer, AGN rule, EASGD moving rate, the outer optimizer of the
+DiLoCo family, wire formats, the parameter server's transport, emulated stragglers), and the
+frozen :class:`RunConfig` every process of a run receives. The algorithms themselves
 (names, how each is built, what it records) are :mod:`distoptim.cli.algorithms`; the epoch
 plan (shards, batches) is :mod:`distoptim.cli.datasets`.
 """
@@ -17,13 +18,17 @@ from typing import Any
 from distoptim.agn.transport import TRANSPORTS  # --transport: p2p (the library's default), rpc
 from distoptim.checks import check_bool, check_choice, check_int, check_positive, check_real
 from distoptim.cli.datasets import batches_per_epoch, shard_size
-from distoptim.comm.quantize import WIRES  # --wire: fp32, bf16, int8
+from distoptim.comm.wire import NAMES as WIRES  # --wire: these, and topk:D[+V]
+from distoptim.comm.wire import parse_wire
 
 __all__ = [
     "AGN_RULES",
     "DEFAULTS",
     "DEFAULT_HIDDEN",
     "DEFAULT_LR",
+    "LM_DEFAULTS",
+    "MAX_SEED",
+    "MODELS",
     "MOVING_RATE_RULES",
     "OPTIMIZERS",
     "TRANSPORTS",
@@ -36,7 +41,13 @@ __all__ = [
 
 OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
 DEFAULT_LR = {"sgd": 0.05, "momentum": 0.01, "adam": 0.001, "adamw": 0.001}
-"""Per-optimizer learning rate when ``--lr`` is not given (tuned on digits, see docs/cli.md)."""
+"""Per-optimizer learning rate when ``--lr`` is not given (tuned on digits, see docs/cli.md);
+the language model's are :data:`LM_DEFAULTS` ``["lr"]``."""
+
+MODELS = ("mlp", "gpt")
+"""``--model``: ``mlp`` (feature vectors -> classes: digits, mnist5k, .npz; the default there)
+or ``gpt`` (the causal transformer of :mod:`distoptim.cli.gpt`: ``--dataset shakespeare``,
+its default there)."""
 
 AGN_RULES = {"paper": "delta", "tf": "gradient"}
 """``--agn-rule`` -> ``AGNOptimizer(update_rule=...)``.
@@ -92,6 +103,35 @@ Sync, DOWNPOUR and EASGD reach about 96-97 % validation accuracy, AGN with the p
 (commits normalized by λ, so the center moves more slowly) about 93 %; AGN is the one that
 stays stable as n and λ grow (docs/cli.md)."""
 
+LM_DEFAULTS: dict[str, Any] = {
+    "epochs": 0.2,
+    "lr": {"sgd": 0.05, "momentum": 0.01, "adam": 0.003, "adamw": 0.003},
+    "eval_points": 10,
+    "layers": 2,
+    "width": 128,
+    "heads": 4,
+    "context": 64,
+    "algos": [
+        "sync",
+        "localsgd",
+        "diloco",
+        "diloco@int4",
+        "diloco@topk:0.02+int2",
+        "streaming-diloco",
+        "agn",
+        "downpour",
+        "easgd",
+        "async-diloco",
+    ],
+}
+"""``distoptim compare --dataset shakespeare`` where it differs from :data:`DEFAULTS`: a fifth
+of a pass over the training text (all workers together: 208 steps of 16 windows per worker
+with 4 workers), Adam at lr 3e-3 (``benchmarks/lm_size.py``: 1.815 nats after 1,500 steps vs
+1.867 at 1e-3; the SGD rates are the digits' and not tuned for the transformer), 10
+evaluations per run (each scores 16,384 validation characters, about 0.6 s of a core, inside
+the wall time), the default GPT (2 layers x 128, 4 heads, context 64), and every algorithm plus
+the compressed outer-family variants (docs/cli.md)."""
+
 
 def straggler_factor(stragglers: tuple[tuple[int, float], ...], worker: int) -> float:
     """How many times as long worker ``worker``'s steps take (1.0 when it is no straggler)."""
@@ -120,15 +160,22 @@ def easgd_alpha(rule: str, workers: int, period: int) -> float:
     return value
 
 
+MAX_SEED = 2**32 - 1
+"""The largest ``--seed``: numpy's range; every generator a run seeds takes it (the data order
+seeds ``seed * 100_003 + epoch``, far inside torch's 64 bits)."""
+
 _COUNTS = (
     ("workers", 1),
     ("communication_period", 1),
-    ("epochs", 1),
     ("batch_size", 1),
     ("num_ps", 1),
     ("fragments", 1),
     ("eval_points", 1),
     ("fragment_sync_delay", 0),
+    ("layers", 1),
+    ("width", 1),
+    ("heads", 1),
+    ("context", 1),
 )
 """The integer fields of :class:`RunConfig` and their least value."""
 
@@ -158,12 +205,18 @@ class RunConfig:
     ``transport`` to the parameter-server algorithms. ``stragglers``: ``(worker, factor)``
     pairs, each such worker's steps take ``factor`` times as long (emulated,
     :mod:`distoptim.cli.training`).
+
+    ``model`` is ``mlp`` (sized by ``hidden``) or ``gpt`` (sized by ``layers``, ``width``,
+    ``heads``, ``context``; the other's sizes are unused). ``epochs`` counts passes over the
+    training data, all workers together: a whole number for the classification datasets, any
+    positive number for the language model (``0.05``: the first 5 % of an epoch's steps).
+    ``seed`` is an integer in ``[0, 2**32 - 1]`` (numpy's range).
     """
 
     algo: str
     workers: int
     communication_period: int
-    epochs: int
+    epochs: float
     batch_size: int
     optimizer: str
     lr: float
@@ -185,11 +238,21 @@ class RunConfig:
     stragglers: tuple[tuple[int, float], ...] = ()
     delayed_momentum: str = "n"
     dylu: bool = False
+    model: str = "mlp"
+    layers: int = 2
+    width: int = 128
+    heads: int = 4
+    context: int = 64
 
     def __post_init__(self) -> None:
         check_choice("optimizer", self.optimizer, OPTIMIZERS, fold_case=False)
+        check_choice("model", self.model, MODELS, fold_case=False)
         for name, low in _COUNTS:
             _checked(check_int, name, getattr(self, name), low, allowed=f"an integer >= {low}")
+        _checked(check_real, "epochs", self.epochs, 0.0, low_open=True, allowed="a number > 0")
+        _checked(check_int, "seed", self.seed, 0, allowed=f"an integer in [0, {MAX_SEED}]")
+        if self.seed > MAX_SEED:
+            raise ValueError(f"seed must be an integer in [0, {MAX_SEED}], got {self.seed!r}")
         check_positive("lr", self.lr)
         if not self.hidden or any(int(h) < 1 for h in self.hidden):
             raise ValueError(f"hidden must be one or more widths >= 1, got {self.hidden!r}")
@@ -200,7 +263,7 @@ class RunConfig:
         _checked(check_real, "outer_momentum", momentum, 0, 1, high_open=True, allowed="in [0, 1)")
         _checked(check_real, "fragment_alpha", alpha, 0, 1, allowed="in [0, 1]")
         if self.wire is not None:
-            check_choice("wire", self.wire, WIRES, fold_case=False)
+            parse_wire(self.wire)
         delayed_nesterov(self.delayed_momentum, self.workers)
         check_bool("dylu", self.dylu)
         check_choice("transport", self.transport, TRANSPORTS, fold_case=False)
@@ -232,5 +295,5 @@ class RunConfig:
         return shard_size(num_train, self.workers) * self.workers
 
     def total_samples(self, num_train: int) -> int:
-        """Samples all workers together process in the whole run."""
-        return self.epochs * self.samples_per_epoch(num_train)
+        """Samples all workers together process in the whole run (whole epochs)."""
+        return round(self.epochs * self.samples_per_epoch(num_train))

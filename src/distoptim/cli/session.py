@@ -2,15 +2,18 @@
 
 Owns: the order of runs; the process pool they share (started once, before the first run,
 sized for the largest run; started again only after a run broke it -- a process died, a run
-timed out); what happens when a run fails (recorded, the others still run) or the command is
-stopped -- Ctrl-C or SIGTERM (from ``kill``, ``timeout``, a job scheduler): every worker
-process is stopped, the records so far are kept, including the interrupted run's history up
-to that moment, and written; and the outputs: ``results.json`` after every run (so even a
-killed command leaves what had finished), the plots after the last run (or the interruption),
-the table printed at the end. ``results.json`` also records where the time went
-(``timing``: pool start-up, training, per-run overhead, and the machine's load average).
+timed out); what happens when a run fails (recorded, the others still run), when the pool's
+processes cannot start (one line, exit 1), or when the command is stopped -- Ctrl-C, SIGTERM
+(from ``kill``, ``timeout``, a job scheduler) or SIGHUP (a closed terminal), at any phase, the
+pool's start-up included (``distoptim.cli.stopping``): every worker process is stopped, the
+records so far are kept, including the interrupted run's history up to that moment, and
+written; and the outputs: ``results.json`` after every run (so even a killed command leaves
+what had finished), the plots after the last run (or the interruption), the table printed at
+the end. ``results.json`` also records where the time went (``timing``: pool start-up,
+training, per-run overhead, and the machine's load average).
 
-Exit codes: 0 all runs finished, 1 some run failed, 130 Ctrl-C, 143 SIGTERM.
+Exit codes: 0 all runs finished, 1 some run failed (or the pool could not start), 130 Ctrl-C,
+143 SIGTERM, 129 SIGHUP.
 """
 
 from __future__ import annotations
@@ -19,10 +22,9 @@ import contextlib
 import datetime as _dt
 import os
 import platform
-import signal
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, TextIO
 
 import torch
@@ -30,7 +32,7 @@ import torch
 from distoptim._version import __version__
 from distoptim.cli import algorithms
 from distoptim.cli.arguments import RESULTS_JSON, Plan
-from distoptim.cli.pool import ProcessPool
+from distoptim.cli.pool import PoolBrokenError, ProcessPool
 from distoptim.cli.progress import EventQueue, LineSink, ProgressDisplay
 from distoptim.cli.record import RunRecord, partial_record
 from distoptim.cli.report import (
@@ -41,60 +43,31 @@ from distoptim.cli.report import (
     write_results,
 )
 from distoptim.cli.run import run_on_pool, run_torchrun
+from distoptim.cli.stopping import (
+    exit_code,
+    print_or_drop,
+    signals_held,
+    stop_reason,
+)
 from distoptim.cli.training import use_link
 
 __all__ = [
     "PLOT_PNG",
     "RESULTS_JSON",
-    "Terminated",
-    "exit_code",
     "one_line",
     "run_plan",
     "run_torchrun_plan",
-    "sigterm_as_interrupt",
     "write_outputs",
 ]
 
 PLOT_PNG = "accuracy_vs_time.png"
 
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM arrived: handled like Ctrl-C (everything stops, results are kept), exit 143."""
-
-
-def exit_code(interrupt: KeyboardInterrupt) -> int:
-    """130 for Ctrl-C, 143 (128 + SIGTERM) for :class:`Terminated`."""
-    return 128 + (signal.SIGTERM if isinstance(interrupt, Terminated) else signal.SIGINT)
-
-
-def _raise_terminated(signum: int, frame: Any) -> None:
-    raise Terminated()
-
-
-@contextlib.contextmanager
-def _signal_handlers(handlers: dict[signal.Signals, Any]) -> Iterator[None]:
-    """``handlers`` installed while inside, the previous ones restored after (main thread
-    only: elsewhere nothing changes)."""
-    try:
-        previous = {s: signal.signal(s, h) for s, h in handlers.items()}
-    except ValueError:  # not the main thread
-        yield
-        return
-    try:
-        yield
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-
-
-def sigterm_as_interrupt() -> contextlib.AbstractContextManager[None]:
-    """While inside, SIGTERM raises :class:`Terminated` in the main thread (like Ctrl-C)."""
-    return _signal_handlers({signal.SIGTERM: _raise_terminated})
-
-
-def _signals_held() -> contextlib.AbstractContextManager[None]:
-    """Hold off a second Ctrl-C / SIGTERM while results are being written (a second or so)."""
-    return _signal_handlers({signal.SIGINT: signal.SIG_IGN, signal.SIGTERM: signal.SIG_IGN})
+_QUIET_CPP = {"TORCH_CPP_LOG_LEVEL": "ERROR"}
+"""The worker processes' C++ log level (unless the user sets one). torch's C++ warnings there
+are the expected side of a run's own retries -- a store wait that times out while a
+parameter-server shard is still accepting connections (c10d's ``waitForInput ... likely a
+timeout``, at 8 workers on a loaded machine) -- and say nothing a failure would not say as a
+Python exception naming its rank; errors still print."""
 
 
 def one_line(exc: BaseException) -> str:
@@ -104,17 +77,23 @@ def one_line(exc: BaseException) -> str:
 
 
 def _meta(
-    plan: Plan, argv: Sequence[str], status: str, timing: dict[str, Any] | None
+    plan: Plan,
+    argv: Sequence[str],
+    status: str,
+    timing: dict[str, Any] | None,
+    error: str | None = None,
 ) -> dict[str, Any]:
     return {
         "distoptim_version": __version__,
         "command": ["distoptim", *argv],
         "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "status": status,
+        "error": error,
         "dataset": plan.data.describe(),
         "link": plan.link,
         "notes": plan.notes,
         "target_acc": plan.target_acc,
+        "target_loss": plan.target_loss,
         "oversubscription": plan.oversubscription,
         "timing": timing,
         "machine": {
@@ -133,26 +112,29 @@ def write_outputs(
     status: str,
     timing: _Timing | None = None,
     plots: bool = True,
-) -> tuple[str, str | None]:
-    """Write ``results.json`` (and the plots when ``plots``) under ``plan.out``; their paths."""
-    from distoptim.cli.plot import plot_accuracy
+    error: str | None = None,
+) -> tuple[str, list[str]]:
+    """Write ``results.json`` (and the plots when ``plots``) under ``plan.out``; the JSON's
+    path and every plot written. ``error``: why the command failed outside any run (the pool
+    could not start)."""
+    from distoptim.cli.plot import plot_runs
 
     os.makedirs(plan.out, exist_ok=True)
     assign_temporal_efficiency(records)
-    assign_targets(records, plan.target_acc)
-    png = None
+    assign_targets(records, plan.target)
+    pngs: list[str] = []
     if plots:  # first, so that the timing written below includes them
-        title = f"{plan.data.name}: validation accuracy"
+        title = plan.data.name
         if plan.link:
             mbps = plan.link["mbps"]
             title += f" (emulated link {plan.link['latency_ms']:g} ms, "
             title += "unlimited" if mbps is None else f"{mbps:g} Mbit/s"
             title += ")"
-        png = plot_accuracy(records, os.path.join(plan.out, PLOT_PNG), title)
+        pngs = plot_runs(records, plan.out, title, plan.data.baseline)
     json_path = os.path.join(plan.out, RESULTS_JSON)
-    meta = _meta(plan, argv, status, None if timing is None else timing.as_dict(records))
+    meta = _meta(plan, argv, status, None if timing is None else timing.as_dict(records), error)
     write_results(json_path, records, meta, plan.footer)
-    return json_path, png
+    return json_path, pngs
 
 
 def _summary_line(rec: RunRecord, verbose: bool) -> str:
@@ -212,84 +194,126 @@ def run_plan(
     started: float | None = None,
 ) -> int:
     """Run every config of ``plan`` in order on one process pool; write outputs; print the
-    table. Returns the exit code. Call under :func:`sigterm_as_interrupt` for SIGTERM.
+    table. Returns the exit code. Call under
+    :func:`~distoptim.cli.stopping.signals_as_interrupt`, so that SIGTERM and SIGHUP stop it
+    like Ctrl-C.
 
     ``started``: ``time.monotonic()`` when the command began (checks and data loading count
     in ``timing.total_s``); default now."""
     stdout = stdout if stdout is not None else sys.stdout
     stderr = stderr if stderr is not None else sys.stderr
     for note in plan.notes:
-        print(f"distoptim: {note}", file=stderr)
+        print_or_drop(f"distoptim: {note}", stderr)
     display = ProgressDisplay(plan.progress, stderr)
-    n_train = int(plan.data.x_train.shape[0])
     labels = [algorithms.label(c) for c in plan.configs]
-    totals = [c.total_samples(n_train) for c in plan.configs]
+    totals = [plan.data.total_samples(c) for c in plan.configs]
     timing = _Timing(max(algorithms.processes_of(c) for c in plan.configs), started)
-    records: list[RunRecord] = []
-    interrupt: KeyboardInterrupt | None = None
-    failed = False
-    pool: ProcessPool | None = None
-    events: EventQueue | None = None
-    json_path = png = None
+    state = _Progress(plan, argv, timing, stderr)
     with display.session(labels, totals):
         try:
             for i, cfg in enumerate(plan.configs):
-                record: RunRecord | None = None
-                error: BaseException | None = None
-                if pool is None or not pool.alive:
-                    pool, events = _start_pool(plan, timing, display, pool, events)
-                with display.run(i, labels[i], totals[i]) as progress:
-                    try:
-                        record = run_on_pool(cfg, i, pool, plan.data)
-                    except KeyboardInterrupt as exc:  # Ctrl-C or SIGTERM
-                        error = interrupt = exc
-                    except Exception as exc:  # a failed run is recorded; the others still run
-                        error, failed = exc, True
-                    if record is None and events is not None:
-                        events.flush()  # the pool is stopped: what its processes sent is here
-                if record is None:
-                    assert error is not None
-                    status = "interrupted" if interrupt else "failed"
-                    text = (
-                        f"interrupted by {'SIGTERM' if isinstance(error, Terminated) else 'Ctrl-C'}"
-                        if interrupt
-                        else one_line(error)
+                if state.pool is None or not state.pool.alive:
+                    state.pool, state.events = _start_pool(
+                        plan, timing, display, state.pool, state.events
                     )
-                    record = partial_record(cfg, progress.events, status, text)
-                    shown = status if interrupt or display.mode != "plain" else f"failed: {text}"
-                    progress.finished(shown)
-                    if not interrupt:
-                        print(f"distoptim: run '{labels[i]}' failed: {text}", file=stderr)
-                else:
-                    progress.acc = record.val_acc
-                    progress.finished(_summary_line(record, display.mode == "plain"))
-                records.append(record)
-                last = interrupt is not None or i + 1 == len(plan.configs)
-                if last:  # before the last write, so that its timing includes the shut-down
-                    _release(pool, events, interrupt is not None)
-                    pool = events = None
-                with _signals_held():
-                    if interrupt:
-                        state = "interrupted"
-                    elif not last:
-                        state = "running"  # rewritten after the next run
-                    else:
-                        state = "failed" if failed else "complete"
-                    json_path, png = write_outputs(plan, records, argv, state, timing, plots=last)
-                if interrupt:
+                with display.run(i, labels[i], totals[i]) as progress:
+                    state.run(cfg, progress, labels[i], display)
+                if state.interrupt is not None:
                     break
+                if i + 1 < len(plan.configs):
+                    state.write("running", plots=False)  # rewritten after the next run
+        except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM, SIGHUP: at any phase
+            state.interrupt = state.interrupt or exc
+        except PoolBrokenError as exc:  # the processes could not start: no run can
+            cause = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
+            state.error = f"the worker processes could not start: {str(cause).splitlines()[0]}"
+            print_or_drop(f"distoptim: {state.error}", stderr)
         finally:
-            _release(pool, events, interrupt is not None)
-    rows = summarize(records)
-    render_table(rows, stdout, plan.footer)
-    print(_timing_line(timing.as_dict(records)), file=stdout)
-    print(f"results: {json_path}", file=stdout)
-    if png:
-        print(f"plot:    {png}", file=stdout)
-    if interrupt is not None:
-        print("distoptim: interrupted; the runs so far are in the results above", file=stderr)
-        return exit_code(interrupt)
-    return 1 if failed else 0
+            state.release()
+        status = "failed" if state.failed or state.error else "complete"
+        state.write("interrupted" if state.interrupt else status, plots=True)
+    rows = summarize(state.records)
+    with contextlib.suppress(OSError, ValueError):  # a closed terminal: the files are written
+        render_table(rows, stdout, plan.footer)
+    print_or_drop(_timing_line(timing.as_dict(state.records)), stdout)
+    _print_files(state.json_path, state.pngs, stdout)
+    if state.interrupt is not None:
+        print_or_drop("distoptim: interrupted; the runs so far are in the results above", stderr)
+        return exit_code(state.interrupt)
+    return 1 if state.failed or state.error else 0
+
+
+class _Progress:
+    """Where :func:`run_plan` stands: the records so far, the pool, how the command ends."""
+
+    def __init__(self, plan: Plan, argv: Sequence[str], timing: _Timing, stderr: TextIO) -> None:
+        self.plan = plan
+        self.argv = argv
+        self.timing = timing
+        self.stderr = stderr
+        self.records: list[RunRecord] = []
+        self.pool: ProcessPool | None = None
+        self.events: EventQueue | None = None
+        self.interrupt: KeyboardInterrupt | None = None
+        self.failed = False
+        self.error: str | None = None
+        self.json_path: str | None = None
+        self.pngs: list[str] = []
+
+    def run(self, cfg: Any, progress: Any, label: str, display: ProgressDisplay) -> None:
+        """Run ``cfg`` on the pool; keep its record, or what it got to (failed, stopped)."""
+        assert self.pool is not None
+        record: RunRecord | None = None
+        error: BaseException | None = None
+        try:
+            record = run_on_pool(cfg, progress.index, self.pool, self.plan.data)
+        except KeyboardInterrupt as exc:  # Ctrl-C, SIGTERM or SIGHUP
+            error = self.interrupt = exc
+        except Exception as exc:  # a failed run is recorded; the others still run
+            error, self.failed = exc, True
+        if record is None and self.events is not None:
+            self.events.flush()  # the pool is stopped: what its processes sent is here
+        if record is None:
+            assert error is not None
+            stopped = isinstance(error, KeyboardInterrupt)
+            text = f"interrupted by {stop_reason(error)}" if stopped else one_line(error)
+            status = "interrupted" if stopped else "failed"
+            record = partial_record(cfg, progress.events, status, text)
+            shown = status if stopped or display.mode != "plain" else f"failed: {text}"
+            progress.finished(shown)
+            if not stopped:
+                print_or_drop(f"distoptim: run '{label}' failed: {text}", self.stderr)
+        else:
+            progress.acc = record.val_acc
+            progress.finished(_summary_line(record, display.mode == "plain"))
+        self.records.append(record)
+
+    def release(self) -> None:
+        """End the pool: at once after a stop or a broken start, normally otherwise."""
+        _release(self.pool, self.events, self.interrupt is not None)
+        self.pool = self.events = None
+
+    def write(self, status: str, plots: bool) -> None:
+        """Write the outputs, holding the stop signals meanwhile; one that came is acted on:
+        mid-grid it stops the command (raised), at the end it sets the exit code."""
+        with signals_held() as held:
+            self.json_path, pngs = write_outputs(
+                self.plan, self.records, self.argv, status, self.timing, plots, self.error
+            )
+            self.pngs = pngs or self.pngs
+        came = held.interrupt()
+        if came is None:
+            return
+        if status == "running":
+            raise came
+        self.interrupt = self.interrupt or came
+
+
+def _print_files(json_path: str | None, pngs: Sequence[str], stream: TextIO) -> None:
+    """Every file the command wrote, one line each (dropped on a closed terminal)."""
+    print_or_drop(f"results: {json_path}", stream)
+    for png in pngs:
+        print_or_drop(f"plot:    {png}", stream)
 
 
 def _release(pool: ProcessPool | None, events: EventQueue | None, interrupted: bool) -> None:
@@ -321,13 +345,16 @@ def _start_pool(
         timing.pool_size,
         (plan.data, events.queue, plan.link_env),
         lifetime=sum(c.timeout for c in plan.configs) + 600.0,
+        inherit=(1,),  # the queue; the data follows once each process is ready
+        env=_QUIET_CPP if "TORCH_CPP_LOG_LEVEL" not in os.environ else None,
     )
     try:
         timing.pool_starts.append(pool.start())
-    except BaseException:
+        display.note(f"distoptim: worker processes ready in {timing.pool_starts[-1]:.1f} s")
+    except BaseException:  # a stop (Ctrl-C...) or a failed start: nothing is left running
+        pool.kill()
         events.close()
         raise
-    display.note(f"distoptim: worker processes ready in {timing.pool_starts[-1]:.1f} s")
     return pool, events
 
 
@@ -337,9 +364,7 @@ def run_torchrun_plan(plan: Plan, argv: Sequence[str]) -> int:
     cfg = plan.configs[0]
     sink = None
     if plan.progress != "none":  # only the reporting rank uses it
-        sink = LineSink(
-            f"{algorithms.label(cfg)} (torchrun)", cfg.total_samples(len(plan.data.y_train))
-        )
+        sink = LineSink(f"{algorithms.label(cfg)} (torchrun)", plan.data.total_samples(cfg))
         sink.set_world(cfg.workers)
     use_link(plan.link_env)
     try:
@@ -348,9 +373,7 @@ def run_torchrun_plan(plan: Plan, argv: Sequence[str]) -> int:
         return exit_code(exc)
     if record is None:  # not the reporting rank
         return 0
-    json_path, png = write_outputs(plan, [record], argv, "complete")
+    json_path, pngs = write_outputs(plan, [record], argv, "complete")
     render_table(summarize([record]), sys.stdout, plan.footer)
-    print(f"results: {json_path}")
-    if png:
-        print(f"plot:    {png}")
+    _print_files(json_path, pngs, sys.stdout)
     return 0

@@ -6,9 +6,11 @@ cluster -- a shard that serves or a worker that trains (:func:`cluster_role`) --
 pool tasks that run them in the pool's processes (:func:`collective_task`,
 :func:`server_task`).
 
-Every worker reads a disjoint shard of the training set each epoch (``shard_indices``) in
-batches of ``--batch-size``, the last batch of the epoch holding the rest of the shard, so an
-epoch is the same samples for every algorithm.
+What a worker trains is the command's workload (:mod:`distoptim.cli.workloads`): the MLP on
+disjoint shards of a classification dataset, or the GPT on disjoint shards of Shakespeare's
+windows; either way an epoch is the same data for every algorithm, and the loop is the same::
+
+    opt.zero_grad(); loss = workload.loss(model, x, y); loss.backward(); opt.step()
 
 Stragglers (``--straggler W:FACTOR``): worker ``W``'s steps take ``FACTOR`` times as long. After
 each ``opt.step()`` -- at the step boundary -- that worker sleeps ``(FACTOR - 1)`` times the
@@ -32,13 +34,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from distoptim.cli import algorithms
-from distoptim.cli.datasets import Dataset, shard_indices
-from distoptim.cli.model import build_model, evaluate, load_parameters
+from distoptim.cli.datasets import Dataset
+from distoptim.cli.model import load_parameters
 from distoptim.cli.progress import Reporter
 from distoptim.cli.runconfig import RunConfig, straggler_factor
+from distoptim.cli.workloads import Workload, as_workload
 
 __all__ = [
     "PoolContext",
@@ -50,25 +52,16 @@ __all__ = [
     "use_link",
 ]
 
-PoolContext = tuple[Dataset, Any, str | None]
-"""What every pool process receives once: the dataset, the progress queue (or None) and the
-emulated link (``Link.to_env()`` text, or None)."""
-
-
-def _batches(cfg: RunConfig, data: Dataset, rank: int) -> Iterator[tuple[torch.Tensor, ...]]:
-    n = int(data.x_train.shape[0])
-    for epoch in range(cfg.epochs):
-        idx = shard_indices(n, rank, cfg.workers, epoch, cfg.seed)
-        for start in range(0, len(idx), cfg.batch_size):
-            take = idx[start : start + cfg.batch_size]
-            yield data.x_train[take], data.y_train[take]
+PoolContext = tuple[Workload | Dataset, Any, str | None]
+"""What every pool process receives once: the workload (or a plain classification dataset),
+the progress queue (or None) and the emulated link (``Link.to_env()`` text, or None)."""
 
 
 def train_loop(
     model: torch.nn.Module,
     opt: torch.optim.Optimizer,
     cfg: RunConfig,
-    data: Dataset,
+    data: Workload | Dataset,
     rank: int,
     reporter: Reporter,
     evaluator: Callable[[], tuple[float, float]] | None,
@@ -81,7 +74,8 @@ def train_loop(
     each step (module doc); ``inner`` is the torch optimizer whose ``step()`` counts as its
     compute (None: ``opt`` itself). Returns the number of local steps taken.
     """
-    total = cfg.epochs * cfg.steps_per_epoch(int(data.x_train.shape[0]))
+    workload = as_workload(data)
+    total = workload.total_steps(cfg)
     eval_every = max(1, total // cfg.eval_points)
     tick_every = max(1, total // 50)
     slow = straggler_factor(cfg.stragglers, rank)
@@ -96,10 +90,10 @@ def train_loop(
     with _timed_steps(inner if inner is not None else opt, slow > 1) as stepping:
         reporter.start()
         score()
-        for xb, yb in _batches(cfg, data, rank):
+        for xb, yb in workload.batches(cfg, rank):
             began = time.perf_counter()
             opt.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(xb), yb)
+            loss = workload.loss(model, xb, yb)
             loss.backward()
             forward_backward = time.perf_counter() - began
             stepping[0] = 0.0
@@ -107,7 +101,7 @@ def train_loop(
             if slow > 1:  # emulated compute time, not synchronization
                 time.sleep((slow - 1) * (forward_backward + stepping[0]))
             step += 1
-            reporter.step(int(xb.shape[0]), loss.item())
+            reporter.step(workload.amount(xb), loss.item())
             if step % tick_every == 0 or step == total:
                 reporter.tick()
             if step % eval_every == 0 and step != total:
@@ -141,16 +135,21 @@ def _timed_steps(opt: torch.optim.Optimizer, on: bool) -> Iterator[list[float]]:
 
 
 def _model_and_optimizer(
-    cfg: RunConfig, data: Dataset, cluster: Any
+    cfg: RunConfig, workload: Workload, cluster: Any
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.optim.Optimizer]:
     """The seeded model, the torch optimizer (inner) and the algorithm's optimizer around it."""
-    model = build_model(data.num_features, data.num_classes, cfg.seed, cfg.hidden)
+    model = workload.build_model(cfg)
     inner = algorithms.make_torch_optimizer(cfg.optimizer, model.parameters(), cfg.lr)
     return model, inner, algorithms.get(cfg.algo).build(inner, cfg, cluster)
 
 
 def collective_rank(
-    rank: int, world_size: int, cfg: RunConfig, data: Dataset, sink: Any, run: int | None
+    rank: int,
+    world_size: int,
+    cfg: RunConfig,
+    data: Workload | Dataset,
+    sink: Any,
+    run: int | None,
 ) -> dict[str, Any]:
     """One rank of a ``collective`` algorithm, in an initialized default process group.
 
@@ -160,18 +159,19 @@ def collective_rank(
     """
     import torch.distributed as dist
 
-    model, inner, opt = _model_and_optimizer(cfg, data, None)  # same seed, same init everywhere
+    workload = as_workload(data)
+    model, inner, opt = _model_and_optimizer(cfg, workload, None)  # same seed everywhere
     algo = algorithms.get(cfg.algo)
     reporter = Reporter(sink, rank, run, sent=lambda: opt.comm_stats.bytes_sent)
-    scratch = build_model(data.num_features, data.num_classes, cfg.seed, cfg.hidden)
+    scratch = workload.build_model(cfg)
 
     def score() -> tuple[float, float]:
         load_parameters(scratch, algo.model(opt, model))
-        return evaluate(scratch, data.x_val, data.y_val)
+        return workload.evaluate(scratch)
 
     dist.barrier()  # the clock starts when every rank is ready
     evaluator = score if rank == 0 else None
-    steps = train_loop(model, opt, cfg, data, rank, reporter, evaluator, inner)
+    steps = train_loop(model, opt, cfg, workload, rank, reporter, evaluator, inner)
     stats = opt.comm_stats
     final = [t.detach().clone() for t in algo.model(opt, model)] if rank == 0 else None
     return {
@@ -185,27 +185,29 @@ def collective_rank(
 
 
 def _train_on_cluster(
-    cluster: Any, cfg: RunConfig, data: Dataset, sink: Any, run: int | None
+    cluster: Any, cfg: RunConfig, workload: Workload, sink: Any, run: int | None
 ) -> list[dict[str, Any]]:
     """A worker of a ``server`` algorithm: seed or pull the center, train; return its events."""
-    model, inner, opt = _model_and_optimizer(cfg, data, cluster)
+    model, inner, opt = _model_and_optimizer(cfg, workload, cluster)
     hook = opt.make_session_run_hook(cluster.is_chief, cluster.task_index)
     hook.begin()
     hook.after_create_session()  # chief seeds the center; the others wait for it and pull
     reporter = Reporter(sink, cluster.task_index, run)
     evaluator = None
     if cluster.is_chief:
-        scratch = build_model(data.num_features, data.num_classes, cfg.seed, cfg.hidden)
+        scratch = workload.build_model(cfg)
 
         def evaluator() -> tuple[float, float]:
             load_parameters(scratch, opt.center_variables())
-            return evaluate(scratch, data.x_val, data.y_val)
+            return workload.evaluate(scratch)
 
-    train_loop(model, opt, cfg, data, cluster.task_index, reporter, evaluator, inner)
+    train_loop(model, opt, cfg, workload, cluster.task_index, reporter, evaluator, inner)
     return reporter.events
 
 
-def cluster_role(cfg: RunConfig, data: Dataset, sink: Any, run: int | None) -> tuple[str, Any]:
+def cluster_role(
+    cfg: RunConfig, data: Workload | Dataset, sink: Any, run: int | None
+) -> tuple[str, Any]:
     """This process's part of a ``server`` algorithm's cluster (torchrun's environment).
 
     The first ``cfg.num_ps`` ranks serve until every worker is done and return
@@ -225,7 +227,7 @@ def cluster_role(cfg: RunConfig, data: Dataset, sink: Any, run: int | None) -> t
                 cluster.shutdown()
         ok = False
         try:
-            events = _train_on_cluster(cluster, cfg, data, sink, run)
+            events = _train_on_cluster(cluster, cfg, as_workload(data), sink, run)
             ok = True
         finally:
             cluster.shutdown(failed=not ok)

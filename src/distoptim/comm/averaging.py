@@ -15,11 +15,14 @@ of the payloads ``x_r`` (1-D, the same size on every rank), in four moves:
 * :meth:`Mean.restore` -- a launched mean rebuilt from a payload slot loaded from a checkpoint,
   which finishes exactly as the original would have.
 
-Each scheme issues its collectives from one method, counts the bytes this rank puts on the
-wire there (:meth:`~distoptim.comm.stats.CommStats.send`) and keeps its per-payload state
+Each scheme runs over a :class:`~distoptim.comm.channel.Channel` (the members of the round:
+``n`` = ``channel.size`` take part in every collective, ``channel.contributors`` of them count,
+the divisor of the mean -- ``n`` on a plain group), issues its collectives through it from one
+method, counts the bytes this rank puts on the wire there
+(:meth:`~distoptim.comm.stats.CommStats.send`) and keeps its per-payload state
 (error-feedback residuals by name, scratch, slot) in a :class:`MeanBuffers` made once per
-payload. Every copy is divided by ``n`` before the sum, so finite inputs never overflow into
-``inf`` where their mean is finite (up to the last ``n`` units in the last place below the
+payload. Every copy is divided by the divisor before the sum, so finite inputs never overflow
+into ``inf`` where their mean is finite (up to the last ``n`` units in the last place below the
 dtype's largest value, as for the plain all-reduce).
 
 :class:`SumMean` is the plain scheme: ``x_r / n`` in a cast :class:`WireFormat`, one SUM
@@ -34,12 +37,12 @@ import abc
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
+from distoptim.comm.channel import Channel, Handle
 from distoptim.comm.compression import WireFormat
 from distoptim.comm.stats import CommStats, ring_allreduce_bytes
 
-__all__ = ["Mean", "MeanBuffers", "Pending", "PendingSum", "SumMean", "all_gather_single"]
+__all__ = ["Mean", "MeanBuffers", "Pending", "PendingSum", "SumMean"]
 
 
 @dataclass
@@ -61,15 +64,19 @@ class Pending:
 
 
 class Mean(abc.ABC):
-    """An averaging scheme over ``group`` (``group_size`` ranks); see the module."""
+    """An averaging scheme over ``channel``; see the module."""
 
     finishes_with_collective: bool = False
     """Whether :meth:`finish` runs a collective (then every rank must reach it in step)."""
 
-    def __init__(self, group: dist.ProcessGroup | None, group_size: int, stats: CommStats) -> None:
-        self.group = group
-        self.group_size = group_size
+    def __init__(self, channel: Channel, stats: CommStats) -> None:
+        self.channel = channel
         self.stats = stats
+
+    @property
+    def group_size(self) -> int:
+        """Members taking part in every collective (``channel.size``)."""
+        return self.channel.size
 
     @abc.abstractmethod
     def buffers(self, payload: torch.Tensor, keep_payload: bool) -> MeanBuffers:
@@ -98,42 +105,38 @@ class PendingSum(Pending):
 
     payload: torch.Tensor
     wire: torch.Tensor
-    work: dist.Work | None
+    work: Handle | None
 
 
 class SumMean(Mean):
-    """``Σ_r (x_r / n)`` by one SUM all-reduce in ``wire``'s dtype, in place in the payload.
+    """``Σ_r (x_r / c)`` by one SUM all-reduce in ``wire``'s dtype, in place in the payload.
 
-    The division comes first (a float16 sum then stays in range); with ``wire`` ``fp32`` the
-    buffer travels in its own dtype and the mean is exact up to the sum's rounding. The
-    result is written into the payload, which is therefore also the settled slot.
+    ``c`` is ``channel.contributors`` (``n`` on a plain group). The division comes first (a
+    float16 sum then stays in range); with ``wire`` ``fp32`` the buffer travels in its own dtype
+    and the mean is exact up to the sum's rounding. The result is written into the payload,
+    which is therefore also the settled slot.
     """
 
-    def __init__(
-        self,
-        wire: WireFormat,
-        group: dist.ProcessGroup | None,
-        group_size: int,
-        stats: CommStats,
-    ) -> None:
-        super().__init__(group, group_size, stats)
+    def __init__(self, wire: WireFormat, channel: Channel, stats: CommStats) -> None:
+        super().__init__(channel, stats)
         self.wire = wire
 
     def buffers(self, payload: torch.Tensor, keep_payload: bool) -> MeanBuffers:
         return MeanBuffers(slot=payload if keep_payload else None)
 
     def launch(self, payload: torch.Tensor, buffers: MeanBuffers) -> PendingSum:
-        if self.group_size != 1:
-            payload.div_(self.group_size)
+        divisor = self.channel.contributors
+        if divisor != 1:
+            payload.div_(divisor)
         wire = self.wire.encode(payload)
         return PendingSum(payload, wire, self._all_reduce(wire))
 
-    def _all_reduce(self, wire: torch.Tensor) -> dist.Work | None:
+    def _all_reduce(self, wire: torch.Tensor) -> Handle | None:
         """The scheme's one collective (none in a group of one)."""
         if self.group_size == 1:
             return None
         self.stats.send(ring_allreduce_bytes(wire.numel() * wire.element_size(), self.group_size))
-        return dist.all_reduce(wire, group=self.group, async_op=True)
+        return self.channel.all_reduce_sum(wire)
 
     def settle(self, pending: Pending, buffers: MeanBuffers) -> None:
         assert isinstance(pending, PendingSum)
@@ -152,8 +155,3 @@ class SumMean(Mean):
     def restore(self, payload: torch.Tensor, buffers: MeanBuffers) -> PendingSum:
         slot = payload if buffers.slot is None else buffers.slot
         return PendingSum(slot, slot, None)
-
-
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-"""``all_gather_single(out, tensor, group=, async_op=)``: every rank's ``tensor`` concatenated
-into ``out`` (torch >= 2.13's name; ``all_gather_into_tensor`` before, deprecated after)."""

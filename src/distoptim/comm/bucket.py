@@ -188,8 +188,10 @@ class Bucket:
             else:
                 present.append(1.0)
                 if (aliases is None or grad is not aliases[k]) and not _in_slot(grad, slots[k]):
+                    if grad.shape != view.shape:
+                        raise self.wrong_shape(k, grad)
                     dst.append(slots[k])
-                    src.append(grad.to_dense() if grad.is_sparse else grad)
+                    src.append(grad.to_dense() if grad.layout != torch.strided else grad)
         if dst:
             torch._foreach_copy_(dst, src)
         if home is not buffer:
@@ -204,6 +206,15 @@ class Bucket:
             flags = buffer[self.padded : self.head]
         if present:
             flags.copy_(torch.tensor(present, dtype=flags.dtype))
+
+    def wrong_shape(self, k: int, grad: torch.Tensor) -> ValueError:
+        """The error of member ``k``'s gradient whose shape is not its parameter's."""
+        return ValueError(
+            f"the gradient of trainable parameter {self.members[k]} (counted in the optimizer's "
+            f"parameter order, trainable ones only) has shape {tuple(grad.shape)}, but the "
+            f"parameter has shape {tuple(self.shapes[k])}: a gradient must have its parameter's "
+            "shape (was .grad.data, or .grad through a custom hook, replaced by another tensor?)"
+        )
 
     def present(self, buffer: torch.Tensor) -> list[bool]:
         """Per member: did any rank contribute a gradient (flag != 0 after the reduction)?"""
@@ -227,13 +238,16 @@ def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
 
 
 def _in_slot(grad: torch.Tensor, view: torch.Tensor) -> bool:
-    """Does ``grad`` already hold exactly ``view``'s memory (nothing to copy)?"""
+    """Does ``grad`` already hold exactly ``view``'s memory (nothing to copy)?
+
+    A sparse (or other non-strided) gradient has no data pointer: it never sits in a slot.
+    """
     return (
-        grad.data_ptr() == view.data_ptr()
+        grad.layout == torch.strided
+        and grad.data_ptr() == view.data_ptr()
         and grad.dtype == view.dtype
         and grad.device == view.device
         and grad.is_contiguous()
-        and not grad.is_sparse
     )
 
 

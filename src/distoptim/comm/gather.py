@@ -8,15 +8,17 @@ at all), and a sparse reduce-scatter would have to re-select (lose values again)
 hop. Instead every rank all-gathers every rank's encoded ``(positions, values)`` and sums them
 densely, in rank order:
 
-    mean = Σ_{r = 0}^{n-1} (D(Q(x_r)) / n)        on every rank, from the same bytes
+    mean = Σ_{r = 0}^{n-1} (D(Q(x_r)) / c)        on every rank, from the same bytes
 
+(``c`` the channel's ``contributors``, ``n`` on a plain group; :mod:`~distoptim.comm.channel`)
 which is exact (no second encoding, no second residual) and bit-identical on every rank. With
 density 1 and ``fp32`` values every value travels as it is: on two ranks the result is bit for
 bit the lossless SUM all-reduce of ``x_r / n`` (one addition, which commutes); on more, equal
 up to the order of the additions.
 
 Cost: one all-gather, in which this rank sends its ``W`` bytes to ``n - 1`` peers
-(``(n - 1)·W``, counted in :meth:`GatheredMean._gather`, the scheme's one collective). Unlike
+(``(n - 1)·W``, counted in :meth:`GatheredMean._gather`, the scheme's one collective, issued
+through the channel). Unlike
 an all-reduce, that grows with ``n``: gather-and-sum beats a dense ring all-reduce of ``B``
 bytes per value while ``n · W / numel < 2·B`` roughly. Memory: the ``n`` received rows and one
 dense padded accumulator per mean in flight; with error feedback one padded residual
@@ -28,9 +30,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from distoptim.comm.averaging import Mean, MeanBuffers, Pending, all_gather_single
+from distoptim.comm.averaging import Mean, MeanBuffers, Pending
+from distoptim.comm.channel import Channel, Handle
 from distoptim.comm.codecs import SparseLayout, TopKCodec
 from distoptim.comm.feedback import feedback_for
 from distoptim.comm.stats import CommStats
@@ -44,7 +46,7 @@ class PendingGather(Pending):
 
     layout: SparseLayout
     received: torch.Tensor | None
-    work: dist.Work | None
+    work: Handle | None
     result: torch.Tensor | None = None
 
 
@@ -60,14 +62,13 @@ class GatheredMean(Mean):
     def __init__(
         self,
         codec: TopKCodec,
-        group: dist.ProcessGroup | None,
-        group_size: int,
+        channel: Channel,
         stats: CommStats,
         error_feedback: bool = True,
     ) -> None:
-        if group_size < 2:
-            raise ValueError(f"gather-and-sum needs a group of >= 2 ranks, got {group_size}")
-        super().__init__(group, group_size, stats)
+        if channel.size < 2:
+            raise ValueError(f"gather-and-sum needs a group of >= 2 ranks, got {channel.size}")
+        super().__init__(channel, stats)
         self.codec = codec
         self.feedback = feedback_for(error_feedback)
 
@@ -101,7 +102,7 @@ class GatheredMean(Mean):
         self._sum(pending, buffers.slot)
 
     def _sum(self, pending: PendingGather, out: torch.Tensor) -> torch.Tensor:
-        """Wait, then ``out = Σ_r (D(Q(x_r)) / n)`` in rank order (idempotent)."""
+        """Wait, then ``out = Σ_r (D(Q(x_r)) / c)`` in rank order (idempotent)."""
         if pending.result is None:
             if pending.received is None or pending.work is None:
                 raise ValueError("this pending mean has neither a launched gather nor a result")
@@ -109,7 +110,7 @@ class GatheredMean(Mean):
             layout = pending.layout
             acc = torch.promote_types(layout.dtype, torch.float32)
             positions, values = self.codec.decode(pending.received, acc, layout)
-            values.div_(self.group_size)  # each copy divided before the sum
+            values.div_(self.channel.contributors)  # each copy divided before the sum
             dense = torch.zeros(layout.padded, dtype=acc, device=values.device)
             for r in range(self.group_size):  # rank order: the same sum on every rank
                 dense.index_add_(0, positions[r], values[r])
@@ -132,10 +133,10 @@ class GatheredMean(Mean):
         layout = self.layout(payload.numel(), payload.dtype)
         return PendingGather(layout, None, None, result=buffers.slot)
 
-    def _gather(self, sent: torch.Tensor, received: torch.Tensor) -> dist.Work:
+    def _gather(self, sent: torch.Tensor, received: torch.Tensor) -> Handle:
         """The scheme's one collective: every rank's row to every rank (async).
 
         This rank sends its ``layout.width`` bytes to each of the ``n - 1`` others.
         """
         self.stats.send((self.group_size - 1) * sent.numel() * sent.element_size())
-        return all_gather_single(received, sent, group=self.group, async_op=True)
+        return self.channel.all_gather_single(received, sent)

@@ -22,6 +22,10 @@ Invariants
   and backward allocated a fresh one) is present and is *copied* into its slot by the next pack
   (:meth:`~distoptim.comm.bucket.Bucket.pack`), then :meth:`adopt` points ``.grad`` back at the
   alias -- correct in every case, copy-free when ``.grad`` stayed the alias.
+* **A moved alias is put back.** ``p.grad.data = t`` re-points the alias object itself to
+  other memory; the next pack (:meth:`GradViews.grads`) notices it (its data pointer is not its
+  slot's), copies ``t`` into the slot -- or raises ``ValueError`` naming the parameter when
+  ``t`` has another shape -- and points the alias at its slot again.
 * **In-place rounds leave the replica mean.** A round reduced *in place* (the unsharded view
   mode) overwrites the local gradients ``L_r`` with ``R = sum_r L_r / d`` (``d`` the round's
   divisor: ``n N`` for MEAN, 1 for SUM). :meth:`settle` then rescales the slots to
@@ -55,6 +59,7 @@ class GradViews:
             for i, alias in zip(bucket.members, bucket.grad_aliases()):
                 self.aliases[i] = alias
         self.ids = frozenset(id(p) for p in plan.params)
+        self._ptrs = [alias.data_ptr() for alias in self.aliases]  # where each slot is
         n = len(plan.params)
         self._clean = [-1] * n  # alias version right after the last zeroing (-1: never zeroed)
         self._sticky = [False] * n  # present whatever the version says
@@ -75,14 +80,30 @@ class GradViews:
     def grads(self, bucket: Bucket) -> list[torch.Tensor | None]:
         """What to pack for ``bucket``'s members: ``.grad`` if present, None if absent."""
         params, aliases, sticky, clean = self.plan.params, self.aliases, self._sticky, self._clean
+        ptrs = self._ptrs
         out: list[torch.Tensor | None] = []
         for i in bucket.members:
             g = params[i].grad
             if g is None or (g is aliases[i] and not sticky[i] and g._version == clean[i]):
                 out.append(None)
             else:
+                if g is aliases[i] and g.data_ptr() != ptrs[i]:
+                    self._put_back(bucket, i)
                 out.append(g)
         return out
+
+    def _put_back(self, bucket: Bucket, i: int) -> None:
+        """Member ``i``'s alias was re-pointed (``.grad.data = t``): ``t`` into the slot, the
+        alias back onto it; ``ValueError`` naming the parameter if ``t``'s shape is wrong."""
+        k = bucket.members.index(i)
+        alias = self.aliases[i]
+        shape = bucket.shapes[k]
+        if alias.shape != shape:
+            raise bucket.wrong_shape(k, alias)
+        slot = bucket.views(bucket.persistent_buffer())[k]
+        with torch.no_grad():
+            slot.copy_(alias)
+        alias.set_(slot.untyped_storage(), slot.storage_offset(), shape, slot.stride())
 
     # ---- zero_grad -----------------------------------------------------------------------
     def zero(self, set_to_none: bool) -> None:

@@ -10,6 +10,16 @@ extra ``backward()`` becomes an error instead of gradients of different iteratio
 Without overlap it watches a few *sentinel* parameters only (:func:`sentinels`), so counting
 costs a handful of hook calls per pass, not one per parameter.
 
+The counter also stamps the sentinels' ``.grad`` (identity and ``Tensor._version``) twice per
+pass: when autograd has accumulated each one (in its hook), and once the pass is completely
+over -- in a second engine callback, queued from the first, so it runs after every callback the
+pass queued, such as ``DistributedDataParallel``'s ``finalize_backward``. A gradient that
+changed between the two stamps was rewritten during backward by someone else's hook (a DDP
+reducer averaging it: :attr:`PassCounter.foreign`); one that changed between the second stamp
+and ``step()`` was edited by user code after backward (:meth:`PassCounter.edited_since_pass`:
+clipping, unscaling, zeroing, assigning). Both are cheap signals on a few tensors, not proofs:
+an edit of non-sentinel gradients only goes unseen.
+
 :class:`BackwardOverlap` is modeled on DDP's reducer (``torch/csrc/distributed/c10d/
 reducer.cpp``): a parameter is marked ready when autograd has finished accumulating its gradient
 (``register_post_accumulate_grad_hook``); when every member of a bucket is ready the bucket is
@@ -75,22 +85,38 @@ def _queue_at_backward_end(fn: Callable[[], None]) -> None:
     Variable._execution_engine.queue_callback(fn)
 
 
+Stamp = tuple[int, int]
+"""A ``.grad`` at one moment: ``(id, _version)``, ``(0, -1)`` for None (compared, never kept)."""
+
+
+def _stamp(param: torch.Tensor) -> Stamp:
+    g = param.grad
+    return (0, -1) if g is None else (id(g), g._version)
+
+
 class PassCounter:
     """Backward passes since :meth:`reset` that reached at least one watched parameter.
 
     ``completed``: passes that have ended. Parameters are watched either by :meth:`watch`
     (this counter's own hooks) or by a :class:`BackwardOverlap` calling :meth:`note_grad` from
     its hooks. ``listeners`` run at the end of every counted pass, after ``completed`` grew.
+    ``foreign``: since :meth:`reset`, a stamped gradient changed during a pass after autograd
+    had accumulated it (see the module docstring); stamped are the parameters given to
+    :meth:`watch` or :meth:`track`.
     """
 
     def __init__(self) -> None:
         self.completed = 0
         self.listeners: list[Callable[[], None]] = []
+        self.foreign = False
         self._queued = False
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._tracked: dict[int, torch.Tensor] = {}  # id(param) -> param, the stamped ones
+        self._at_hook: dict[int, Stamp] = {}  # stamped when autograd accumulated them
+        self._settled: dict[int, Stamp] = {}  # stamped when the last counted pass was over
 
     def watch(self, params: Sequence[torch.Tensor]) -> None:
-        """Hook ``params`` (weakly bound to ``self``); replaces what was watched before."""
+        """Hook and stamp ``params`` (weakly bound to ``self``); replaces what was watched."""
         self.unwatch()
         ref = weakref.ref(self)
         for p in params:
@@ -98,17 +124,26 @@ class PassCounter:
                 self._handles.append(
                     p.register_post_accumulate_grad_hook(functools.partial(_noted, ref))
                 )
+        self.track(params)
+
+    def track(self, params: Sequence[torch.Tensor]) -> None:
+        """Stamp ``params`` when :meth:`note_grad` names them (another object's hooks)."""
+        self._tracked = {id(p): p for p in params}
+        self._at_hook, self._settled = {}, {}
 
     def unwatch(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self.track([])
 
     def __del__(self) -> None:
         self.unwatch()
 
-    def note_grad(self) -> None:
+    def note_grad(self, param: torch.Tensor | None = None) -> None:
         """A watched gradient was accumulated: make sure the running pass gets counted."""
+        if param is not None and id(param) in self._tracked:
+            self._at_hook[id(param)] = _stamp(param)
         if not self._queued:
             _queue_at_backward_end(functools.partial(_pass_ended, weakref.ref(self)))
             self._queued = True
@@ -118,23 +153,45 @@ class PassCounter:
         self.completed += 1
         for fn in list(self.listeners):
             fn()
+        # after every callback this pass queued (a DDP reducer's finalize_backward among them)
+        _queue_at_backward_end(functools.partial(_pass_settled, weakref.ref(self)))
+
+    def _on_pass_settled(self) -> None:
+        tracked = self._tracked
+        if any(_stamp(tracked[k]) != v for k, v in self._at_hook.items() if k in tracked):
+            self.foreign = True
+        self._at_hook = {}
+        self._settled = {k: _stamp(p) for k, p in tracked.items()}
+
+    def edited_since_pass(self) -> bool:
+        """Did a stamped ``.grad`` change after the last counted pass was over?"""
+        tracked = self._tracked
+        return any(_stamp(tracked[k]) != v for k, v in self._settled.items() if k in tracked)
 
     def reset(self) -> None:
         """Start counting afresh (``step()``); also recovers from a backward that raised."""
         self.completed = 0
+        self.foreign = False
         self._queued = False
+        self._at_hook, self._settled = {}, {}
 
 
 def _noted(ref: weakref.ref[PassCounter], param: torch.Tensor) -> None:
     owner = ref()
     if owner is not None:
-        owner.note_grad()
+        owner.note_grad(param)
 
 
 def _pass_ended(ref: weakref.ref[PassCounter]) -> None:
     owner = ref()
     if owner is not None:
         owner._on_pass_end()
+
+
+def _pass_settled(ref: weakref.ref[PassCounter]) -> None:
+    owner = ref()
+    if owner is not None:
+        owner._on_pass_settled()
 
 
 class BackwardOverlap:
@@ -198,7 +255,7 @@ class BackwardOverlap:
         self._launched_at = []
 
     def _on_grad_ready(self, index: int) -> None:
-        self.counter.note_grad()
+        self.counter.note_grad(self.plan.params[index])
         if self.counter.completed != self.passes_per_step - 1:
             return  # an accumulation pass (or one past the N-th): nothing to send now
         self._fired.append(index)

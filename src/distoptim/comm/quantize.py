@@ -9,15 +9,17 @@ all-reduce is a reduce-scatter followed by an all-gather:
 1. *scatter*: every rank encodes its whole buffer ``x_r`` (padded to ``n`` equal shards) and an
    ``all_to_all`` hands shard ``j`` of every rank to rank ``j``;
 2. rank ``j`` decodes the ``n`` copies of its shard, averages them in full precision (at least
-   float32) -- ``m_j = Σ_r (D(Q(x_r))_j / n)``, each copy divided by ``n`` before the sum, so
-   finite copies give a finite mean -- and encodes ``m_j`` once more;
+   float32) -- ``m_j = Σ_r (D(Q(x_r))_j / c)``, each copy divided by ``c`` before the sum, so
+   finite copies give a finite mean -- and encodes ``m_j`` once more (``c`` is the channel's
+   ``contributors``: ``n`` on a plain group; :mod:`~distoptim.comm.channel`);
 3. *gather*: an ``all_gather`` gives every rank every encoded ``m_j``; all decode the same codes,
    so the result is bit-identical on every rank.
 
 Each rank sends ``(n - 1)`` encoded shards per phase, ``2 (n - 1) W`` bytes in all for a shard of
 ``W`` wire bytes -- the ring all-reduce's ``2 (n - 1) / n`` of the buffer, in the wire format.
 Both phases are counted (and the emulated link paid) as they are launched, in
-:meth:`QuantizedMean._collective`, the scheme's one place for collectives.
+:meth:`QuantizedMean._collective`, the scheme's one place for collectives (issued through the
+:class:`~distoptim.comm.channel.Channel`). The shard layout depends on ``n``.
 
 Error feedback (:mod:`distoptim.comm.feedback`) applies at both encodings: rank ``r`` keeps
 ``e_r ← (x_r + e_r) - D(Q(x_r + e_r))`` over its padded buffer (residual ``"local"``) and the
@@ -35,9 +37,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from distoptim.comm.averaging import Mean, MeanBuffers, Pending, all_gather_single
+from distoptim.comm.averaging import Mean, MeanBuffers, Pending
+from distoptim.comm.channel import Channel, Handle
 from distoptim.comm.codecs import DenseCodec, ShardLayout
 from distoptim.comm.feedback import feedback_for
 from distoptim.comm.stats import CommStats
@@ -55,16 +57,16 @@ class PendingMean(Pending):
 
     layout: ShardLayout
     received: torch.Tensor | None
-    work: dist.Work | None
+    work: Handle | None
     shard_mean: torch.Tensor | None = None
 
 
 class QuantizedMean(Mean):
-    """Two-phase encoded mean of flat buffers over ``group`` (see the module docstring).
+    """Two-phase encoded mean of flat buffers over ``channel`` (see the module docstring).
 
     ``launch`` encodes and starts phase 1 (asynchronously); ``settle`` waits for it and forms
     this rank's shard mean (local, no collective); ``finish`` runs phase 2 and writes the mean
-    into the payload. ``error_feedback=False`` keeps no residuals. ``group_size >= 2``.
+    into the payload. ``error_feedback=False`` keeps no residuals. ``channel.size >= 2``.
     """
 
     finishes_with_collective = True
@@ -72,14 +74,13 @@ class QuantizedMean(Mean):
     def __init__(
         self,
         codec: DenseCodec,
-        group: dist.ProcessGroup | None,
-        group_size: int,
+        channel: Channel,
         stats: CommStats,
         error_feedback: bool = True,
     ) -> None:
-        if group_size < 2:
-            raise ValueError(f"a quantized mean needs a group of >= 2 ranks, got {group_size}")
-        super().__init__(group, group_size, stats)
+        if channel.size < 2:
+            raise ValueError(f"a quantized mean needs a group of >= 2 ranks, got {channel.size}")
+        super().__init__(channel, stats)
         self.codec = codec
         self.feedback = feedback_for(error_feedback)
 
@@ -118,7 +119,7 @@ class QuantizedMean(Mean):
         self._shard_mean(pending, buffers.slot)
 
     def _shard_mean(self, pending: PendingMean, out: torch.Tensor | None) -> torch.Tensor:
-        """This rank's shard mean ``Σ_r (D(Q(x_r))_j / n)``, written into ``out`` if given."""
+        """This rank's shard mean ``Σ_r (D(Q(x_r))_j / c)``, written into ``out`` if given."""
         if pending.shard_mean is None:
             if pending.received is None or pending.work is None:
                 raise ValueError("this pending mean has neither a launched phase 1 nor a result")
@@ -128,7 +129,7 @@ class QuantizedMean(Mean):
             copies = self.codec.decode(pending.received, acc, layout)
             # divide before summing: n finite copies of at most FLT_MAX / n each cannot
             # overflow, while their sum (divided afterwards) could
-            mean = copies.div_(self.group_size).sum(dim=0)
+            mean = copies.div_(self.channel.contributors).sum(dim=0)
             if out is None:
                 out = torch.empty(layout.shard, dtype=layout.dtype, device=mean.device)
             out.copy_(mean)
@@ -161,15 +162,15 @@ class QuantizedMean(Mean):
         layout = self.layout(payload.numel(), payload.dtype)
         return PendingMean(layout, None, None, shard_mean=buffers.slot)
 
-    def _collective(self, phase: int, sent: torch.Tensor, received: torch.Tensor) -> dist.Work:
+    def _collective(self, phase: int, sent: torch.Tensor, received: torch.Tensor) -> Handle:
         """The scheme's collectives: phase 1's all-to-all, phase 2's all-gather (both async).
 
         This rank sends ``(n - 1)`` of its rows, each ``layout.width`` bytes, in either phase.
         """
         self.stats.send((self.group_size - 1) * sent[0].numel() * sent.element_size())
         if phase == 1:
-            return dist.all_to_all_single(received, sent, group=self.group, async_op=True)
-        return all_gather_single(received, sent, group=self.group, async_op=True)
+            return self.channel.all_to_all_single(received, sent)
+        return self.channel.all_gather_single(received, sent)
 
 
 def __getattr__(name: str) -> Any:

@@ -21,6 +21,7 @@ left the group) raises :class:`~distoptim.comm.guard.DesyncError` naming the rou
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +34,7 @@ from distoptim.comm.compression import WireFormat
 from distoptim.comm.guard import DesyncError
 from distoptim.comm.stats import CommStats, ring_allreduce_bytes
 
-__all__ = ["BucketAllReduce", "PendingReduce", "ReduceRound"]
+__all__ = ["BucketAllReduce", "PendingReduce", "ReduceRound", "grads_changed"]
 
 
 @dataclass
@@ -200,6 +201,16 @@ class ReduceRound:
                 present[i] = here
         return present
 
+    def snapshot(self) -> list[list[tuple[weakref.ref[torch.Tensor] | None, int]]]:
+        """Per bucket and member: the gradient its launch read (weakly) and its ``_version``.
+
+        Compared later with :func:`grads_changed` without keeping old gradients alive.
+        """
+        return [
+            [(None if g is None else weakref.ref(g), version) for g, version in inputs]
+            for inputs in self._inputs
+        ]
+
     def inputs_unchanged(self) -> bool:
         """Are the gradients the launched buckets read still the same tensors, unmodified?
 
@@ -211,3 +222,27 @@ class ReduceRound:
                 if g is not old or (g is not None and g._version != version):
                     return False
         return True
+
+
+def grads_changed(
+    plan: BucketPlan,
+    grads_of: Callable[[Bucket], Sequence[torch.Tensor | None]],
+    snapshot: Sequence[Sequence[tuple[weakref.ref[torch.Tensor] | None, int]]] | None,
+) -> bool:
+    """Does some member of ``plan`` now have a gradient that a round's launch did not read?
+
+    ``snapshot``: :meth:`ReduceRound.snapshot` of an earlier round over ``plan`` (None: no such
+    round, so any gradient is new). A gradient counts as new when it is another tensor or was
+    written in place since (its ``_version``); gradients that became None do not count.
+    """
+    for k, bucket in enumerate(plan.buckets):
+        before = snapshot[k] if snapshot is not None and k < len(snapshot) else None
+        for j, g in enumerate(grads_of(bucket)):
+            if g is None:
+                continue
+            if before is None or j >= len(before):
+                return True
+            ref, version = before[j]
+            if ref is None or ref() is not g or g._version != version:
+                return True
+    return False

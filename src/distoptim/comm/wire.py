@@ -47,10 +47,9 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 
-import torch.distributed as dist
-
 from distoptim.checks import check_real, check_str, type_name
 from distoptim.comm.averaging import Mean, SumMean
+from distoptim.comm.channel import Channel
 from distoptim.comm.codecs import Absmax, Cast, DenseCodec, TopKCodec, Values
 from distoptim.comm.compression import CASTS, WireFormat
 from distoptim.comm.gather import GatheredMean
@@ -86,26 +85,15 @@ class Format(abc.ABC):
     scheme: str
     """``"all-reduce"``, ``"two-phase"`` or ``"gather"`` (see the module)."""
 
-    def mean(
-        self,
-        group: dist.ProcessGroup | None,
-        group_size: int,
-        stats: CommStats,
-        error_feedback: bool,
-    ) -> Mean:
-        """The averaging scheme for ``group``; in a group of one the plain one (nothing travels)."""
-        if group_size == 1:
-            return SumMean(CASTS["fp32"], group, 1, stats)
-        return self._mean(group, group_size, stats, error_feedback)
+    def mean(self, channel: Channel, stats: CommStats, error_feedback: bool) -> Mean:
+        """The averaging scheme over ``channel`` (:mod:`~distoptim.comm.channel`); on a channel
+        of one member the plain one (nothing travels)."""
+        if channel.size == 1:
+            return SumMean(CASTS["fp32"], channel, stats)
+        return self._mean(channel, stats, error_feedback)
 
     @abc.abstractmethod
-    def _mean(
-        self,
-        group: dist.ProcessGroup | None,
-        group_size: int,
-        stats: CommStats,
-        error_feedback: bool,
-    ) -> Mean: ...
+    def _mean(self, channel: Channel, stats: CommStats, error_feedback: bool) -> Mean: ...
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
@@ -123,14 +111,8 @@ class Lossless(Format):
     def allreduce(self) -> WireFormat:
         return CASTS[self.name]
 
-    def _mean(
-        self,
-        group: dist.ProcessGroup | None,
-        group_size: int,
-        stats: CommStats,
-        error_feedback: bool,
-    ) -> Mean:
-        return SumMean(self.allreduce, group, group_size, stats)
+    def _mean(self, channel: Channel, stats: CommStats, error_feedback: bool) -> Mean:
+        return SumMean(self.allreduce, channel, stats)
 
 
 @dataclass(frozen=True, repr=False)
@@ -147,14 +129,8 @@ class Quantized(Format):
         """The cast that can ride a plain SUM all-reduce (fp16, bf16), else ``None``."""
         return CASTS.get(self.name)
 
-    def _mean(
-        self,
-        group: dist.ProcessGroup | None,
-        group_size: int,
-        stats: CommStats,
-        error_feedback: bool,
-    ) -> Mean:
-        return QuantizedMean(self.codec, group, group_size, stats, error_feedback)
+    def _mean(self, channel: Channel, stats: CommStats, error_feedback: bool) -> Mean:
+        return QuantizedMean(self.codec, channel, stats, error_feedback)
 
 
 @dataclass(frozen=True, repr=False)
@@ -166,14 +142,8 @@ class Sparse(Format):
     lossy: bool = True
     scheme: str = "gather"
 
-    def _mean(
-        self,
-        group: dist.ProcessGroup | None,
-        group_size: int,
-        stats: CommStats,
-        error_feedback: bool,
-    ) -> Mean:
-        return GatheredMean(self.codec, group, group_size, stats, error_feedback)
+    def _mean(self, channel: Channel, stats: CommStats, error_feedback: bool) -> Mean:
+        return GatheredMean(self.codec, channel, stats, error_feedback)
 
 
 def _values(name: str) -> Values:

@@ -1,101 +1,456 @@
 """The sync header: what every replica must agree on before a sync's payload collectives.
 
-Owns the small fixed-size all-gather that precedes every collective of a sync whose size
-depends on the fragment (the pseudo-gradient all-reduce, or each phase of a quantized mean):
-each replica sends its sequence words (:class:`~distoptim.comm.guard.GuardWords`: the round
-kind, the inner step, a 48-bit fingerprint of the parameters and the options, the parameter
-count; with equal options the step fixes which fragment syncs and in which phase) and two
-float64 numbers, ``Σ θ_g`` and ``Σ θ_g²`` over the syncing fragment's global copy. Every
-replica receives the same table and reaches the same verdict:
+Owns the small fixed-size all-gather (over the replicas'
+:class:`~distoptim.comm.channel.Channel`) that precedes every collective of a sync whose size
+depends on the fragment (the pseudo-gradient mean, or the second phase of a quantized mean),
+and the verdict every replica derives from it. Each replica sends one :class:`Header`,
+``HEADER_BYTES`` = 64 bytes, little-endian::
 
-* fingerprints differ (another model, other options) ->
-  :class:`~distoptim.comm.guard.ParameterMismatchError`;
-* steps differ (a ``step()`` skipped or added, a checkpoint loaded on some replicas only) ->
-  :class:`~distoptim.comm.guard.DesyncError`;
-* global copies differ (replicas built from different weights, or loaded different
-  checkpoints) beyond a relative 1e-9 -> ``ParameterMismatchError``.
+    offset  bytes  field
+         0      1  kind      what the replica is doing: 1 = a sync due in step(), 4 = finish()
+         1      1  flags     bit 0: this replica's pseudo-gradient of the fragment is finite;
+                             bit 1: it is *healing* (torchft: it receives a peer's state at this
+                             sync's commit, so it contributes nothing and its state is stale)
+         2      2  fragment  the syncing fragment's index (65535: none -- a finish() with
+                             nothing left to sync)
+         4      4  params    the number of parameters
+         8      8  step      the inner step t (``iterations``)
+        16      8  plan      64-bit fingerprint of the parameters (order, shapes, dtypes,
+                             requires_grad) and the options (H, F, τ, alpha, wire, error feedback,
+                             bucket cap, number of replicas)
+        24      8  outer     64-bit fingerprint of the algorithm (DiLoCo, LocalSGD) and of the
+                             outer optimizer's type and hyperparameters, group by group
+        32      8  inner     the same for the inner optimizer (a scheduler moves it every step;
+                             it must move alike on every replica)
+        40      8  Σ θ_g     float64, over the fragment's global copy (the whole copy when
+        48      8  Σ θ_g²    float64   no fragment syncs)
+        56      8  state     with a torchft manager: the bitwise checksum
+                             (:func:`~distoptim.comm.checksum.state_checksum`) of the same global
+                             copy and the outer optimizer's state of its parameters; else 0
+
+(fingerprints: :mod:`distoptim.comm.fingerprint`, :mod:`distoptim.comm.hyperparameters`).
+Every replica receives the same table and reaches the same verdict, in this order:
+
+1. a kind that is not 1 or 4 -> :class:`~distoptim.comm.guard.DesyncError` (the replicas'
+   collectives did not pair);
+2. the parameter count or a fingerprint differs -> every replica sends its description (two
+   more collectives: the lengths, then the bytes, only on this path) and raises
+   :class:`~distoptim.comm.guard.ParameterMismatchError` naming each difference (``lr: rank 0
+   0.7, rank 1 0.5``);
+3. kind, step or fragment differ -> ``DesyncError`` ("out of step": a replica whose loop ended
+   before this sync and called ``finish()``, an extra or a missing ``step()``, a checkpoint
+   loaded on some replicas only);
+4. the global copies' sums differ beyond a relative 1e-9, or (with a manager) their state
+   checksums differ at all -> ``ParameterMismatchError`` (different initial weights or
+   checkpoints; with a manager: replicas that committed or healed into different states);
+5. otherwise the sync stands, except that if some replica's flag says its pseudo-gradient is
+   not finite, every replica refuses it (:meth:`SyncAgreement.check` returns those replicas;
+   the caller keeps the global copy and says so).
+
+Healing replicas (flag bit 1; only with a torchft manager) are left out of steps 2--5: their
+state is the one a peer is about to replace. They read the verdict's step and fragment from the
+others (:class:`HeaderVerdict`) and take part in that sync's collectives with zeros; the mean
+divides by the replicas that contribute (:attr:`HeaderVerdict.contributors`).
 
 Why a separate header and not a trailer in the payload (as CrossShardOptimizer's rounds carry
 their words): fragments have different sizes, and a gloo collective whose ranks disagree on the
 size aborts the process. A fixed-size message first turns every such divergence into an error
 on every rank, before any size-dependent collective. Cost per header: ``(n - 1)`` messages of
-``CHUNKS + 16`` bytes (34 bytes) per rank and one latency.
+56 bytes per rank and one latency.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+import struct
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from distoptim.comm.guard import CHUNKS, GuardCodec, GuardWords, ParameterMismatchError, check_round
+from distoptim.comm.channel import Channel
+from distoptim.comm.fingerprint import digest
+from distoptim.comm.guard import DesyncError, ParameterMismatchError, RoundKind
+from distoptim.comm.hyperparameters import (
+    describe_optimizer,
+    differences,
+    fingerprint,
+    group_members,
+)
 from distoptim.comm.stats import CommStats
 
-__all__ = ["SyncAgreement"]
+__all__ = [
+    "HEADER_BYTES",
+    "NO_FRAGMENT",
+    "Header",
+    "HeaderVerdict",
+    "NonFiniteSyncError",
+    "ReplicaIdentity",
+    "SyncAgreement",
+]
 
-_SUMS = 2  # Σ θ_g and Σ θ_g² (float64)
+_LAYOUT = struct.Struct("<BBHIQQQQddQ")
+HEADER_BYTES = _LAYOUT.size
+"""Bytes one replica sends to each peer per header."""
+NO_FRAGMENT = 0xFFFF
+"""The fragment field of a header that precedes no payload (a finish() with nothing to sync)."""
+_KINDS = {RoundKind.STEP: "step()", RoundKind.FINISH: "finish()"}
+_FINITE = 1
+_HEALING = 2
+
+
+@dataclass(frozen=True)
+class Header:
+    """One replica's header (see the module for the layout).
+
+    ``fragment`` is ``None`` when no fragment syncs after it; ``finite`` says whether this
+    replica's pseudo-gradient of the fragment is finite (True when it sends none).
+    """
+
+    kind: RoundKind
+    step: int
+    fragment: int | None
+    params: int
+    plan: int
+    outer: int
+    inner: int
+    finite: bool = True
+    healing: bool = False
+    state: int = 0
+
+    def pack(self, sums: tuple[float, float]) -> bytes:
+        fragment = NO_FRAGMENT if self.fragment is None else min(self.fragment, NO_FRAGMENT - 1)
+        return _LAYOUT.pack(
+            int(self.kind),
+            (_FINITE if self.finite else 0) | (_HEALING if self.healing else 0),
+            fragment,
+            min(self.params, 0xFFFFFFFF),
+            self.step,
+            self.plan,
+            self.outer,
+            self.inner,
+            *sums,
+            self.state,
+        )
+
+    def describe(self) -> str:
+        what = _KINDS.get(self.kind, f"an unknown operation (kind {int(self.kind)})")
+        if self.fragment is None:
+            return f"{what} after step {self.step}, nothing left to sync"
+        return f"{what}: the sync of fragment {self.fragment} after step {self.step}"
+
+
+class NonFiniteSyncError(FloatingPointError):
+    """A sync refused on every replica because some replica's pseudo-gradient was not finite.
+
+    Raised on every replica alike, after the refusal: no outer step was taken, the global copy
+    is unchanged and every replica's parameters of the fragment were reset to it, so the
+    replicas are still in step and training may go on.
+    """
+
+
+class ReplicaIdentity:
+    """What a replica's headers say about it: the fingerprints and, on a mismatch, the
+    description they summarize.
+
+    ``algorithm`` names the optimizer (``"DiLoCo"``, ``"LocalSGD"``); ``params`` and
+    ``options`` are fixed at construction (the plan fingerprint), and so is which parameters
+    each param group of the inner and outer optimizers holds; their hyperparameters are read at
+    every header (schedulers move them).
+    """
+
+    def __init__(
+        self,
+        algorithm: str,
+        params: Sequence[torch.Tensor],
+        options: Mapping[str, Any],
+        inner: torch.optim.Optimizer,
+        outer: torch.optim.Optimizer,
+    ) -> None:
+        self.algorithm = algorithm
+        self.params = list(params)
+        self.options = dict(options)
+        self.inner = inner
+        self.outer = outer
+        self.plan = int.from_bytes(digest(self.params, self.options)[:8], "little")
+        self._members = {
+            id(opt): group_members(opt, self.params) for opt in (self.inner, self.outer)
+        }
+
+    def header(
+        self,
+        kind: RoundKind,
+        step: int,
+        fragment: int | None,
+        finite: bool,
+        healing: bool = False,
+        state: int = 0,
+    ) -> Header:
+        """This replica's header for a sync of ``fragment`` (``None``: no payload follows)."""
+        return Header(
+            kind,
+            step,
+            fragment,
+            len(self.params),
+            self.plan,
+            fingerprint(self._outer()),
+            fingerprint(self._describe(self.inner)),
+            finite,
+            healing,
+            state,
+        )
+
+    def _outer(self) -> dict[str, Any]:
+        return {
+            "algorithm": self.algorithm,
+            "optimizer": self._describe(self.outer),
+        }
+
+    def _describe(self, opt: torch.optim.Optimizer) -> dict[str, Any]:
+        return describe_optimizer(opt, self.params, self._members[id(opt)])
+
+    def describe(self) -> dict[str, Any]:
+        """Everything the fingerprints cover, as JSON-able data (sent only on a mismatch)."""
+        return {
+            "algorithm": self.algorithm,
+            "parameters": [
+                f"{tuple(p.shape)} {p.dtype}{'' if p.requires_grad else ' frozen'}"
+                for p in self.params
+            ],
+            "options": self.options,
+            "outer optimizer": self._describe(self.outer),
+            "inner optimizer": self._describe(self.inner),
+        }
+
+
+def _unpack(row: bytes) -> tuple[Header | None, int, tuple[float, float]]:
+    """``(header or None if its kind is unknown, raw kind, (Σ θ_g, Σ θ_g²))``."""
+    kind, flags, fragment, params, step, plan, outer, inner, s1, s2, state = _LAYOUT.unpack(row)
+    if kind not in (RoundKind.STEP, RoundKind.FINISH) or flags > _FINITE | _HEALING:
+        return None, kind, (s1, s2)
+    header = Header(
+        RoundKind(kind),
+        step,
+        None if fragment == NO_FRAGMENT else fragment,
+        params,
+        plan,
+        outer,
+        inner,
+        finite=bool(flags & _FINITE),
+        healing=bool(flags & _HEALING),
+        state=state,
+    )
+    return header, kind, (s1, s2)
+
+
+@dataclass(frozen=True)
+class HeaderVerdict:
+    """What every replica takes from a header that stands.
+
+    ``refusing``: the replicas whose pseudo-gradient is not finite (empty: the sync stands);
+    ``step`` and ``fragment``: the sync's, as the contributing replicas see it (a healing
+    replica adopts them); ``contributors``: replicas whose pseudo-gradient counts.
+    """
+
+    refusing: list[str]
+    step: int
+    fragment: int | None
+    contributors: int
+    void: str = ""  # not empty: no payload follows and the sync is not applied (why)
 
 
 class SyncAgreement:
-    """Checks one sync header over ``group`` (``group_size >= 2`` replicas).
+    """Checks one sync header over ``channel`` (``channel.size >= 2`` replicas).
 
     ``device``: where the message lives (the current GPU under NCCL, else the CPU); ``owner``
     names the optimizer in errors.
     """
 
     def __init__(
-        self,
-        group: dist.ProcessGroup | None,
-        group_size: int,
-        stats: CommStats,
-        device: torch.device,
-        owner: str,
+        self, channel: Channel, stats: CommStats, device: torch.device, owner: str
     ) -> None:
-        ranks = (
-            dist.get_process_group_ranks(group) if group is not None else list(range(group_size))
-        )
-        self.group = group
         self.stats = stats
         self.device = device
         self.owner = owner
-        self.codec = GuardCodec(group_size, dist.get_rank(group), ranks, owner=owner)
+        self.rebind(channel)
 
-    def check(self, words: GuardWords, global_copy: Sequence[torch.Tensor]) -> None:
-        """All-gather this replica's words and global-copy sums; raise on any disagreement."""
-        codec = self.codec
-        trailer = torch.zeros(codec.size, dtype=torch.uint8)
-        codec.write(trailer, words)
-        mine_words = trailer[codec.group_rank * CHUNKS : (codec.group_rank + 1) * CHUNKS]
+    def rebind(self, channel: Channel) -> None:
+        """Run the next headers over ``channel`` (between syncs)."""
+        self.channel = channel
+
+    @property
+    def _names(self) -> list[str]:
+        return [f"rank {r}" for r in self.channel.ranks]
+
+    def check(
+        self,
+        header: Header,
+        global_copy: Sequence[torch.Tensor],
+        describe: Callable[[], Any],
+    ) -> HeaderVerdict:
+        """All-gather ``header`` and the global copy's sums; raise on any disagreement.
+
+        Returns the :class:`HeaderVerdict` (every replica reads the same). ``describe()`` --
+        this replica's parameters, options and optimizers as JSON-able data -- is called only
+        when fingerprints differ.
+        """
         with torch.no_grad():
-            sums = torch.stack(
-                [
-                    torch.stack([g.double().sum(), g.double().square().sum()]).cpu()
-                    for g in global_copy
-                ]
-            ).sum(0)
-        mine = torch.cat([mine_words, sums.view(torch.uint8)]).to(self.device)
-        rows = [torch.empty_like(mine) for _ in range(codec.group_size)]
-        self.stats.send((codec.group_size - 1) * mine.numel())
-        dist.all_gather(rows, mine, group=self.group)
-        table = torch.stack(rows).cpu()
-        # every rank's slot, in rank order, is exactly the summed trailer the codec reads
-        check_round(codec.read(table[:, :CHUNKS].reshape(-1)), codec.ranks, owner=self.owner)
-        all_sums = table[:, CHUNKS:].contiguous().view(torch.float64).reshape(-1, _SUMS)
-        if all(
+            sums = (0.0, 0.0)
+            if global_copy:
+                both = torch.stack(
+                    [
+                        torch.stack([g.double().sum(), g.double().square().sum()])
+                        for g in global_copy
+                    ]
+                ).sum(0)
+                sums = (float(both[0]), float(both[1]))
+        mine = torch.frombuffer(bytearray(header.pack(sums)), dtype=torch.uint8).to(self.device)
+        size = self.channel.size
+        rows = mine.new_empty(size * HEADER_BYTES)
+        self.stats.send((size - 1) * HEADER_BYTES)
+        self.channel.all_gather_single(rows, mine).wait()
+        if self.channel.failed:  # a torchft round whose peer died: the table is not one
+            why = f"the round failed before its header was read ({self.channel.failed})"
+            return HeaderVerdict([], header.step, header.fragment, 1, void=why)
+        raw = rows.cpu().numpy().tobytes()
+        table = [_unpack(raw[i * HEADER_BYTES : (i + 1) * HEADER_BYTES]) for i in range(size)]
+        names = self._names
+        for name, (h, kind, _) in zip(names, table):
+            if h is None:
+                raise DesyncError(
+                    f"{self.owner}: {name}'s sync header is not valid (kind {kind}): the "
+                    "replicas' collectives did not pair -- some replica issued a different "
+                    "collective in this position"
+                )
+        everyone: list[Header] = [h for h, _, _ in table]  # type: ignore[misc]
+        judged = [i for i, h in enumerate(everyone) if not h.healing]
+        if not judged:
+            raise DesyncError(
+                f"{self.owner}: every replica of this sync is healing: nobody holds a state to "
+                "heal from (a torchft quorum of joiners only)"
+            )
+        every_name = names
+        headers = [everyone[i] for i in judged]
+        names = [names[i] for i in judged]
+        first = headers[0]
+        strangers = [
+            i
+            for i, h in enumerate(everyone)
+            if h.healing and (h.params, h.plan) != (first.params, first.plan)
+        ]
+        if strangers:  # a replica built with another model or options is joining
+            message = (
+                f"{self.owner}: {', '.join(every_name[i] for i in strangers)} joined with "
+                f"another model or other options ({everyone[strangers[0]].params} parameters, "
+                f"plan {everyone[strangers[0]].plan:016x}) than the replicas it would heal "
+                f"from ({first.params} parameters, plan {first.plan:016x}); it is refused "
+                "before it contributes"
+            )
+            if self.channel.rank in strangers:
+                raise ParameterMismatchError(message, [])
+            return HeaderVerdict([], first.step, first.fragment, len(headers), void=message)
+        if any((h.params, h.plan, h.outer, h.inner) != _prints(first) for h in headers):
+            self._mismatch(everyone, describe)
+        if any(
+            (h.kind, h.step, h.fragment) != (first.kind, first.step, first.fragment)
+            for h in headers
+        ):
+            raise DesyncError(_out_of_step(self.owner, headers, names))
+        if len({h.state for h in headers}) > 1:
+            lines = [f"  {n}: state checksum {h.state:016x}" for n, h in zip(names, headers)]
+            raise ParameterMismatchError(
+                f"{self.owner}: replicas hold different global copies or outer states at step "
+                f"{header.step} although they all committed (or healed into) the same syncs "
+                "-- their synchronised state is not bit-for-bit equal:\n" + "\n".join(lines),
+                [],
+            )
+        all_sums = torch.tensor([table[i][2] for i in judged], dtype=torch.float64)
+        if not all(
             torch.allclose(row, all_sums[0], rtol=1e-9, atol=0.0, equal_nan=True)
             for row in all_sums
         ):
-            return
-        lines = [
-            f"  rank {r}: sum {float(s[0]):.12g}, sum of squares {float(s[1]):.12g}"
-            for r, s in zip(codec.ranks, all_sums)
-        ]
-        raise ParameterMismatchError(
-            f"{self.owner}: replicas hold different global copies at step {words.step} (the "
-            "parameters at construction, or the loaded checkpoints, differ):\n"
-            + "\n".join(lines)
-            + "\nBuild the model identically on every replica (e.g. torch.manual_seed before "
-            "creating it, or broadcast rank 0's parameters) before creating the optimizer, and "
-            "resume every replica from the same checkpoint step."
+            lines = [
+                f"  {name}: sum {float(s[0]):.12g}, sum of squares {float(s[1]):.12g}"
+                for name, s in zip(names, all_sums)
+            ]
+            raise ParameterMismatchError(
+                f"{self.owner}: replicas hold different global copies at step {header.step} "
+                "(the parameters at construction, or the loaded checkpoints, differ):\n"
+                + "\n".join(lines)
+                + "\nBuild the model identically on every replica (e.g. torch.manual_seed "
+                "before creating it, or broadcast rank 0's parameters) before creating the "
+                "optimizer, and resume every replica from the same checkpoint step."
+            )
+        return HeaderVerdict(
+            [name for name, h in zip(names, headers) if not h.finite],
+            first.step,
+            first.fragment,
+            len(headers),
         )
+
+    def _mismatch(self, headers: list[Header], describe: Callable[[], Any]) -> None:
+        """Exchange every replica's description (every replica is here: the table is the same
+        everywhere) and raise ``ParameterMismatchError`` naming the differences."""
+        blob = json.dumps(describe(), sort_keys=True).encode()
+        size = self.channel.size
+        length = torch.tensor([len(blob)], dtype=torch.int64, device=self.device)
+        lengths = length.new_empty(size)
+        self.stats.send((size - 1) * 8)
+        self.channel.all_gather_single(lengths, length).wait()
+        longest = int(lengths.max())
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[: len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+        mine = mine.to(self.device)
+        gathered = mine.new_empty(size * longest)
+        self.stats.send((size - 1) * longest)
+        self.channel.all_gather_single(gathered, mine).wait()
+        raw = gathered.cpu().numpy().tobytes()
+        descriptions = [
+            json.loads(raw[i * longest : i * longest + int(n)])
+            for i, n in enumerate(lengths.tolist())
+        ]
+        lines = differences(descriptions, self._names) or [
+            "(the descriptions are equal: a fingerprint collision, or state that changed "
+            "between the header and its description)"
+        ]
+        first = headers[0]
+        raise ParameterMismatchError(
+            f"{self.owner}: replicas disagree on the parameters, the options or the optimizers "
+            f"at the sync after step {first.step}; nothing was applied:\n"
+            + "\n".join(f"  {line}" for line in lines)
+            + "\nEvery replica must build the same model, the same optimizer (DiLoCo or "
+            "LocalSGD, with the same options) and the same inner and outer optimizers with "
+            "the same hyperparameters -- and change them alike: an LR scheduler (or any "
+            "param-group edit) must step on every replica, not on rank 0 only.",
+            [],
+        )
+
+
+def _prints(h: Header) -> tuple[int, int, int, int]:
+    return (h.params, h.plan, h.outer, h.inner)
+
+
+def _out_of_step(owner: str, headers: list[Header], names: list[str]) -> str:
+    kinds = {h.kind for h in headers}
+    if len(kinds) > 1:
+        finished = [n for n, h in zip(names, headers) if h.kind is RoundKind.FINISH]
+        stepping = [n for n, h in zip(names, headers) if h.kind is RoundKind.STEP]
+        why = (
+            f"{', '.join(finished)} called finish() while {', '.join(stepping)} reached a sync "
+            "in step(): a replica's training loop ended early (or another took an extra "
+            "step())"
+        )
+    elif len({h.step for h in headers}) > 1:
+        why = (
+            "step counters differ: a step() skipped or added on some replica, or a checkpoint "
+            "loaded on some replicas only"
+        )
+    else:
+        why = "they sync different fragments: replicas' fragment state differs (a checkpoint?)"
+    lines = "\n".join(f"  {n}: {h.describe()}" for n, h in zip(names, headers))
+    return (
+        f"{owner}: replicas are out of step -- {why}; no update was applied:\n{lines}\n"
+        "Every replica must call step() the same number of times and finish() once training "
+        "ends, on every replica at the same step."
+    )

@@ -3,8 +3,12 @@
 Owns the user-facing semantics of the synchronous outer-optimizer family (``docs/diloco.md``):
 argument validation, the (sub)group of replicas, the sync schedule, how the outer optimizer --
 built by the user over the *model's* parameters -- is applied to the global copy, the mixing of
-local and global values, and checkpoints. What travels, and in which wire format, is
-:mod:`distoptim.outer.exchange`; which parameters sync when is :mod:`distoptim.outer.fragments`.
+local and global values, how a run ends (:meth:`DiLoCo.finish`: the final sync of every
+fragment), what every replica does with a sync refused for a non-finite pseudo-gradient, a
+collective that fails because a peer left, and checkpoints. What travels, and in which wire
+format, is :mod:`distoptim.outer.exchange`; which parameters sync when is
+:mod:`distoptim.outer.fragments`; what the replicas agree on before a sync is
+:mod:`distoptim.outer.agreement`; what a checkpoint must hold is :mod:`distoptim.outer.checkpoint`.
 
 The algorithm (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of
 Language Models", arXiv 2311.08105, Algorithm 1; fragments, delay and mixing from Douillard et
@@ -37,10 +41,10 @@ parameters, and ``outer`` can be stepped by the user's own scheduler or inspecte
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -53,32 +57,41 @@ from distoptim.checks import (
     check_positive,
     type_name,
 )
-from distoptim.comm.fingerprint import digest
+from distoptim.comm.channel import Channel, GroupChannel
 from distoptim.comm.groups import check_group_assignment, comm_device
-from distoptim.comm.guard import GuardWords, RoundKind, plan_word
+from distoptim.comm.guard import DesyncError, RoundKind
 from distoptim.comm.stats import CommStats
 from distoptim.comm.wire import parse_wire
-from distoptim.outer.agreement import SyncAgreement
-from distoptim.outer.exchange import FragmentExchange, InFlight
+from distoptim.outer.agreement import (
+    HeaderVerdict,
+    NonFiniteSyncError,
+    ReplicaIdentity,
+    SyncAgreement,
+)
+from distoptim.outer.exchange import FragmentExchange
 from distoptim.outer.fragments import Fragment, FragmentSchedule
-from distoptim.protocol import WrappedOptimizer, check_inner_state_dict, swapped_grads
+from distoptim.outer.managed import ManagedSyncs
+from distoptim.outer.state import DiLoCoState, PendingSync
+from distoptim.protocol import WrappedOptimizer, swapped_grads
 
-__all__ = ["DiLoCo"]
+__all__ = ["DiLoCo", "GlobalParameters"]
 
 _MIB = 1 << 20
-_WRAPPER_KEYS = ("config", "global", "outer", "residuals", "pending", "syncs")
 
 
-@dataclass
-class _Sync:
-    """A fragment's sync between launch (inner step ``launched_at``) and application."""
+class GlobalParameters(list):  # type: ignore[type-arg]
+    """The global copy ``θ_g``: one tensor per parameter, in the inner optimizer's order.
 
-    fragment: Fragment
-    launched_at: int
-    flight: InFlight
+    A list of the live tensors (do not modify them). Calling it returns itself, so
+    ``opt.global_parameters()`` -- :class:`~distoptim.AsyncDiLoCoOptimizer`'s spelling -- reads
+    the same list as ``opt.global_parameters``.
+    """
+
+    def __call__(self) -> GlobalParameters:
+        return self
 
 
-class DiLoCo(WrappedOptimizer):
+class DiLoCo(DiLoCoState, WrappedOptimizer):
     """DiLoCo / Streaming DiLoCo over any inner and outer ``torch.optim.Optimizer``.
 
     Args:
@@ -108,13 +121,26 @@ class DiLoCo(WrappedOptimizer):
             pseudo-gradient encoded at the same place (per replica, kept in ``state_dict``;
             keyword only; default on).
         bucket_cap_mb: payload cap of one pseudo-gradient bucket in MiB (keyword only).
+        manager: a ``torchft.Manager`` (keyword only): the replicas are torchft replica groups
+            that may die and join; every fragment sync is one quorum, committed only if
+            ``should_commit()`` says so, a failed sync resets the fragment to its global copy,
+            and a joiner is healed from a peer (see :mod:`distoptim.outer.managed` and
+            ``docs/fault_tolerance.md``). ``group`` must then be None.
 
     Outside an initialized process group (or on a group of one) the optimizer runs as one
     replica: ``Δ`` is the replica's own and nothing is sent. Every sync starts with a small
     fixed-size header (:mod:`~distoptim.outer.agreement`) in which the replicas agree on the
-    step, the fragment, the parameters, the options and the fragment's global copy, so a
-    divergence raises :class:`~distoptim.comm.guard.DesyncError` (or its subclass
-    ``ParameterMismatchError``) on every rank instead of mixing wrong values or hanging.
+    step, the fragment, the parameters, the options, both optimizers' hyperparameters and the
+    fragment's global copy, and say whether their pseudo-gradient is finite, so a divergence
+    raises :class:`~distoptim.comm.guard.DesyncError` (or its subclass
+    ``ParameterMismatchError``) on every rank instead of mixing wrong values or hanging, and a
+    non-finite pseudo-gradient is refused on every replica
+    (:class:`~distoptim.outer.agreement.NonFiniteSyncError`).
+
+    Collective calls (every replica of the group must make them, at the same step): ``step()``
+    at a sync step (and, with ``τ > 0`` and a two-phase wire, at the step that applies the sync
+    in flight) and ``finish()``. ``state_dict()`` and ``load_state_dict()`` are local (with a
+    sync in flight they wait for its launched collective, which every replica started).
     """
 
     def __init__(
@@ -131,9 +157,12 @@ class DiLoCo(WrappedOptimizer):
         *,
         error_feedback: bool = True,
         bucket_cap_mb: float = 25,
+        manager: Any = None,
     ) -> None:
         # -- validate everything before any side effect (subgroup creation is collective) --
         owner = name if isinstance(name, str) else type(self).__name__
+        if manager is not None:
+            _check_managed(owner, manager, group)
         for arg, value in (("inner", inner), ("outer", outer)):
             if not isinstance(value, torch.optim.Optimizer):
                 raise TypeError(
@@ -176,12 +205,12 @@ class DiLoCo(WrappedOptimizer):
         assignment, group_obj = _check_group(group)
 
         # -- side effects --
-        group_size = 1
+        group_size = 0 if manager is not None else 1  # 0: the quorum's, sync by sync
         if assignment is not None:
             group_obj, _ = dist.new_subgroups_by_enumeration(assignment)
         if group_obj is not None:
             group_size = dist.get_world_size(group_obj)
-        elif dist.is_available() and dist.is_initialized():
+        elif manager is None and dist.is_available() and dist.is_initialized():
             group_size = dist.get_world_size()
         super().__init__(inner, name=name)
         self._outer = outer
@@ -195,6 +224,7 @@ class DiLoCo(WrappedOptimizer):
         self.group_assignment = assignment
         self._group = group_obj
         self._group_size = group_size
+        self._channel: Channel = GroupChannel(group_obj, max(group_size, 1))
         self._params = params
         self._stats = CommStats()
         with torch.no_grad():
@@ -207,8 +237,7 @@ class DiLoCo(WrappedOptimizer):
                 params[f.start : f.stop],
                 self._global[f.start : f.stop],
                 wire_format,
-                group_obj,
-                group_size,
+                self._channel,
                 self._stats,
                 error_feedback,
                 cap_bytes=max(1, int(cap * _MIB)),
@@ -217,13 +246,25 @@ class DiLoCo(WrappedOptimizer):
             for f in self._schedule.fragments
         ]
         self._agreement: SyncAgreement | None = None
-        if group_size > 1:
-            device = comm_device(group_obj)
-            self._agreement = SyncAgreement(group_obj, group_size, self._stats, device, name)
-        # the parameters and options every header carries (the step then fixes the fragment)
-        self._plan_word = plan_word(digest(params, self._config()))
-        self._in_flight: _Sync | None = None
+        if group_size > 1 or manager is not None:
+            device = comm_device(group_obj) if manager is None else torch.device("cpu")
+            self._agreement = SyncAgreement(self._channel, self._stats, device, name)
+        self._managed: ManagedSyncs | None = None
+        if manager is not None:
+            self._managed = ManagedSyncs(manager, name)
+            self._managed.register(self._heal_state, self._load_heal_state)
+        # what every header says about this replica: parameters, options, optimizers
+        self._identity = ReplicaIdentity(type(self).__name__, params, self._config(), inner, outer)
+        self._in_flight: PendingSync | None = None
         self._syncs = 0
+        self._refused_syncs = 0
+        self._refused: list[str] = []  # refusals not raised yet (raised at the end of the call)
+        # per fragment, the step after which its local values were its global copy (they are
+        # "synced" iff that is the current step); the step at which finish() or a refusal last
+        # closed the sync the schedule had in flight
+        self._synced_at = [0] * len(self._schedule)
+        self._closed_at = -1
+        self._warned_between_syncs = False
         self._step_being_loaded: int | None = None
         self._built = True
 
@@ -235,8 +276,16 @@ class DiLoCo(WrappedOptimizer):
 
     @property
     def num_replicas(self) -> int:
-        """Replicas whose pseudo-gradients are averaged: the (sub)group size, 1 outside one."""
+        """Replicas whose pseudo-gradients are averaged: the (sub)group size, 1 outside one
+        (with a torchft manager: the contributors of the last sync, 0 before the first)."""
+        if self._managed is not None:
+            return self._channel.contributors if self._syncs or self._refused_syncs else 0
         return self._group_size
+
+    @property
+    def replica_stats(self) -> Any:
+        """With a torchft manager: rounds, commits, failed rounds, heals (else None)."""
+        return None if self._managed is None else self._managed.replicas.stats
 
     @property
     def comm_stats(self) -> CommStats:
@@ -249,14 +298,25 @@ class DiLoCo(WrappedOptimizer):
         return self._schedule
 
     @property
-    def global_parameters(self) -> list[torch.Tensor]:
-        """The global copy ``θ_g``, one tensor per parameter (live; do not modify)."""
-        return self._global
+    def global_parameters(self) -> GlobalParameters:
+        """The global copy ``θ_g``: the model every replica agrees on, bit for bit.
+
+        One live tensor per parameter, in the inner optimizer's order (do not modify them);
+        each fragment's values are those of its last sync. After :meth:`finish` the model's own
+        parameters equal it on every replica. No communication. ``opt.global_parameters()``
+        works too (see :class:`GlobalParameters`).
+        """
+        return GlobalParameters(self._global)
 
     @property
     def syncs(self) -> int:
         """Fragment syncs applied so far (outer steps taken)."""
         return self._syncs
+
+    @property
+    def refused_syncs(self) -> int:
+        """Fragment syncs refused because some replica's pseudo-gradient was not finite."""
+        return self._refused_syncs
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if self.__dict__.get("_built"):
@@ -267,31 +327,201 @@ class DiLoCo(WrappedOptimizer):
         super().add_param_group(param_group)
 
     # ---- the step ------------------------------------------------------------------------------
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """The inner step, then the sync due now, if any (collective at a sync step).
+
+        Raises :class:`~distoptim.outer.agreement.NonFiniteSyncError` on every replica, after
+        the step is counted, when the sync was refused for a non-finite pseudo-gradient.
+        """
+        loss = super().step(closure)
+        self._raise_refused()
+        return loss
+
     def _after_inner_step(self) -> None:
         """After inner step ``t``: apply the sync due at ``t``, launch the fragment due at ``t``."""
         t = self.iterations + 1
         sync = self._in_flight
         if sync is not None and sync.launched_at + self.fragment_sync_delay == t:
             self._in_flight = None
-            self._apply(sync, t)
+            self._apply(sync, t, self.fragment_update_alpha)
         fragment = self._schedule.launching_at(t)
         if fragment is None:
             return
-        self._agree(fragment, t)
-        sync = _Sync(fragment, t, self._exchanges[fragment.index].launch())
-        if self.fragment_sync_delay == 0:
-            self._apply(sync, t)
+        sync = self._launch(fragment, t, RoundKind.STEP)
+        if sync is None:  # refused: nothing in flight until the next launch
+            self._closed_at = t
+        elif self.fragment_sync_delay == 0:
+            self._apply(sync, t, self.fragment_update_alpha)
         else:
             self._in_flight = sync
 
-    def _apply(self, sync: _Sync, t: int) -> None:
-        """The outer step of one fragment on the global copy, then the local mix (see module)."""
+    def finish(self) -> None:
+        """End a run (or a phase of it) with every replica holding the global model.
+
+        Collective: every replica of the group calls it, after the same number of ``step()``
+        calls. It applies the sync in flight, if any, then syncs now every fragment whose local
+        values are not its global copy -- each such fragment as if its sync were due: ``Δ``
+        averaged in the wire format, one outer step -- and sets the fragment's local values to
+        the new global copy (``alpha`` does not apply). A fragment whose sync was applied at
+        this very step with ``alpha = 0`` is left as it is, so at a sync step of plain DiLoCo
+        nothing changes. Afterwards ``model.parameters()`` equal :attr:`global_parameters` on
+        every replica, bit for bit.
+
+        If some replica still steps (it reached a sync while this one finished), or finished at
+        another step, every replica raises ``DesyncError`` as soon as both are in the header
+        (no update applied). Training may go on after ``finish()``; the schedule continues.
+        Raises ``NonFiniteSyncError`` (after finishing every other fragment) if a final sync
+        was refused. On one replica: the same final syncs, no communication. With a torchft
+        manager every final sync is a round of its own, committed or not, and a finish with
+        nothing left to sync exchanges nothing.
+        """
+        t = self.iterations
+        managed = self._managed is not None
+        sync = self._in_flight
+        if sync is not None:
+            if not managed:  # a managed sync in flight is judged by its commit
+                self._agree(RoundKind.FINISH, t, sync.fragment)  # before its last collective
+            self._in_flight, self._closed_at = None, t
+            self._apply(sync, t, self.fragment_update_alpha, header=False)
+        left = [f for f in self._schedule.fragments if self._synced_at[f.index] != t]
+        if sync is None and not left and not managed:
+            self._agree(RoundKind.FINISH, t, None)  # nothing to sync: only agree on the end
+        for fragment in left:
+            launched = self._launch(fragment, t, RoundKind.FINISH)
+            if launched is not None:
+                self._apply(launched, t, 0.0, header=False)
+        self._raise_refused()
+
+    def _launch(self, fragment: Fragment, t: int, kind: RoundKind) -> PendingSync | None:
+        """Form the fragment's ``Δ``, agree on the header, launch its mean (``None``: refused)."""
+        if self._managed is not None:
+            return self._managed_launch(fragment, t, kind)
+        exchange = self._exchanges[fragment.index]
+        refusing = self._agree(kind, t, fragment, exchange.form()).refusing
+        if refusing:
+            self._refuse(fragment, t, refusing)
+            return None
+        with self._peer_guard("the pseudo-gradient mean", t):
+            return PendingSync(fragment, t, exchange.launch())
+
+    def _managed_launch(self, fragment: Fragment, t: int, kind: RoundKind) -> PendingSync | None:
+        """The same, as one torchft round (see :mod:`distoptim.outer.managed`)."""
+        managed = self._managed
+        assert managed is not None
+        rnd = managed.begin(self._exchanges)
+        if rnd.channel is None:  # the quorum failed: nothing travels, the commit will say no
+            return PendingSync(fragment, t, None)
+        self._channel = rnd.channel
+        assert self._agreement is not None
+        self._agreement.rebind(rnd.channel)
+        exchange = self._exchanges[fragment.index]
+        finite = True if rnd.healing else exchange.form()
+        verdict = self._agree(kind, t, fragment, finite, healing=rnd.healing)
+        if rnd.healing:  # take the contributors' step, and so their fragment
+            self.iterations = verdict.step - 1  # step() counts this one afterwards
+            t = verdict.step
+            fragment = self._schedule.fragments[verdict.fragment or 0]
+            exchange = self._exchanges[fragment.index]
+            exchange.zero()
+        if verdict.void:
+            managed.fail(verdict.void)
+            return PendingSync(fragment, t, None)
+        if verdict.refusing:
+            managed.fail("a non-finite pseudo-gradient")
+            managed.commit(exchange)
+            self._refuse(fragment, t, verdict.refusing)
+            return None
+        rnd.channel.contributors = verdict.contributors
+        managed.save_residuals(exchange)
+        return PendingSync(fragment, t, exchange.launch())
+
+    def _heal_state(self) -> dict[str, Any]:
+        """What a healing replica receives from this one (see :mod:`distoptim.outer.managed`)."""
+        return {
+            "global": list(self._global),
+            "outer": self._outer.state_dict(),
+            "syncs": self._syncs,
+            "refused_syncs": self._refused_syncs,
+            "synced_at": list(self._synced_at),
+        }
+
+    def _load_heal_state(self, state: dict[str, Any]) -> None:
+        with torch.no_grad():
+            torch._foreach_copy_(self._global, list(state["global"]))
+            for exchange in self._exchanges:  # this replica's own dropped mass: none yet
+                for residuals in exchange.residuals:
+                    for value in residuals.values():
+                        value.zero_()
+        self._outer.load_state_dict(state["outer"])
+        self._syncs = int(state["syncs"])
+        self._refused_syncs = int(state["refused_syncs"])
+        self._synced_at = list(state["synced_at"])
+
+    def _refuse(self, fragment: Fragment, t: int, replicas: list[str]) -> None:
+        """Every replica refuses the sync: no outer step, the fragment's local values reset to
+        its global copy; the error is raised at the end of the call (the step is counted)."""
+        exchange = self._exchanges[fragment.index]
+        with torch.no_grad():
+            torch._foreach_copy_(exchange.local, exchange.global_)
+        self._synced_at[fragment.index] = t
+        self._refused_syncs += 1
+        self._refused.append(
+            f"the sync of fragment {fragment.index} after step {t} (the pseudo-gradient "
+            f"θ_g - θ_r of {', '.join(replicas)} is not finite)"
+        )
+
+    def _raise_refused(self) -> None:
+        if not self._refused:
+            return
+        what, self._refused = "; ".join(self._refused), []
+        raise NonFiniteSyncError(
+            f"{self._name}: refused on every replica: {what}. No outer step was taken: the "
+            "global copy is unchanged and every replica's parameters of the fragment were reset "
+            "to it (the inner optimizers' states were not). The replicas are still in step and "
+            "training can go on (catch NonFiniteSyncError), but look for the cause first: a "
+            "learning rate too large, an fp16/bf16 overflow, a NaN loss on that replica's data."
+        )
+
+    @contextlib.contextmanager
+    def _peer_guard(self, what: str, t: int) -> Iterator[None]:
+        """A collective that fails because a peer left becomes a ``DesyncError`` saying so."""
+        try:
+            yield
+        except (DesyncError, torch.OutOfMemoryError):
+            raise
+        except RuntimeError as exc:
+            rank = self._channel.ranks[self._channel.rank]
+            raise DesyncError(
+                f"{self._name}: rank {rank}: {what} of step {t} failed while waiting for the "
+                "other replicas: a replica stopped taking part in this group's syncs. Its "
+                "training loop ended before this sync without finish() -- call opt.finish() on "
+                "every replica when training ends, so that a replica that stops early fails the "
+                "others at once, by name -- or it took fewer step() calls, raised (its own error "
+                f"is the real cause) or crashed.\n(the collective said: {type(exc).__name__}: "
+                f"{str(exc).strip()})"
+            ) from exc
+
+    def _apply(self, sync: PendingSync, t: int, alpha: float, header: bool = True) -> None:
+        """The outer step of one fragment on the global copy, then the local mix (see module).
+
+        ``header``: agree first when the mean still runs a collective (phase 2) at another step
+        than its launch; ``finish()`` has agreed already.
+        """
         exchange = self._exchanges[sync.fragment.index]
-        if exchange.finishes_with_collective and t != sync.launched_at:
-            self._agree(sync.fragment, t)  # e.g. phase 2 of a two-phase mean
-        mean = exchange.finish(sync.flight)
+        # a managed round whose peer died leaves garbage in the buffers: it will not commit
+        if sync.flight is not None and not self._channel.failed:
+            if header and exchange.finishes_with_collective and t != sync.launched_at:
+                healing = self._managed is not None and self._managed.healing
+                # e.g. phase 2 of a two-phase mean
+                self._agree(RoundKind.STEP, t, sync.fragment, healing=healing)
+            with self._peer_guard("the pseudo-gradient mean", t):
+                mean = exchange.finish(sync.flight)
+        if self._managed is not None and not self._managed.commit(exchange):
+            with torch.no_grad():  # not committed: back to the last global copy
+                torch._foreach_copy_(exchange.local, exchange.global_)
+            self._synced_at[sync.fragment.index] = t
+            return
         local, global_ = exchange.local, exchange.global_
-        alpha = self.fragment_update_alpha
         with torch.no_grad():
             kept = [p.detach().clone() for p in local] if alpha > 0 else None
             torch._foreach_copy_(local, global_)
@@ -300,20 +530,43 @@ class DiLoCo(WrappedOptimizer):
             torch._foreach_copy_(global_, local)
             if kept is not None:
                 torch._foreach_lerp_(local, kept, alpha)  # alpha·θ_r + (1 - alpha)·θ_g'
+        if alpha == 0:
+            self._synced_at[sync.fragment.index] = t
         self._syncs += 1
 
-    def _agree(self, fragment: Fragment, t: int) -> None:
+    def _agree(
+        self,
+        kind: RoundKind,
+        t: int,
+        fragment: Fragment | None,
+        finite: bool = True,
+        healing: bool = False,
+    ) -> HeaderVerdict:
         """The sync header (see :mod:`~distoptim.outer.agreement`) before sized collectives.
 
-        Equal options and equal steps imply the same fragment and phase on every replica, so
-        the words carry the step and one fingerprint of all parameters and options.
+        ``fragment``: the fragment whose sync follows (its global copy is compared), ``None``
+        for a header that precedes no payload (the whole global copy is compared); ``finite``:
+        whether this replica's pseudo-gradient of it is finite; ``healing``: (with a manager)
+        this replica's state is about to be replaced by a peer's. Returns the verdict (the
+        replicas whose pseudo-gradient is not finite, ...); raises on every disagreement.
         """
+        index = None if fragment is None else fragment.index
         if self._agreement is None:
-            return
-        words = GuardWords(
-            RoundKind.STEP, step=t, passes=0, plan=self._plan_word, params=len(self._params)
-        )
-        self._agreement.check(words, self._exchanges[fragment.index].global_)
+            mine = f"rank {self._channel.ranks[self._channel.rank]}"
+            return HeaderVerdict([] if finite else [mine], t, index, 1)
+        copy = self._global if fragment is None else self._exchanges[fragment.index].global_
+        state = 0
+        if self._managed is not None:
+            outer_state = [self._outer.state.get(p, {}) for p in self._fragment_params(fragment)]
+            state = self._managed.checksum(copy, outer_state)
+        header = self._identity.header(kind, t, index, finite, healing, state)
+        with self._peer_guard("the sync header", t):
+            return self._agreement.check(header, copy, self._identity.describe)
+
+    def _fragment_params(self, fragment: Fragment | None) -> list[torch.Tensor]:
+        if fragment is None:
+            return self._params
+        return self._params[fragment.start : fragment.stop]
 
     def _config(self) -> dict[str, Any]:
         return {
@@ -326,142 +579,6 @@ class DiLoCo(WrappedOptimizer):
             "bucket_cap_mb": self.bucket_cap_mb,
             "num_replicas": self._group_size,
         }
-
-    # ---- checkpoints -------------------------------------------------------------------------
-    def _wrapper_state_dict(self) -> dict[str, Any]:
-        """Global copy, outer state, residuals, the sync in flight (settled) and counters.
-
-        The structure depends only on the configuration, never on the step: ``pending`` always
-        holds every fragment's payload slots (empty lists when ``τ = 0``), and ``fragment`` /
-        ``launched_at`` are -1 when no sync is in flight. So a state_dict of a freshly built
-        optimizer is a valid template for ``torch.distributed.checkpoint.load``.
-        """
-        sync = self._in_flight
-        if sync is not None:  # wait for its collective (local): the slots then hold its payload
-            self._exchanges[sync.fragment.index].settle(sync.flight)
-        return {
-            "config": self._config(),
-            "global": list(self._global),
-            "outer": self._outer.state_dict(),
-            "residuals": [[dict(r) for r in e.residuals] for e in self._exchanges],
-            "pending": {
-                "fragment": -1 if sync is None else sync.fragment.index,
-                "launched_at": -1 if sync is None else sync.launched_at,
-                "payload": [list(e.slots) for e in self._exchanges],
-            },
-            "syncs": self._syncs,
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a :meth:`state_dict`; everything is checked before anything changes.
-
-        The checkpoint must come from the same configuration (options, parameters, group
-        size). A sync that was in flight when it was taken is restored and applied at its step.
-        """
-        step = state_dict.get("iterations") if isinstance(state_dict, dict) else None
-        self._step_being_loaded = step if isinstance(step, int) else self.iterations
-        try:
-            super().load_state_dict(state_dict)
-        finally:
-            self._step_being_loaded = None
-
-    def _check_wrapper_state_dict(self, state: Any) -> None:
-        where = "state_dict['wrapper']"
-        if not isinstance(state, dict):
-            raise TypeError(f"{where} must be a dict, got {type_name(state)}")
-        if sorted(state) != sorted(_WRAPPER_KEYS):
-            raise ValueError(
-                f"{where} must have the keys {list(_WRAPPER_KEYS)}, got {sorted(state)} (a "
-                f"{self._name} checkpoint holds its global copy and outer state)"
-            )
-        config = state["config"]
-        if not isinstance(config, dict) or config != self._config():
-            mine = self._config()
-            diff = (
-                sorted(k for k in {*mine, *config} if mine.get(k) != config.get(k))
-                if isinstance(config, dict)
-                else "not a dict"
-            )
-            raise ValueError(
-                f"{where}['config'] is from another configuration (differs in {diff}): "
-                f"checkpoint {config!r}, this optimizer {mine!r}"
-            )
-        _check_tensors(f"{where}['global']", state["global"], [p for p in self._global])
-        if not isinstance(state["outer"], dict):
-            raise TypeError(f"{where}['outer'] must be a dict, got {type_name(state['outer'])}")
-        check_inner_state_dict(self._outer, state["outer"])
-        residuals = state["residuals"]
-        if not isinstance(residuals, list) or len(residuals) != len(self._exchanges):
-            raise ValueError(f"{where}['residuals'] must be a list of {len(self._exchanges)} lists")
-        for p, (saved, exchange) in enumerate(zip(residuals, self._exchanges)):
-            if not isinstance(saved, list) or len(saved) != len(exchange.residuals):
-                raise ValueError(
-                    f"{where}['residuals'][{p}] must be a list of {len(exchange.residuals)} "
-                    "dicts of residuals (one per bucket)"
-                )
-            for k, (entry, mine) in enumerate(zip(saved, exchange.residuals)):
-                if not isinstance(entry, dict) or sorted(entry) != sorted(mine):
-                    raise ValueError(
-                        f"{where}['residuals'][{p}][{k}] must be a dict of {sorted(mine)}"
-                    )
-                _check_tensors(
-                    f"{where}['residuals'][{p}][{k}]",
-                    [entry[name] for name in mine],
-                    list(mine.values()),
-                )
-        syncs = state["syncs"]
-        if isinstance(syncs, bool) or not isinstance(syncs, int) or syncs < 0:
-            raise ValueError(f"{where}['syncs'] must be an int >= 0, got {syncs!r}")
-        self._check_pending(state["pending"])
-
-    def _check_pending(self, pending: Any) -> None:
-        """The saved in-flight sync must be the one the schedule has in flight at that step."""
-        where = "state_dict['wrapper']['pending']"
-        if not isinstance(pending, dict) or sorted(pending) != [
-            "fragment",
-            "launched_at",
-            "payload",
-        ]:
-            raise ValueError(f"{where} must be a dict of fragment, launched_at, payload")
-        step = self.iterations if self._step_being_loaded is None else self._step_being_loaded
-        expected = self._schedule.in_flight_after(step)
-        want = (-1, -1) if expected is None else (expected[0].index, expected[1])
-        got = (pending["fragment"], pending["launched_at"])
-        if got != want:
-            raise ValueError(
-                f"{where} says fragment {got[0]!r} launched at step {got[1]!r} is in flight, but "
-                f"at step {step} the schedule has "
-                + (
-                    "nothing in flight"
-                    if expected is None
-                    else f"fragment {want[0]} launched at step {want[1]} in flight"
-                )
-            )
-        payload = pending["payload"]
-        if not isinstance(payload, list) or len(payload) != len(self._exchanges):
-            raise ValueError(f"{where}['payload'] must be a list of {len(self._exchanges)} lists")
-        for p, (saved, exchange) in enumerate(zip(payload, self._exchanges)):
-            _check_tensors(f"{where}['payload'][{p}]", saved, exchange.slots)
-
-    def _load_wrapper_state_dict(self, state: dict[str, Any]) -> None:
-        if self._in_flight is not None:  # its collective was launched on every rank: drain it
-            self._exchanges[self._in_flight.fragment.index].settle(self._in_flight.flight)
-            self._in_flight = None
-        pending = state["pending"]
-        with torch.no_grad():
-            torch._foreach_copy_(self._global, list(state["global"]))
-            for p, exchange in enumerate(self._exchanges):
-                for entry, mine in zip(state["residuals"][p], exchange.residuals):
-                    for name, residual in mine.items():
-                        residual.copy_(entry[name])
-                for saved, slot in zip(pending["payload"][p], exchange.slots):
-                    slot.copy_(saved)
-        self._outer.load_state_dict(state["outer"])
-        if pending["fragment"] >= 0:
-            fragment = self._schedule.fragments[pending["fragment"]]
-            flight = self._exchanges[fragment.index].restore()
-            self._in_flight = _Sync(fragment, pending["launched_at"], flight)
-        self._syncs = state["syncs"]
 
     def __repr__(self) -> str:
         return (
@@ -505,6 +622,19 @@ def _check_same_parameters(
     )
 
 
+def _check_managed(owner: str, manager: Any, group: Any) -> None:
+    """A torchft manager replaces ``group`` (the replicas are its quorum's)."""
+    from distoptim.ft.replicas import check_manager
+
+    check_manager(manager, owner)
+    if group is not None:
+        raise ValueError(
+            f"{owner}: with a torchft manager the replicas are the manager's quorum, so group "
+            f"must be None (got {type_name(group)}); a manager's process group must not also "
+            "be given as group="
+        )
+
+
 def _check_group(
     group: Any,
 ) -> tuple[list[list[int]] | None, dist.ProcessGroup | None]:
@@ -522,14 +652,3 @@ def _check_group(
             "group (init_process_group, torchrun or distoptim.launch.spawn)"
         )
     return check_group_assignment(group, dist.get_world_size()), None
-
-
-def _check_tensors(where: str, saved: Any, mine: Sequence[torch.Tensor]) -> None:
-    if not isinstance(saved, (list, tuple)) or len(saved) != len(mine):
-        raise ValueError(f"{where} must be a list of {len(mine)} tensors, got {type_name(saved)}")
-    for i, (t, ref) in enumerate(zip(saved, mine)):
-        if not isinstance(t, torch.Tensor) or t.shape != ref.shape or t.dtype != ref.dtype:
-            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type_name(t)
-            raise ValueError(
-                f"{where}[{i}] must be a {ref.dtype} tensor of shape {tuple(ref.shape)}, got {got}"
-            )

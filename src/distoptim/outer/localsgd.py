@@ -14,6 +14,7 @@ replicas' parameters. Sending ``θ_g - θ_r`` costs the same bytes as sending ``
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,7 +28,8 @@ __all__ = ["LocalSGD"]
 class LocalSGD(DiLoCo):
     """Run ``inner`` locally; every ``sync_every`` steps replace the parameters by their mean.
 
-    ``group`` as in :class:`DiLoCo` (default: all ranks). The global copy DiLoCo keeps is the
+    ``group`` and ``manager`` (a torchft manager: fault-tolerant replicas) as in
+    :class:`DiLoCo` (default: all ranks). The global copy DiLoCo keeps is the
     last average (one extra copy of the parameters); ``outer`` is an internal
     ``torch.optim.SGD(lr=1.0)`` without state.
     """
@@ -38,12 +40,14 @@ class LocalSGD(DiLoCo):
         sync_every: int,
         group: Sequence[Sequence[int]] | dist.ProcessGroup | None = None,
         name: str = "LocalSGD",
+        *,
+        manager: Any = None,
     ) -> None:
         if not isinstance(inner, torch.optim.Optimizer):
             raise TypeError(f"LocalSGD wraps a torch.optim.Optimizer, got {type_name(inner)}")
         params = [p for g in inner.param_groups for p in g["params"]]
         outer = torch.optim.SGD(params, lr=1.0)
-        super().__init__(inner, outer, sync_every, group=group, name=name)
+        super().__init__(inner, outer, sync_every, group=group, name=name, manager=manager)
 
     def __repr__(self) -> str:
         return (

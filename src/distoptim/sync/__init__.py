@@ -6,11 +6,14 @@ Down the floors a ``step()`` takes:
   the TF path, the state dict), thin; :mod:`distoptim.sync.options` -- its validated options;
 * :mod:`distoptim.sync.rounds` -- the round driver: the bucket plan every rank agreed on, and
   each round's launch, agreement (the sequence guard's words) and settling;
+  :mod:`distoptim.sync.notices` -- the one-time warnings every rank gives about what some
+  rank's words marked (``.grad`` edited after backward, a model wrapped in DDP);
 * :mod:`distoptim.sync.collectives` -- the replicas and every collective issued over them;
 * :mod:`distoptim.sync.apply` -- how a round's result reaches the parameters, one strategy
   chosen at construction: :mod:`~distoptim.sync.packed`, :mod:`~distoptim.sync.views`
   (gradients as bucket views) or :mod:`~distoptim.sync.sharded` (weight-update sharding, over
-  the flat update of :mod:`distoptim.sync.sharding`).
+  the flat update of :mod:`distoptim.sync.sharding`); :mod:`distoptim.sync.clipping` --
+  ``max_grad_norm``, the reduced gradient clipped by its global norm.
 
 The bytes themselves move in :mod:`distoptim.comm`. ``distoptim.cross_shard`` and
 ``distoptim.cross_shard_sharding`` re-export the 0.2.0 names.

@@ -20,6 +20,14 @@ given ``(grad, var)`` pairs -- with the per-parameter optimizer state it keeps
 (:meth:`ApplyStrategy.full_state`, and by the part each rank holds, :meth:`ApplyStrategy.owned`,
 for per-rank checkpoints).
 
+The all-reduce strategies split a step in two, so that ``synchronize()`` can stop between them:
+:meth:`ApplyStrategy.hold` puts the reduced gradient into ``.grad`` (a :class:`Held`, which user
+code may read and edit: clip the *averaged* gradient, as under DDP), and
+:meth:`ApplyStrategy.release` runs the inner step on it -- after ``max_grad_norm``'s clip
+(:class:`~distoptim.sync.clipping.GradClip`) -- and puts back what ``.grad`` holds outside a
+step. ``step = hold + release``. Weight-update sharding cannot hold: each rank receives only its
+``1/n`` of the reduced gradient.
+
 Math shared by all: ``present[i]`` (agreed by every rank) says whether *some* rank had a
 gradient for plan parameter ``i``; a parameter no rank had one for is not shown to the inner
 optimizer (``.grad`` None for its step), exactly as a single process would skip it.
@@ -39,7 +47,8 @@ import torch
 from distoptim.comm.bucket import Bucket, BucketPlan
 from distoptim.comm.reducer import ReduceRound
 from distoptim.elementwise_rule import is_per_element
-from distoptim.protocol import GradsAndVars
+from distoptim.protocol import GradsAndVars, swapped_grads
+from distoptim.sync.clipping import GradClip
 from distoptim.sync.collectives import Collectives
 from distoptim.sync.options import SyncOptions
 from distoptim.sync.sharding import State
@@ -52,8 +61,10 @@ __all__ = [
     "ApplyStrategy",
     "GradPairs",
     "GradSource",
+    "Held",
     "Owned",
     "PlanShape",
+    "SwappedHeld",
     "State",
     "reduced_pairs",
 ]
@@ -118,6 +129,46 @@ def reduced_pairs(rnd: ReduceRound, buffers: Sequence[torch.Tensor]) -> GradPair
             if present:  # no rank had a gradient: leave it out, the optimizer skips it
                 pairs.append((view, params[i]))
     return pairs
+
+
+class Held(abc.ABC):
+    """A reduced gradient sitting in ``.grad``, waiting for the inner step (or for a drop)."""
+
+    @abc.abstractmethod
+    def step(self, opt: torch.optim.Optimizer, clip: GradClip | None) -> None:
+        """Clip (if asked), run ``opt.step()`` on ``.grad``, then leave ``.grad`` as a step
+        leaves it outside a step."""
+
+    @abc.abstractmethod
+    def drop(self) -> None:
+        """Forget the reduced gradient without stepping (``zero_grad`` follows)."""
+
+
+class SwappedHeld(Held):
+    """``.grad`` of ``params`` swapped for the given pairs' gradients (None where absent); the
+    saved ``.grad`` tensors come back after the step (or the drop)."""
+
+    def __init__(
+        self, params: list[torch.Tensor], pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        self.params = params
+        self.saved = [p.grad for p in params]
+        by_id = {id(v): g for g, v in pairs}
+        for p in params:
+            g = by_id.get(id(p))
+            p.grad = None if g is None else g.to(dtype=p.dtype, device=p.device)
+
+    def step(self, opt: torch.optim.Optimizer, clip: GradClip | None) -> None:
+        try:
+            if clip is not None:
+                clip.clip(self.params)
+            opt.step()
+        finally:
+            self.drop()
+
+    def drop(self) -> None:
+        for p, g in zip(self.params, self.saved):
+            p.grad = g
 
 
 class GradSource(abc.ABC):
@@ -185,6 +236,9 @@ class ApplyStrategy(abc.ABC):
         self.options = options
         self.comm = comm
         self.grads = grads
+        clip = options.max_grad_norm
+        self.clip = None if clip is None else GradClip(clip)
+        self.held: Held | None = None
 
     @property
     def divisor(self) -> int:
@@ -216,13 +270,53 @@ class ApplyStrategy(abc.ABC):
         self.grads.follow(plan)
 
     # ---- the update -----------------------------------------------------------------------
-    @abc.abstractmethod
     def step(self, rnd: ReduceRound, buffers: list[torch.Tensor]) -> None:
         """Apply an agreed round of ``.grad`` with one inner ``opt.step()``."""
+        self.hold(rnd, buffers)
+        self.release()
 
-    @abc.abstractmethod
     def solo_step(self, rounds: RoundDriver) -> None:
         """One shard: one inner step (``.grad`` divided for MEAN with accumulated passes)."""
+        self.hold_solo(rounds)
+        self.release()
+
+    def hold(self, rnd: ReduceRound, buffers: list[torch.Tensor]) -> None:
+        """Put an agreed round's reduced gradient into ``.grad`` until :meth:`release`."""
+        self.held = self._hold(rnd, buffers)
+
+    def hold_solo(self, rounds: RoundDriver) -> None:
+        """One shard: put what the step will apply into ``.grad`` until :meth:`release`."""
+        self.held = self._hold_solo(rounds)
+
+    def release(self) -> None:
+        """Run the inner step on the held ``.grad`` (clipped first with ``max_grad_norm``)."""
+        held, self.held = self.held, None
+        assert held is not None
+        held.step(self.opt, self.clip)
+
+    def drop(self) -> None:
+        """Forget a held gradient without stepping (``zero_grad`` after ``synchronize()``)."""
+        held, self.held = self.held, None
+        if held is not None:
+            held.drop()
+
+    def _hold(self, rnd: ReduceRound, buffers: list[torch.Tensor]) -> Held:
+        raise TypeError(f"{type(self).__name__} cannot hold a reduced gradient in .grad")
+
+    def _hold_solo(self, rounds: RoundDriver) -> Held:
+        raise TypeError(f"{type(self).__name__} cannot hold a reduced gradient in .grad")
+
+    def clip_pairs(self, pairs: GradPairs, copy: bool) -> GradPairs:
+        """The TF path: the pairs clipped with ``max_grad_norm`` (copies first if ``copy``:
+        they are the caller's tensors)."""
+        if self.clip is None:
+            return pairs
+        pairs = [(g.to(dtype=v.dtype, device=v.device, copy=copy), v) for g, v in pairs]
+        ids = {id(v) for _, v in pairs}
+        params = [p for p in self.params() if id(p) in ids]  # the optimizer's order
+        with swapped_grads(params, pairs):
+            self.clip.clip(params)
+        return pairs
 
     @abc.abstractmethod
     def apply_pairs(self, pairs: GradsAndVars, rounds: RoundDriver) -> GradPairs | None:
@@ -230,6 +324,11 @@ class ApplyStrategy(abc.ABC):
         step, or None when the strategy applied them itself."""
 
     # ---- state ----------------------------------------------------------------------------
+    @property
+    def state_is_collective(self) -> bool:
+        """Is reading the whole state (:meth:`full_state`) a collective of the group?"""
+        return False
+
     def full_state(self) -> dict[torch.Tensor, State]:
         """Every parameter's optimizer state (a collective where the state is sharded)."""
         return dict(self.opt.state)

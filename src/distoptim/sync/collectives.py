@@ -38,7 +38,7 @@ from distoptim.comm.guard import DesyncError, GuardCodec, ParameterMismatchError
 from distoptim.comm.reducer import BucketAllReduce
 from distoptim.comm.shard_reducer import BucketReduceScatter, ControlReduce, all_gather_shards
 from distoptim.comm.shard_transport import transport_for
-from distoptim.comm.stats import CommStats
+from distoptim.comm.stats import CommStats, ring_allreduce_bytes
 
 __all__ = ["Collectives", "Replicas"]
 
@@ -65,16 +65,18 @@ class Replicas:
         return None
 
     @classmethod
-    def join(cls, groups: list[list[int]] | None, stacklevel: int) -> Replicas:
+    def join(cls, groups: list[list[int]] | None, stacklevel: int, quiet: bool = False) -> Replicas:
         """The replicas of this rank: all ranks, or its subgroup of ``groups`` (validated).
 
         Creating subgroups is a collective of the default group: every rank calls this with the
         same ``groups``. Outside a process group, or with world size 1, warns once (at
-        ``stacklevel`` from here) and returns one shard.
+        ``stacklevel`` from here; not when ``quiet``) and returns one shard.
         """
         distributed = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size() if distributed else 1
         if world == 1:
+            if quiet:  # a torchft manager reduces across replica groups of one process
+                return cls(None, 1, 0, [0])
             warnings.warn(
                 "CrossShardOptimizer: "
                 + (
@@ -143,18 +145,32 @@ class Collectives:
         except RuntimeError as exc:
             raise self.peer_lost(f"the all-gather of {what}", exc) from exc
 
-    def gather_objects(self, obj: object, what: str) -> list[object]:
-        """Every rank's picklable ``obj``, in group order, on every rank (a small collective).
-
-        ``what`` names ``obj`` for the error if a peer left.
-        """
+    def sum_scalar(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (a few elements) summed over the group, on every rank (``max_grad_norm``'s
+        norm of a sharded gradient); ``t`` itself on one shard."""
         r = self.replicas
-        table: list[object] = [None] * r.size
+        if r.size == 1:
+            return t
+        out = t.to(self.device)
+        self.stats.send(ring_allreduce_bytes(out.numel() * out.element_size(), r.size))
         try:
-            dist.all_gather_object(table, obj, group=r.group)
+            dist.all_reduce(out, group=r.group)
         except RuntimeError as exc:
-            raise self.peer_lost(f"the all-gather of {what}", exc) from exc
-        return table
+            raise self.peer_lost("the gradient-norm all-reduce (max_grad_norm)", exc) from exc
+        return out.to(t.device)
+
+    def gather_objects(self, obj: object, what: str) -> list[object]:
+        """Every rank's ``obj`` (picklable), in group-rank order, on every rank (a small
+        collective: error messages, the shard layout of a per-rank checkpoint).
+
+        ``what`` names the exchange for the error if a peer left.
+        """
+        out: list[object] = [None] * self.replicas.size
+        try:
+            dist.all_gather_object(out, obj, group=self.replicas.group)
+        except RuntimeError as exc:
+            raise self.peer_lost(what, exc) from exc
+        return out
 
     def agree(self, params: Sequence[torch.Tensor], options: Mapping[str, object]) -> None:
         """Check that every rank has the same parameter list and ``options`` (one all-gather).

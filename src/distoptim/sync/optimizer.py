@@ -31,9 +31,13 @@ replica mean of the local gradients after ``step()``; accumulation stays exact, 
 ``zero_grad`` gives on n replicas exactly what it gives on one process over the concatenated
 batch, for MEAN and SUM. Edits of ``.grad`` between ``backward()`` and ``step()`` (clipping,
 unscaling) act per replica, before the reduction -- TF's per-replica clipping between
-``compute_gradients`` and ``apply_gradients``, on the PyTorch path. A parameter with
-``requires_grad=False`` is never updated, whatever its ``.grad`` holds (torch's optimizers would
-apply a stale ``.grad``).
+``compute_gradients`` and ``apply_gradients``, on the PyTorch path; every rank warns once when
+some rank makes one. To edit the *averaged* gradient, as DDP users do after ``backward()``:
+``synchronize()`` reduces now and leaves the reduced gradient in ``.grad`` until the next
+``step()``, which applies it without reducing again (Horovod's ``synchronize``); or
+``max_grad_norm`` clips it by its global norm before every inner step
+(:mod:`distoptim.sync.clipping`). A parameter with ``requires_grad=False`` is never updated,
+whatever its ``.grad`` holds (torch's optimizers would apply a stale ``.grad``).
 
 A step's way down: ``step()`` -> :meth:`RoundDriver.reduce_grads
 <distoptim.sync.rounds.RoundDriver.reduce_grads>` (the agreed round) -> the apply strategy's
@@ -50,13 +54,14 @@ import torch
 
 from distoptim import checks
 from distoptim.comm.bucket import BucketPlan
-from distoptim.comm.guard import DesyncError
+from distoptim.comm.guard import DesyncError, RoundKind
 from distoptim.comm.stats import CommStats
 from distoptim.protocol import GradsAndVars, WrappedOptimizer, run_closure, swapped_grads
 from distoptim.sync.apply import ApplyStrategy
 from distoptim.sync.collectives import Collectives, Replicas
 from distoptim.sync.options import Reduction, SyncOptions, check_saved_hyperparameters
 from distoptim.sync.packed import PackedApply, TensorGrads
+from distoptim.sync.replicated import ReplicatedRounds
 from distoptim.sync.rounds import RoundDriver
 from distoptim.sync.sharded import ShardedApply
 from distoptim.sync.views import BucketViews, ViewsApply
@@ -77,6 +82,19 @@ def _choose_apply(
     if options.gradient_as_bucket_view:
         return ViewsApply(opt, params, options, comm)
     return PackedApply(opt, params, options, comm)
+
+
+def _check_managed(manager: Any, options: SyncOptions) -> None:
+    """What a torchft manager cannot be combined with (checked before any side effect)."""
+    from distoptim.ft.replicas import check_manager
+
+    check_manager(manager, "CrossShardOptimizer")
+    if options.shard_optimizer_state:
+        raise NotImplementedError(
+            "CrossShardOptimizer(manager=..., shard_optimizer_state=True) is not supported: a "
+            "healing replica would need every peer's shard of the optimizer state; shard "
+            "within a replica group only once that is built, or drop one of the two"
+        )
 
 
 class CrossShardOptimizer(WrappedOptimizer):
@@ -123,9 +141,15 @@ class CrossShardOptimizer(WrappedOptimizer):
             gradient (also with bucket views). The parameters' storage moves into flat
             buffers at the first step. ``state_dict()``, ``get_slot()``, ``get_slot_names()``
             and ``variables()`` gather the full per-parameter state: collectives, call them
-            on every rank. The state dict has the unsharded format (either loads into either);
+            on every rank (a call on some ranks only is a ``DesyncError`` on every rank
+            involved). The state dict has the unsharded format (either loads into either);
             :meth:`save_sharded` / :meth:`load_sharded` write and read each rank's own part
             instead, through ``torch.distributed.checkpoint``, resharding on load.
+        max_grad_norm: ``None`` (default) or ``c > 0``: before every inner step, clip the
+            *reduced* gradient to a global L2 norm of at most ``c``
+            (``torch.nn.utils.clip_grad_norm_``'s rule; bitwise DDP's ``backward();
+            clip_grad_norm_(params, c); step()``; with ``shard_optimizer_state`` the norm is
+            summed over the shards with one scalar all-reduce).
 
     Collectives are bucketed (see :mod:`distoptim.comm.bucket`). A parameter whose gradient is
     None on some ranks is zero-filled there; one with no gradient on any rank keeps ``None``.
@@ -154,6 +178,8 @@ class CrossShardOptimizer(WrappedOptimizer):
         sequence_guard: bool = True,
         gradient_as_bucket_view: bool = False,
         shard_optimizer_state: bool = False,
+        max_grad_norm: float | None = None,
+        manager: Any = None,
     ) -> None:
         # validate everything before any side effect (subgroup creation is collective)
         options = SyncOptions.check(
@@ -169,16 +195,38 @@ class CrossShardOptimizer(WrappedOptimizer):
             sequence_guard=sequence_guard,
             gradient_as_bucket_view=gradient_as_bucket_view,
             shard_optimizer_state=shard_optimizer_state,
+            max_grad_norm=max_grad_norm,
         )
-        replicas = Replicas.join(options.group_assignment, stacklevel=2)
+        if manager is not None:
+            _check_managed(manager, options)
+        replicas = Replicas.join(options.group_assignment, stacklevel=2, quiet=manager is not None)
         super().__init__(opt, name=name)
         self._options = options
         comm = Collectives(replicas, options.wire, CommStats())
         self._apply = _choose_apply(options, opt, self._all_params, comm)
         self._applying_pairs = False
         self._rounds = RoundDriver(
-            self._all_params, lambda: self.iterations, options, comm, self._apply
+            self._all_params,
+            lambda: self.iterations,
+            options,
+            comm,
+            self._apply,
+            inner=opt,
         )
+        self._replicated: ReplicatedRounds | None = None
+        if manager is not None:
+            self._replicated = ReplicatedRounds(
+                manager,
+                name,
+                self._all_params,
+                opt,
+                options.reduction is Reduction.MEAN,
+                options.wire,
+                comm.stats,
+            )
+            self._replicated.replicas.register_state(
+                "counters", lambda: {"iterations": self.iterations}, self._load_counters
+            )
 
     # ---- the options, read-only ----------------------------------------------------------
     @property
@@ -217,6 +265,10 @@ class CrossShardOptimizer(WrappedOptimizer):
     @property
     def shard_optimizer_state(self) -> bool:
         return self._options.shard_optimizer_state
+
+    @property
+    def max_grad_norm(self) -> float | None:
+        return self._options.max_grad_norm
 
     # ---- public read-only facts --------------------------------------------------------------
     @property
@@ -274,8 +326,22 @@ class CrossShardOptimizer(WrappedOptimizer):
         if self._applying_pairs:  # TF path: the swapped-in grads are already reduced
             return super().step(closure)
         loss = run_closure(closure)
+        if self._replicated is not None:
+            self._managed_step()
+            return loss
         rounds = self._rounds
-        if rounds.size == 1:
+        if self._apply.held is not None:  # synchronize() reduced this step's gradients
+            if rounds.passes_since_reduce():
+                self._apply.drop()
+                raise RuntimeError(
+                    "CrossShardOptimizer: backward() ran between synchronize() and step(): its "
+                    "gradient was added to the reduced one and never reduced, so the replicas "
+                    "would drift apart. Call synchronize() after the step's last backward()."
+                )
+            self._apply.release()
+            if rounds.size > 1:
+                rounds.end_step()
+        elif rounds.size == 1:
             rounds.refresh()
             self._apply.solo_step(rounds)
         else:
@@ -284,6 +350,75 @@ class CrossShardOptimizer(WrappedOptimizer):
             rounds.end_step()
         self.iterations += 1
         return loss
+
+    def synchronize(self) -> None:
+        """Reduce ``.grad`` across the group now; the next ``step()`` applies it without
+        reducing again (Horovod's ``synchronize``, DDP's state after ``backward()``).
+
+        Until that ``step()``, ``.grad`` holds the reduced gradient (MEAN: ``sum_r sum_passes
+        g_r / (n N)``; parameters no rank had a gradient for: None), identical on every rank:
+        clip or unscale *it* -- ``backward(); opt.synchronize(); clip_grad_norm_(params, c);
+        opt.step()`` is DDP's ``backward(); clip_grad_norm_(params, c); opt.step()`` bit for
+        bit. Edits must then be the same on every rank (they act on identical gradients).
+        After the ``step()``, ``.grad`` is what a ``step()`` leaves (the local gradient; with
+        bucket views the replica mean). A second call before ``step()`` does nothing;
+        ``zero_grad()`` forgets the reduced gradient; a ``backward()`` before the ``step()`` is
+        an error at the ``step()``. A collective round like ``step()``'s (call it on every
+        rank: a rank calling ``step()`` directly meanwhile is a ``DesyncError``). Not available
+        with ``shard_optimizer_state=True`` (each rank receives only its ``1/n`` of the reduced
+        gradient): use ``max_grad_norm`` there.
+        """
+        if self._apply.held is not None:
+            return
+        if self._replicated is not None:
+            raise NotImplementedError(
+                "CrossShardOptimizer(manager=...).synchronize() is not supported: a managed "
+                "step commits (or not) in one torchft round; use max_grad_norm= to clip the "
+                "averaged gradient"
+            )
+        if self._options.shard_optimizer_state:
+            raise TypeError(
+                "CrossShardOptimizer.synchronize() is not available with "
+                "shard_optimizer_state=True: each rank receives only its 1/n of the reduced "
+                "gradient, never all of it in .grad. To clip the averaged gradient by its norm, "
+                "pass max_grad_norm= (computed across the shards)."
+            )
+        rounds = self._rounds
+        if rounds.size == 1:
+            rounds.refresh()
+            self._apply.hold_solo(rounds)
+        else:
+            rnd, buffers = rounds.reduce_grads(RoundKind.SYNC)
+            self._apply.hold(rnd, buffers)
+
+    def _managed_step(self) -> None:
+        """A step as one torchft round: the replica group's round, then the replicas', then
+        the inner step only if the round commits (see :mod:`distoptim.sync.replicated`)."""
+        replicated = self._replicated
+        assert replicated is not None
+        rounds = self._rounds
+        if rounds.size == 1:  # one process per replica group: pack (and divide passes) locally
+            rounds.refresh()
+            rnd = rounds.grad_round(rounds.solo_plan())
+            buffers = rnd.wait_all()
+        else:
+            rnd, buffers = rounds.reduce_grads()
+        kind = RoundKind.STEP
+        if not replicated.reduce_and_commit(rnd, buffers, kind, self.iterations, rounds.plan_word):
+            return
+        self._apply.step(rnd, buffers)
+        if rounds.size > 1:
+            rounds.end_step()
+        self.iterations += 1
+
+    def _load_counters(self, state: dict[str, int]) -> None:
+        """A healing replica takes its peer's step counter (with its parameters and state)."""
+        self.iterations = int(state["iterations"])
+
+    @property
+    def replica_stats(self) -> Any:
+        """With a torchft manager: rounds, commits, failed rounds, heals (else None)."""
+        return None if self._replicated is None else self._replicated.replicas.stats
 
     def finish(self) -> None:
         """Say that this rank takes no more steps; raise if some rank of the group still does.
@@ -297,6 +432,10 @@ class CrossShardOptimizer(WrappedOptimizer):
         """
         if self._rounds.size > 1:
             self._rounds.finish()
+        if self._replicated is not None:
+            self._replicated.reduce_and_commit(
+                None, [], RoundKind.FINISH, self.iterations, self._rounds.plan_word
+            )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``torch.optim.Optimizer.zero_grad``; with bucket views, zero the buckets in place.
@@ -306,6 +445,9 @@ class CrossShardOptimizer(WrappedOptimizer):
         parameter then has a gradient is tracked exactly as before (see
         :mod:`distoptim.comm.grad_views`). Other parameters follow torch.
         """
+        self._apply.drop()  # a gradient synchronize() reduced is forgotten
+        if self._replicated is not None:  # the quorum forms during the forward pass
+            self._replicated.start(early=True)
         if self._apply.grads.zero(self._all_params(), set_to_none):
             self._rounds.note_zeroed()  # an in-place reduction in flight read other values
         else:
@@ -319,6 +461,11 @@ class CrossShardOptimizer(WrappedOptimizer):
 
     def _apply_pairs(self, pairs: GradsAndVars) -> None:
         """SUM the given gradients across the group into fresh tensors, then apply them once."""
+        if self._replicated is not None:
+            raise NotImplementedError(
+                "CrossShardOptimizer(manager=...) reduces .grad in step(); the TF path "
+                "(apply_gradients/minimize) is not fault-tolerant: use backward() and step()"
+            )
         for _, v in pairs:
             if not v.requires_grad:
                 raise ValueError(
@@ -330,6 +477,8 @@ class CrossShardOptimizer(WrappedOptimizer):
         if reduced is None:  # the strategy applied them (weight-update sharding)
             self.iterations += 1
             return
+        # max_grad_norm; on one shard the pairs are the caller's own tensors: clip copies
+        reduced = self._apply.clip_pairs(reduced, copy=self.num_shards == 1)
         self._applying_pairs = True
         try:
             with swapped_grads(self._all_params(), reduced):
@@ -338,17 +487,27 @@ class CrossShardOptimizer(WrappedOptimizer):
             self._applying_pairs = False
 
     # ---- state: the full per-parameter state, also when it is sharded ----------------------
+    def _announce(self, kind: RoundKind) -> None:
+        """Before gathering sharded state: every rank of the group must be in the same call."""
+        if self._apply.state_is_collective:
+            self._rounds.announce(kind)
+
     def _slot_state(self) -> Any:
         """The state slots are read from; with sharding, gathered (call on every rank)."""
+        self._announce(RoundKind.SLOTS)
         return self._apply.full_state()
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state dict plus ``iterations`` (see ``WrappedOptimizer``).
 
         With ``shard_optimizer_state=True`` the per-parameter state is gathered from every
-        rank into the unsharded format (a collective: call it on every rank); it loads into
-        a sharded or an unsharded optimizer alike.
+        rank into the unsharded format (a collective: call it on every rank, then save on
+        one); it loads into a sharded or an unsharded optimizer alike. A round of zeros whose
+        words say ``state_dict()`` goes first: when only some ranks call it, every rank
+        involved raises ``DesyncError`` -- peers in a ``step()`` or ``finish()`` at once, the
+        callers as soon as their peers' rounds (or their exit) arrive.
         """
+        self._announce(RoundKind.STATE)
         with self._apply.gathered_state():
             return super().state_dict()
 
@@ -435,5 +594,6 @@ class CrossShardOptimizer(WrappedOptimizer):
             f"backward_passes_per_step={self.backward_passes_per_step}, "
             f"sequence_guard={self.sequence_guard}, "
             f"gradient_as_bucket_view={self.gradient_as_bucket_view}, "
-            f"shard_optimizer_state={self.shard_optimizer_state})"
+            f"shard_optimizer_state={self.shard_optimizer_state}, "
+            f"max_grad_norm={self.max_grad_norm})"
         )

@@ -24,6 +24,7 @@ from distoptim.comm.groups import check_group_assignment
 from distoptim.sync.sharding import check_elementwise
 
 __all__ = [
+    "MAX_BUCKET_CAP_MB",
     "MIB",
     "Reduction",
     "SyncOptions",
@@ -32,6 +33,10 @@ __all__ = [
 
 MIB = 1 << 20
 """Bytes in a MiB (``bucket_cap_mb`` counts them)."""
+
+MAX_BUCKET_CAP_MB = float(1 << 20)
+"""The largest ``bucket_cap_mb`` accepted: 1 TiB (one bucket per dtype and device beyond any
+real model; larger values only overflow the byte count)."""
 
 
 class Reduction(str, enum.Enum):
@@ -67,6 +72,7 @@ class SyncOptions:
     sequence_guard: bool
     gradient_as_bucket_view: bool
     shard_optimizer_state: bool
+    max_grad_norm: float | None = None
 
     @classmethod
     def check(
@@ -84,6 +90,7 @@ class SyncOptions:
         sequence_guard: object,
         gradient_as_bucket_view: object,
         shard_optimizer_state: object,
+        max_grad_norm: object = None,
     ) -> SyncOptions:
         """Every argument checked, nothing changed; ``TypeError`` / ``ValueError`` otherwise.
 
@@ -96,7 +103,10 @@ class SyncOptions:
             )
         red = Reduction.parse(reduction)
         checks.check_str("name", name)
-        cap = checks.check_positive("bucket_cap_mb", bucket_cap_mb, "MiB")
+        cap = _check_cap(bucket_cap_mb)
+        clip = None
+        if max_grad_norm is not None:
+            clip = checks.check_positive("max_grad_norm", max_grad_norm)
         flags = {
             "overlap": overlap,
             "sequence_guard": sequence_guard,
@@ -122,6 +132,7 @@ class SyncOptions:
             sequence_guard=sequence_guard,  # type: ignore[arg-type]
             gradient_as_bucket_view=gradient_as_bucket_view,  # type: ignore[arg-type]
             shard_optimizer_state=shard_optimizer_state,  # type: ignore[arg-type]
+            max_grad_norm=clip,
         )
 
     @property
@@ -146,7 +157,19 @@ class SyncOptions:
             "sequence_guard": self.sequence_guard,
             "gradient_as_bucket_view": self.gradient_as_bucket_view,
             "shard_optimizer_state": self.shard_optimizer_state,
+            "max_grad_norm": self.max_grad_norm,
         }
+
+
+def _check_cap(value: object) -> float:
+    """``bucket_cap_mb`` as a float in ``(0, MAX_BUCKET_CAP_MB]``; ``ValueError`` otherwise."""
+    try:
+        return checks.check_real("bucket_cap_mb", value, 0.0, MAX_BUCKET_CAP_MB, low_open=True)
+    except ValueError:
+        raise ValueError(
+            f"bucket_cap_mb must be a finite number of MiB in (0, {MAX_BUCKET_CAP_MB:.0f}] "
+            f"(at most 1 TiB per bucket), got {value!r}"
+        ) from None
 
 
 def check_saved_hyperparameters(opt: torch.optim.Optimizer, groups: object) -> None:

@@ -3,10 +3,10 @@
 Owns :class:`TensorGrads` (``.grad`` as torch leaves it: a round packs a copy of each gradient
 into the bucket buffers) and :class:`PackedApply`: the buckets are all-reduced, and the inner
 ``opt.step()`` runs with the reduced gradients -- views of the reduced buffers -- swapped into
-``.grad`` (:func:`distoptim.protocol.swapped_grads`); afterwards ``.grad`` holds this replica's
-local gradient again, so accumulating without ``zero_grad`` continues exactly as on one
-process. Parameters no rank had a gradient for, and frozen ones, get ``.grad`` None for the
-inner step only.
+``.grad`` (:class:`~distoptim.sync.apply.SwappedHeld`, from ``synchronize()`` or ``step()``
+until the inner step is over); afterwards ``.grad`` holds this replica's local gradient again,
+so accumulating without ``zero_grad`` continues exactly as on one process. Parameters no rank
+had a gradient for, and frozen ones, get ``.grad`` None for the inner step only.
 """
 
 from __future__ import annotations
@@ -18,8 +18,14 @@ import torch
 
 from distoptim.comm.bucket import Bucket, BucketPlan
 from distoptim.comm.reducer import ReduceRound
-from distoptim.protocol import swapped_grads
-from distoptim.sync.apply import AllReduceApply, BufferOf, GradSource, reduced_pairs
+from distoptim.sync.apply import (
+    AllReduceApply,
+    BufferOf,
+    GradSource,
+    Held,
+    SwappedHeld,
+    reduced_pairs,
+)
 from distoptim.sync.collectives import Collectives
 from distoptim.sync.options import SyncOptions
 
@@ -70,20 +76,15 @@ class PackedApply(AllReduceApply):
     ) -> None:
         super().__init__(opt, params, options, comm, TensorGrads())
 
-    def step(self, rnd: ReduceRound, buffers: list[torch.Tensor]) -> None:
-        with swapped_grads(self.params(), reduced_pairs(rnd, buffers)):
-            self.opt.step()
+    def _hold(self, rnd: ReduceRound, buffers: list[torch.Tensor]) -> Held:
+        return SwappedHeld(self.params(), reduced_pairs(rnd, buffers))
 
-    def solo_step(self, rounds: RoundDriver) -> None:
+    def _hold_solo(self, rounds: RoundDriver) -> Held:
         """One shard: divide accumulated passes (MEAN), never update frozen parameters."""
         plan = rounds.plan
         if self.divisor != 1:
             rnd = rounds.grad_round(plan)
             pairs = reduced_pairs(rnd, rnd.wait_all())
-        elif any(p.grad is not None for p in self.params() if not p.requires_grad):
-            pairs = [(p.grad, p) for p in plan.params if p.grad is not None]
         else:
-            self.opt.step()
-            return
-        with swapped_grads(self.params(), pairs):  # type: ignore[arg-type]
-            self.opt.step()
+            pairs = [(p.grad, p) for p in plan.params if p.grad is not None]
+        return SwappedHeld(self.params(), pairs)  # type: ignore[arg-type]

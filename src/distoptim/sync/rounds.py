@@ -25,6 +25,24 @@ backward passes (the sequence guard), and the life of every round:
 * **settle** -- a round that reduced ``.grad`` in place (gradients as bucket views) leaves the
   replica mean of the local gradients there, also when its result is not used.
 
+Besides the step counter, the pass count and the plan, every round's words carry a digest of the
+wrapped optimizer's type and hyperparameters (:mod:`distoptim.comm.hyperparameters`, 32 bits
+of its fingerprint: an LR scheduler stepped on some ranks only is a ``DesyncError`` in the next
+round, whose ranks then exchange their descriptions to name each difference) and three
+informative marks of a ``.grad`` round: *uncounted* (no pass counted, yet the gradients changed
+since the last round: a backward that reached none of the pass counter's sentinels, which agrees
+with any count >= 1 instead of raising a false alarm), *local edit* (``.grad`` changed after
+backward ended: every rank warns once that such edits act on local gradients, and how to edit
+the averaged one) and *foreign* (``.grad`` rewritten during backward: every rank warns once that
+the model looks wrapped in ``DistributedDataParallel``, which reduces every gradient a second
+time).
+
+Calls that must be made on every rank although they are no step -- ``finish()``, and the
+gathers of sharded state (``state_dict()``, ``get_slot()``, ...) -- first run a round of zeros
+over the agreed plan whose words name the call (:meth:`RoundDriver.announce`): peers in a
+``step()`` (or another call) raise ``DesyncError`` together with the caller, and a caller whose
+peers left gets one at once, instead of a collective that pairs with nothing.
+
 The round's result (the reduced buffers) goes back to the caller, who hands it to the apply
 strategy. Every collective goes through :class:`~distoptim.sync.collectives.Collectives`.
 """
@@ -33,16 +51,24 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
 from distoptim.comm.bucket import Bucket, BucketPlan
 from distoptim.comm.fingerprint import digest
 from distoptim.comm.guard import GuardWords, RoundKind, Verdict, check_round, plan_word
+from distoptim.comm.hyperparameters import (
+    describe_optimizer,
+    differences,
+    fingerprint,
+    group_members,
+)
 from distoptim.comm.overlap import BackwardOverlap, PassCounter, sentinels
-from distoptim.comm.reducer import ReduceRound
+from distoptim.comm.reducer import ReduceRound, grads_changed
 from distoptim.sync.apply import ApplyStrategy
 from distoptim.sync.collectives import Collectives
+from distoptim.sync.notices import Notices
 from distoptim.sync.options import SyncOptions
 
 __all__ = ["FIRST_BUCKET_BYTES", "Reduced", "RoundDriver"]
@@ -59,7 +85,9 @@ class RoundDriver:
 
     ``params()``: the optimizer's parameters (every param group, in order); ``steps()``: its
     step counter (the words and the messages name it); ``apply``: the strategy that builds
-    rounds and follows the agreed plan. Construction builds this rank's plan (no collective).
+    rounds and follows the agreed plan; ``inner``: the wrapped optimizer (its type and
+    hyperparameters are digested into every round; None: not checked). Construction builds
+    this rank's plan (no collective).
     """
 
     def __init__(
@@ -69,9 +97,12 @@ class RoundDriver:
         options: SyncOptions,
         comm: Collectives,
         apply: ApplyStrategy,
+        inner: torch.optim.Optimizer | None = None,
     ) -> None:
         self.params = params
         self.steps = steps
+        self.inner = inner
+        self.members: list[str] | None = None  # the inner optimizer's grouping, per plan
         self.options = options
         self.comm = comm
         self.apply = apply
@@ -79,6 +110,9 @@ class RoundDriver:
         self.fingerprint: Mapping[str, object] = options.fingerprint(comm.replicas.size)
         self.overlapping = options.overlap  # until remove_hooks()
         self.warned_edit = False
+        self.notices = Notices()
+        # what the last .grad round read (weakly): a later round with no counted pass compares
+        self.baseline: list[list[Any]] | None = None
         self.hooks_on = comm.replicas.size > 1
         self.counter = PassCounter()
         # the plan of this rank's current parameter list ("proposed"), and the one every rank
@@ -115,6 +149,7 @@ class RoundDriver:
             return
         params = [p for p in self.params() if p.requires_grad]
         self.plan_key = key
+        self.members = None
         self.plan_word = plan_word(digest(params, self.fingerprint))
         self._install(params, order=None)
         if self.size == 1:
@@ -146,6 +181,7 @@ class RoundDriver:
                 self.stats,
             )
             self.overlap_hooks.attach()
+            self.counter.track(sentinels(params))  # stamped (edits, DDP) through its hooks
         elif self.options.sequence_guard:
             self.counter.watch(sentinels(params))
 
@@ -179,6 +215,7 @@ class RoundDriver:
     def _set_agreed(self, plan: BucketPlan) -> None:
         """``plan`` is what every rank's rounds use from now on (every rank calls this)."""
         self.agreed = plan
+        self.baseline = None
         self.apply.follow(plan)
 
     def solo_plan(self) -> BucketPlan:
@@ -257,15 +294,18 @@ class RoundDriver:
 
     # ---- closing rounds: every rank's words, one verdict ------------------------------------
     def _close(
-        self, rnd: ReduceRound, kind: RoundKind, edited: bool = False
+        self, rnd: ReduceRound, kind: RoundKind, edited: bool = False, **marks: bool
     ) -> tuple[Verdict, list[torch.Tensor]]:
         """Launch ``rnd``'s last bucket with this rank's words, wait, check every rank's words.
 
-        Raises ``DesyncError`` / ``ParameterMismatchError`` on every rank of the group alike.
+        ``marks``: the informative flags of a ``.grad`` round (``uncounted``, ``local_edit``,
+        ``foreign``, see :class:`~distoptim.comm.guard.GuardWords`). Raises ``DesyncError`` /
+        ``ParameterMismatchError`` on every rank of the group alike.
         """
         codec = self.comm.codec
         assert codec is not None
         guard = self.options.sequence_guard
+        described = self._describe() if guard else None
         words = GuardWords(
             kind,
             step=self.steps() if guard else 0,
@@ -274,10 +314,26 @@ class RoundDriver:
             params=len(self.plan.params),
             edited=edited,
             replanned=self.plan is not self.agreed,
+            hyper=0 if described is None else fingerprint(described) & 0xFFFFFFFF,
+            **marks,
         )
         buffers = rnd.wait_all(lambda trailer: codec.write(trailer, words))
         table = codec.read(rnd.trailer(buffers))
-        return check_round(table, codec.ranks), buffers
+
+        def explain() -> str:  # every rank gets here alike: a collective on the error path
+            gathered = self.comm.gather_objects(described, "the hyperparameters' exchange")
+            return "\n".join(differences(gathered, [f"rank {r}" for r in codec.ranks]))
+
+        return check_round(table, codec.ranks, explain_hyperparameters=explain), buffers
+
+    def _describe(self) -> dict[str, Any] | None:
+        """The wrapped optimizer's type and hyperparameters as plain data (None: unchecked)."""
+        if self.inner is None:
+            return None
+        params = self.params()
+        if self.members is None:
+            self.members = group_members(self.inner, params)
+        return describe_optimizer(self.inner, params, self.members)
 
     def _settle(self, rnd: ReduceRound, buffers: list[torch.Tensor]) -> None:
         """After an in-place round: ``.grad`` = the replica mean (see the gradient source)."""
@@ -305,12 +361,18 @@ class RoundDriver:
         make: Callable[[BucketPlan], ReduceRound],
         rnd: ReduceRound | None = None,
         edited: bool = False,
+        **marks: bool,
     ) -> Reduced:
-        """Close ``rnd`` (or ``make(agreed plan)``); if any rank asks, reduce again, together."""
+        """Close ``rnd`` (or ``make(agreed plan)``); if any rank asks, reduce again, together.
+
+        ``marks`` (see :meth:`_close`) go into both rounds' words: the repeat is the same
+        operation, so it must agree exactly where the first round did.
+        """
         if rnd is None:
             assert self.agreed is not None
             rnd = make(self.agreed)
-        verdict, buffers = self._close(rnd, kind, edited)
+        verdict, buffers = self._close(rnd, kind, edited, **marks)
+        self.notices.inform(verdict)
         if verdict.repeat:
             if self.apply.grads.in_place(rnd):  # the local gradients are gone: mean again
                 self._settle(rnd, buffers)  # (in-place rounds are never in flight: no edits)
@@ -328,24 +390,51 @@ class RoundDriver:
                 )
             self.stats.repeated_rounds += 1
             rnd = make(self.agreed)  # type: ignore[arg-type]
-            _, buffers = self._close(rnd, RoundKind.REPAIR)
+            _, buffers = self._close(rnd, RoundKind.REPAIR, **marks)
         return rnd, buffers
 
     # ---- the rounds the optimizer asks for --------------------------------------------------
-    def reduce_grads(self) -> Reduced:
-        """The agreed reduction of ``.grad`` for ``step()`` (the round backward launched, if
-        it still holds); the step's backward-pass bookkeeping starts afresh either way."""
+    def reduce_grads(self, kind: RoundKind = RoundKind.STEP) -> Reduced:
+        """The agreed reduction of ``.grad`` for ``step()`` or ``synchronize()`` (``kind``):
+        the round backward launched, if it still holds; the step's backward-pass bookkeeping
+        starts afresh either way."""
         try:
             self.refresh()
             self.agree()
             rnd, self.inflight = self.inflight, None
             edited = rnd is not None and (self.zeroed_inflight or not rnd.inputs_unchanged())
             self.zeroed_inflight = False
-            return self._agreed_round(RoundKind.STEP, self.grad_round, rnd, edited)
+            marks = self._marks()
+            rnd, buffers = self._agreed_round(kind, self.grad_round, rnd, edited, **marks)
+            if self._counts_sentinels:
+                self.baseline = rnd.snapshot()
+            return rnd, buffers
         finally:
             self.counter.reset()
             if self.overlap_hooks is not None:
                 self.overlap_hooks.new_step()
+
+    @property
+    def _counts_sentinels(self) -> bool:
+        """Does the pass count come from a few sentinels only (not from every parameter)?"""
+        return self.options.sequence_guard and self.hooks_on and not self.overlapping
+
+    def _marks(self) -> dict[str, bool]:
+        """This rank's informative flags for a ``.grad`` round (see :meth:`_close`)."""
+        counter = self.counter
+        uncounted = False
+        if self._counts_sentinels and counter.completed == 0 and self.agreed is not None:
+            grads_of = self.apply.grads.grads_of(self.agreed)
+            uncounted = grads_changed(self.agreed, grads_of, self.baseline)
+        return {
+            "uncounted": uncounted,
+            "local_edit": counter.completed > 0 and counter.edited_since_pass(),
+            "foreign": counter.foreign,
+        }
+
+    def passes_since_reduce(self) -> bool:
+        """Did a backward pass run (or launch a round) since the last ``reduce_grads``?"""
+        return self.counter.completed > 0 or self.inflight is not None
 
     def end_step(self) -> None:
         """After an applied ``step()``: with overlap, the bucket rebuild (once per plan)."""
@@ -378,9 +467,18 @@ class RoundDriver:
 
     def finish(self) -> None:
         """One round of zeros whose words say ``finish()`` (see the optimizer's ``finish``)."""
+        self.announce(RoundKind.FINISH)
+
+    def announce(self, kind: RoundKind) -> None:
+        """One round of zeros whose words say ``kind``: a call every rank must make.
+
+        Every rank of the group passes it together, or raises together: peers in another
+        operation (a ``step()``) get ``DesyncError`` naming the call and the ranks that made
+        it, and a caller whose peers left gets one at once (the round's collectives fail).
+        """
         self.refresh()
         self.agree()
-        self.close_inflight(RoundKind.FINISH)
+        self.close_inflight(kind)
 
         def zeros(plan: BucketPlan) -> ReduceRound:
             return self._round(
@@ -388,9 +486,9 @@ class RoundDriver:
                 lambda b: [None] * len(b.members),
                 self.apply.grads.scratch_buffer(),  # leave the buffers .grad lives in alone
                 1,
-                "finish()",
+                f"{kind.describe()} -- a collective: every rank of the group must call it --",
             )
 
-        verdict, _ = self._close(zeros(self.agreed), RoundKind.FINISH)  # type: ignore[arg-type]
+        verdict, _ = self._close(zeros(self.agreed), kind)  # type: ignore[arg-type]
         if verdict.repeat:
             self.adopt()

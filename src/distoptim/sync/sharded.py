@@ -151,6 +151,8 @@ class ShardedApply(ApplyStrategy):
         present = rnd.present(buffers)
         if adopt:
             self.grads.adopt_packed()
+        if self.clip is not None:  # max_grad_norm: the shards of the reduced gradient
+            self.clip.clip_shards(buffers, self.comm.sum_scalar)
         update.ensure_params()
         update.step(self.opt, present, buffers)
         self.comm.all_gather(update.flats)
@@ -175,6 +177,11 @@ class ShardedApply(ApplyStrategy):
         state = self.opt.state
         self.opt.state = defaultdict(dict)
         return {p: s for p, s in state.items() if s}
+
+    @property
+    def state_is_collective(self) -> bool:
+        """The state lives in shards: reading it whole gathers from every rank."""
+        return self.update is not None and self.comm.replicas.size > 1
 
     def full_state(self) -> dict[torch.Tensor, State]:
         """Every parameter's optimizer state, gathered from every rank (a collective)."""

@@ -446,7 +446,9 @@ class ShardedUpdate:
                         scalars.setdefault(key, _portable(value))
         table: list[Any] = [(mine, elems)]
         if self.layout.num_shards > 1:
-            table = self.comm.gather_objects((mine, elems), "the optimizer state's layout")
+            table = self.comm.gather_objects(
+                (mine, elems), "the all-gather of the optimizer state's layout"
+            )
         members: dict[int, State] = {}
         keys: dict[int, dict[str, torch.dtype]] = {}
         for their_members, their_elems in table:

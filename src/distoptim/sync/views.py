@@ -24,7 +24,15 @@ from distoptim.comm.bucket import Bucket, BucketPlan
 from distoptim.comm.grad_views import GradViews
 from distoptim.comm.reducer import ReduceRound
 from distoptim.protocol import swapped_grads
-from distoptim.sync.apply import AllReduceApply, BufferOf, GradSource, reduced_pairs
+from distoptim.sync.apply import (
+    AllReduceApply,
+    BufferOf,
+    GradSource,
+    Held,
+    SwappedHeld,
+    reduced_pairs,
+)
+from distoptim.sync.clipping import GradClip
 from distoptim.sync.collectives import Collectives
 from distoptim.sync.options import SyncOptions
 
@@ -124,8 +132,8 @@ class ViewsApply(AllReduceApply):
         self.bucket_views = BucketViews()
         super().__init__(opt, params, options, comm, self.bucket_views)
 
-    def step(self, rnd: ReduceRound, buffers: list[torch.Tensor]) -> None:
-        """``.grad`` holds (or receives) the reduced gradient; run ``opt`` on it.
+    def _hold(self, rnd: ReduceRound, buffers: list[torch.Tensor]) -> Held:
+        """``.grad`` holds (or receives) the reduced gradient, which the inner step reads.
 
         Parameters no rank had a gradient for, and parameters outside the plan (frozen ones),
         are hidden from ``opt`` (``.grad`` None for the inner step only).
@@ -137,16 +145,9 @@ class ViewsApply(AllReduceApply):
                 bucket.persistent_buffer()[: bucket.numel].copy_(buffer[: bucket.numel])
         present = rnd.present(buffers)
         views.hold_reduced(present)
-        params = self.params()
-        hidden: list[torch.Tensor] = []
-        if not all(present) or len(params) != len(rnd.plan.params):
-            shown = {id(p) for p, here in zip(rnd.plan.params, present) if here}
-            hidden = [p for p in params if p.grad is not None and id(p) not in shown]
-        with swapped_grads(hidden, []):
-            self.opt.step()
-        views.rescale(self.divisor / self.comm.replicas.size)
+        return _ReducedViews(views, rnd.plan, present, self.divisor / self.comm.replicas.size)
 
-    def solo_step(self, rounds: RoundDriver) -> None:
+    def _hold_solo(self, rounds: RoundDriver) -> Held:
         """One shard: divide accumulated passes (MEAN) in fresh buffers, or step on ``.grad``
         as it is; never update frozen parameters."""
         plan = rounds.plan
@@ -157,5 +158,36 @@ class ViewsApply(AllReduceApply):
             pairs = reduced_pairs(rnd, rnd.wait_all())
         else:
             pairs = [(g, p) for p, g in zip(plan.params, views.present_grads()) if g is not None]
-        with swapped_grads(self.params(), pairs):  # type: ignore[arg-type]
-            self.opt.step()
+        return SwappedHeld(self.params(), pairs)  # type: ignore[arg-type]
+
+
+class _ReducedViews(Held):
+    """The buckets hold the reduced gradient ``R`` in place: ``.grad`` is it. The inner step
+    hides parameters without one; afterwards the slots become the replica mean ``R d / n``."""
+
+    def __init__(
+        self, views: GradViews, plan: BucketPlan, present: Sequence[bool], factor: float
+    ) -> None:
+        self.views = views
+        self.plan = plan
+        self.present = present
+        self.factor = factor
+
+    def _hidden(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        if all(self.present) and len(params) == len(self.plan.params):
+            return []
+        shown = {id(p) for p, here in zip(self.plan.params, self.present) if here}
+        return [p for p in params if p.grad is not None and id(p) not in shown]
+
+    def step(self, opt: torch.optim.Optimizer, clip: GradClip | None) -> None:
+        params = [p for g in opt.param_groups for p in g["params"]]
+        try:
+            with swapped_grads(self._hidden(params), []):
+                if clip is not None:
+                    clip.clip(params)
+                opt.step()
+        finally:
+            self.drop()
+
+    def drop(self) -> None:
+        self.views.rescale(self.factor)

@@ -1,0 +1,129 @@
+"""The one place distoptim touches torchft beyond its documented API, pinned by a test.
+
+torchft's :class:`~torchft.manager.Manager` documents ``start_quorum``, ``allreduce``,
+``should_commit``, ``num_participants``, ``participating_rank``, ``register_state_dict_fn`` and
+``report_error``. Two things distoptim needs are not in that list, and both live here so that a
+torchft upgrade that moves them breaks one small module and its test
+(``tests/ft/test_torchft_pins.py``), not the optimizers:
+
+* the quorum's process group (``Manager._pg``, the reconfigurable wrapper the user passed as
+  ``pg=``) and this replica's rank and size in it (its ``parent`` process group) -- needed by the
+  collectives that are not a plain all-reduce (all-gather, all-to-all of the lossy wire
+  formats), in which every member of the quorum, healing ones included, takes part;
+* whether the manager is healing in the current quorum (``Manager._healing``), so a replica
+  that is about to receive a peer's state contributes nothing to this step's mean.
+
+``TORCHFT_VERSION`` is the version these were read from (``pyproject.toml`` pins it).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import warnings
+from typing import Any
+
+__all__ = [
+    "TORCHFT_VERSION",
+    "MissingExtraError",
+    "is_healing",
+    "min_replica_size",
+    "quorum_id",
+    "quorum_timeout_seconds",
+    "quorum_group",
+    "quorum_rank_and_size",
+    "quiet",
+    "require",
+]
+
+TORCHFT_VERSION = "0.2.0"
+"""The torchft release the pinned internals were read from and tested with."""
+
+
+class MissingExtraError(ImportError):
+    """torchft is not installed; the message names the extra that installs it."""
+
+
+def require(module: str = "torchft") -> Any:
+    """``module`` of torchft (imported), or :class:`MissingExtraError` naming ``distoptim[ft]``."""
+    # torchft's Rust side logs every quorum at INFO unless told otherwise before it loads
+    os.environ.setdefault("RUST_LOG", "warn")
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise MissingExtraError(
+            "fault tolerance (manager=..., distoptim.ft, --fault-tolerant) needs torchft: "
+            'pip install "distoptim[ft]"'
+        ) from exc
+
+
+def quorum_group(manager: Any) -> Any:
+    """The reconfigurable process group of ``manager``'s quorum (the ``pg=`` it was built with)."""
+    return manager._pg
+
+
+def quorum_rank_and_size(manager: Any) -> tuple[int, int]:
+    """This replica's rank in the current quorum's process group and that group's size.
+
+    Every replica of the quorum is a member, participating or healing. Call after the quorum
+    is ready (``manager.wait_quorum()``).
+    """
+    inner = manager._pg.parent
+    return inner.rank(), inner.size()
+
+
+def is_healing(manager: Any) -> bool:
+    """Whether ``manager`` receives a peer's state in the current quorum (not yet applied)."""
+    return bool(manager._healing)
+
+
+def quiet() -> None:
+    """Keep torchft's per-quorum chatter out of the user's terminal.
+
+    distoptim reports the failures it acts on (a step not committed, a heal) itself.
+
+    torchft logs every reconfiguration at WARNING ("Unable to reset NCCL flight recorder ..."
+    on a CPU build) and every quorum at INFO; distoptim reports quorums and heals itself.
+    """
+    for name in ("torchft", "torchft.manager", "torchft_quorums", "torchft_commits"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    # a received checkpoint is read from a read-only buffer; torch warns once per process
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+
+def advertised_http_transport(host: str, timeout: Any) -> Any:
+    """torchft's HTTP checkpoint transport, advertising ``host`` instead of the host name.
+
+    torchft's ``HTTPTransport.address()`` names the server by ``socket.gethostname()``, which on
+    hosts that share a name (network namespaces, containers) or whose name resolves to a
+    loopback address points a joiner at the wrong machine. The server itself listens on every
+    interface; only the advertised address changes (``_server`` is its listening socket).
+    """
+    http = require("torchft.checkpointing.http_transport")
+
+    class _Advertised(http.HTTPTransport):  # type: ignore[misc, name-defined]
+        def address(self) -> str:
+            port = self._server.socket.getsockname()[1]
+            shown = f"[{host}]" if ":" in host else host
+            return f"http://{shown}:{port}/checkpoint/"
+
+    transport = _Advertised(timeout=timeout, num_chunks=0)
+    # http.server logs every request (each heal's GET) to stderr: not the user's business
+    transport._server.RequestHandlerClass.log_message = lambda *args: None
+    return transport
+
+
+def min_replica_size(manager: Any) -> int:
+    """The per-step floor of participants the manager was built with."""
+    return int(manager._min_replica_size)
+
+
+def quorum_timeout_seconds(manager: Any) -> float:
+    """The manager's quorum timeout, in seconds."""
+    return float(manager._quorum_timeout.total_seconds())
+
+
+def quorum_id(manager: Any) -> int:
+    """The id of the manager's current quorum (changes when membership changes)."""
+    return int(manager._quorum_id)

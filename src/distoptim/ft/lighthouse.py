@@ -1,0 +1,200 @@
+"""The torchft lighthouse: the one process every replica group asks for its quorum.
+
+Owns starting a lighthouse for the user: in this process for local runs and tests
+(:class:`Lighthouse`, a context manager), or as a standalone server for multi-node jobs
+(``distoptim lighthouse``, :func:`serve`; torchft's own ``torchft_lighthouse`` is the same
+server). The lighthouse is torchft's Rust ``LighthouseServer`` shipped inside the torchft wheel;
+nothing here re-implements a quorum.
+
+What its three times mean (torchft's semantics, in seconds here):
+
+* ``heartbeat_timeout``: a replica group whose manager has not sent a heartbeat for this long is
+  dead: the next quorum forms without it. This is how fast a SIGKILLed or SIGSTOPped replica is
+  noticed between steps (torchft's default is 5 s; distoptim's local default 2 s).
+* ``join_timeout``: how long a quorum waits for replica groups that are heartbeating (alive)
+  but have not asked to join yet -- stragglers, or a DiLoCo replica still in its inner steps.
+  Longer than the gap between two replicas' sync points, shorter than you want a slow replica
+  to hold the others up.
+* ``quorum_tick``: how often the lighthouse re-checks a pending quorum.
+
+``min_replicas`` is the lighthouse's floor: no quorum forms with fewer replica groups (each
+manager's ``min_replica_size`` is a second, per-step floor: a step with fewer participants is
+not committed).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from distoptim import checks
+from distoptim.ft._torchft import require
+
+__all__ = ["Lighthouse", "main", "serve"]
+
+
+def _ms(name: str, seconds: Any) -> int:
+    return max(1, round(checks.check_seconds(name, seconds) * 1000))
+
+
+class Lighthouse:
+    """A torchft lighthouse running in this process until :meth:`close` (or ``with`` exits).
+
+    Args:
+        min_replicas: fewest replica groups a quorum may have (``>= 1``).
+        host: the address replicas reach it at, and the one it binds (``"0.0.0.0"`` or
+            ``"::"`` to listen on every interface; :attr:`address` then names ``advertise``).
+        port: TCP port (0: a free one).
+        heartbeat_timeout, join_timeout, quorum_tick: seconds, see the module docstring.
+        advertise: the host name or address put in :attr:`address` (default ``host``, or this
+            machine's host name when ``host`` listens everywhere).
+    """
+
+    def __init__(
+        self,
+        min_replicas: int = 1,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        heartbeat_timeout: float = 2.0,
+        join_timeout: float = 10.0,
+        quorum_tick: float = 0.05,
+        advertise: str | None = None,
+    ) -> None:
+        min_replicas = checks.check_int("min_replicas", min_replicas, 1)
+        host = checks.check_str("host", host)
+        port = checks.check_int("port", port, 0)
+        heartbeat_ms = _ms("heartbeat_timeout", heartbeat_timeout)
+        join_ms = _ms("join_timeout", join_timeout)
+        tick_ms = _ms("quorum_tick", quorum_tick)
+        if advertise is not None:
+            checks.check_str("advertise", advertise)
+        coordination = require("torchft.coordination")
+        bind_host = f"[{host}]" if ":" in host else host
+        self._server = coordination.LighthouseServer(
+            bind=f"{bind_host}:{port}",
+            min_replicas=min_replicas,
+            join_timeout_ms=join_ms,
+            quorum_tick_ms=tick_ms,
+            heartbeat_timeout_ms=heartbeat_ms,
+        )
+        self.min_replicas = min_replicas
+        self.port = int(self._server.address().rsplit(":", 1)[1])
+        if advertise is None:
+            advertise = host if host not in ("0.0.0.0", "::") else _hostname()
+        shown = f"[{advertise}]" if ":" in advertise else advertise
+        self.address = f"http://{shown}:{self.port}"
+        """What replicas pass as ``lighthouse_addr`` (or ``TORCHFT_LIGHTHOUSE``)."""
+
+    def close(self) -> None:
+        """Stop the server (replicas still asking for a quorum then fail their next one)."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.shutdown()
+
+    def __enter__(self) -> Lighthouse:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Lighthouse({self.address!r}, min_replicas={self.min_replicas})"
+
+
+def _hostname() -> str:
+    import socket
+
+    return socket.gethostname()
+
+
+def serve(
+    min_replicas: int,
+    *,
+    host: str = "0.0.0.0",
+    port: int = 29510,
+    heartbeat_timeout: float = 5.0,
+    join_timeout: float = 60.0,
+    quorum_tick: float = 0.1,
+    advertise: str | None = None,
+    stop: threading.Event | None = None,
+    announce: Any = print,
+) -> None:
+    """Run a lighthouse until SIGINT/SIGTERM (or ``stop`` is set): ``distoptim lighthouse``.
+
+    Defaults are torchft's own (port 29510, 5 s heartbeats, 60 s join timeout), suited to
+    multi-node jobs; ``announce`` receives one line with the address replicas must use.
+    """
+    done = stop if stop is not None else threading.Event()
+    previous: dict[int, Any] = {}
+    if stop is None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, lambda *_: done.set())
+    try:
+        with Lighthouse(
+            min_replicas,
+            host=host,
+            port=port,
+            heartbeat_timeout=heartbeat_timeout,
+            join_timeout=join_timeout,
+            quorum_tick=quorum_tick,
+            advertise=advertise,
+        ) as lighthouse:
+            announce(
+                f"distoptim lighthouse: {lighthouse.address} (min_replicas={min_replicas}); "
+                f"replicas use lighthouse_addr={lighthouse.address!r} or "
+                f"TORCHFT_LIGHTHOUSE={lighthouse.address}. Ctrl-C stops it."
+            )
+            done.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m distoptim.ft.lighthouse``: the same as ``distoptim lighthouse``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="distoptim lighthouse",
+        description="Run torchft's lighthouse (the quorum server of fault-tolerant replica "
+        "groups) until Ctrl-C or SIGTERM. See docs/fault_tolerance.md.",
+    )
+    parser.add_argument(
+        "--min-replicas", type=int, default=1, help="fewest replica groups a quorum may have"
+    )
+    parser.add_argument("--host", default="0.0.0.0", help="address to bind (default: all)")
+    parser.add_argument("--port", type=int, default=29510, help="TCP port (default 29510)")
+    parser.add_argument("--advertise", default=None, help="host name printed in the address")
+    parser.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=5.0,
+        help="seconds before a silent replica group is dead (default 5)",
+    )
+    parser.add_argument(
+        "--join-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a quorum waits for live replica groups that have not asked yet (default 60)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        serve(
+            args.min_replicas,
+            host=args.host,
+            port=args.port,
+            heartbeat_timeout=args.heartbeat_timeout,
+            join_timeout=args.join_timeout,
+            advertise=args.advertise,
+        )
+    except (TypeError, ValueError, ImportError, RuntimeError) as exc:
+        print(f"distoptim lighthouse: error: {exc}")
+        return 2
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover - exercised through a subprocess in the tests
+    raise SystemExit(main())

@@ -1,0 +1,294 @@
+"""distoptim's side of a torchft Manager: one round at a time, committed or not, healed live.
+
+Owns :class:`ManagedReplicas`, the object through which CrossShardOptimizer and DiLoCo (and so
+LocalSGD and Streaming DiLoCo) use a user's ``torchft.Manager``. Everything goes through the
+manager's documented contract; the two things it does not document are read through
+:mod:`distoptim.ft._torchft`.
+
+A round (one CrossShard step, one DiLoCo fragment sync):
+
+1. :meth:`ManagedReplicas.start` -- ``manager.start_quorum()`` once per round (idempotent until
+   the round ends, so ``zero_grad()`` may start it early, overlapping the quorum with the
+   forward pass, and ``step()`` starts it if nobody did).
+2. :meth:`ManagedReplicas.quorum` -- who takes part (:class:`Quorum`): the participants (the
+   replicas at the newest committed step), this replica's index among them, or ``None`` when it
+   is *healing* (it will receive a peer's state at the commit, so it contributes nothing: its
+   buffers are zeroed and it is not counted in the mean).
+3. collectives (:meth:`all_reduce_sum`, :meth:`all_gather`, :meth:`all_to_all`) over the
+   quorum. A failure (a peer died, a timeout) does not raise: torchft records it, the result is
+   garbage, and the round will not commit.
+4. :meth:`ManagedReplicas.commit` -- ``manager.should_commit()``: True only if every process of
+   this replica group saw no error and enough replicas took part. A healing replica loads the
+   peer's state here (torchft applies it inside ``should_commit``). The caller applies the
+   update only on True; on False it keeps (or restores) the state of the last commit.
+
+State. :meth:`register_state` registers a piece of distoptim's own state with
+``manager.register_state_dict_fn`` under ``distoptim/<owner>/<key>``; what is sent is a copy
+taken when the quorum asks for it (so later local steps cannot tear it).
+
+A quorum that can never be big enough (``min_replica_size`` above the replicas that exist) does
+not spin silently: after ``give_up_after`` seconds (the manager's quorum timeout) of rounds that
+failed only for lack of replicas, :meth:`commit` raises :class:`InsufficientReplicasError`.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from distoptim.ft import _torchft
+
+__all__ = [
+    "InsufficientReplicasError",
+    "ManagedReplicas",
+    "Quorum",
+    "ReplicaStats",
+    "check_manager",
+]
+
+
+def check_manager(manager: Any, owner: str) -> None:
+    """``TypeError`` unless ``manager`` is a ``torchft.Manager`` (ImportError without torchft)."""
+    torchft = _torchft.require()
+    if not isinstance(manager, torchft.Manager):
+        raise TypeError(
+            f"{owner}: manager must be a torchft.Manager (see distoptim.ft.make_manager), "
+            f"got {type(manager).__name__}"
+        )
+
+
+class InsufficientReplicasError(RuntimeError):
+    """Rounds keep failing because fewer replicas take part than ``min_replica_size``."""
+
+
+@dataclass(frozen=True)
+class Quorum:
+    """Who takes part in the current round.
+
+    ``participants``: replicas whose contributions count (the quorum's members at its newest
+    committed step). ``rank``: this replica's index among them, ``None`` if it is healing.
+    ``group_rank``/``group_size``: its place in the quorum's process group, healing members
+    included (every member takes part in every collective); ``group_size`` is 0 when the
+    quorum already failed (its group could not be set up). ``quorum_id``: changes whenever the
+    membership does.
+    """
+
+    participants: int
+    rank: int | None
+    group_rank: int
+    group_size: int
+    quorum_id: int
+
+    @property
+    def contributes(self) -> bool:
+        return self.rank is not None
+
+    @property
+    def failed(self) -> bool:
+        return self.group_size == 0
+
+
+@dataclass
+class ReplicaStats:
+    """What this replica's rounds did (reported by the CLI and the benchmarks)."""
+
+    rounds: int = 0
+    commits: int = 0
+    failed: int = 0  # rounds not committed (an error, or too few replicas)
+    heals: int = 0  # peer states received
+    last_heal_at: float | None = None  # wall clock of the last heal
+    quorum_changes: int = 0
+    contributed: int = 0  # committed rounds this replica contributed to (not healing)
+    first_round_at: float | None = None  # wall clock of this replica's first quorum
+    first_contribution_at: float | None = None  # ... and of its first contributing commit
+    errors: list[str] = field(default_factory=list)  # the last few round failures, as text
+
+
+class ManagedReplicas:
+    """A ``torchft.Manager`` as distoptim's optimizers use it (see the module docstring).
+
+    ``owner`` names the optimizer in messages and state keys (e.g. ``"CrossShardOptimizer"``).
+    """
+
+    def __init__(self, manager: Any, owner: str) -> None:
+        check_manager(manager, owner)
+        self.manager = manager
+        self.owner = owner
+        self.stats = ReplicaStats()
+        self.give_up_after = _torchft.quorum_timeout_seconds(manager)
+        self._started = False
+        self._quorum: Quorum | None = None
+        self._short_since: float | None = None
+        self._heals_at_start = 0
+        self._last_quorum_id: int | None = None
+        self._keys: set[str] = set()
+
+    # ---- the round ------------------------------------------------------------------------
+    @property
+    def in_round(self) -> bool:
+        """Whether a round was started and has not been committed (or abandoned) yet."""
+        return self._started
+
+    def start(self) -> None:
+        """Start this round's quorum (once; later calls until :meth:`commit` do nothing)."""
+        if self._started:
+            return
+        if self.stats.first_round_at is None:
+            self.stats.first_round_at = time.time()
+        self._heals_at_start = self.stats.heals
+        self.manager.start_quorum()
+        self._started = True
+        self._quorum = None
+        self.stats.rounds += 1
+
+    def quorum(self) -> Quorum:
+        """The current round's :class:`Quorum` (waits for the quorum; starts it if needed)."""
+        self.start()
+        if self._quorum is None:
+            manager = self.manager
+            manager.wait_quorum()
+            # a quorum whose process group could not be set up (a peer gone while it formed)
+            # is already failed: no collective is issued, the round will not commit
+            rank, size = (0, 0) if manager.errored() else _torchft.quorum_rank_and_size(manager)
+            qid = _torchft.quorum_id(manager)
+            participating = manager.is_participating()
+            self._quorum = Quorum(
+                participants=manager.num_participants(),
+                rank=manager.participating_rank() if participating else None,
+                group_rank=rank,
+                group_size=size,
+                quorum_id=qid,
+            )
+            if qid != self._last_quorum_id:
+                self.stats.quorum_changes += self._last_quorum_id is not None
+                self._last_quorum_id = qid
+        return self._quorum
+
+    def errored(self) -> BaseException | None:
+        """The failure torchft recorded in this round (None: none so far)."""
+        err = self.manager.errored()
+        return None if err is None else err.original_exception
+
+    def commit(self) -> bool:
+        """End the round: ``should_commit()``; a healing replica receives its state here."""
+        self.start()  # a round must have a quorum to be judged
+        manager = self.manager
+        try:
+            ok = bool(manager.should_commit())
+        finally:
+            self._started = False
+        if ok:
+            stats = self.stats
+            stats.commits += 1
+            quorum = self._quorum
+            if quorum is not None and quorum.contributes and stats.heals == self._heals_at_start:
+                stats.contributed += 1
+                if stats.first_contribution_at is None:
+                    stats.first_contribution_at = time.time()
+            self._short_since = None
+            return True
+        self.stats.failed += 1
+        err = self.errored()
+        if err is not None:
+            self.stats.errors = [*self.stats.errors[-4:], f"{type(err).__name__}: {err}"]
+            self._short_since = None
+            return False
+        floor = _torchft.min_replica_size(manager)
+        have = manager.num_participants()
+        if have < floor:
+            now = time.monotonic()
+            self._short_since = self._short_since or now
+            if now - self._short_since > self.give_up_after:
+                raise InsufficientReplicasError(
+                    f"{self.owner}: no step could be committed for {now - self._short_since:.0f}"
+                    f" s: only {have} replica group(s) took part, fewer than the manager's "
+                    f"min_replica_size={floor}. Start more replica groups, or build the "
+                    "Manager with a lower min_replica_size."
+                )
+        return False
+
+    # ---- collectives over the quorum --------------------------------------------------------
+    def all_reduce_sum(self, tensor: torch.Tensor) -> Any:
+        """Start a SUM all-reduce of ``tensor`` in place; returns a work with ``wait()``.
+
+        A healing replica's ``tensor`` is zeroed first (it contributes nothing); a failure is
+        recorded by torchft (the round will not commit) instead of raised.
+        """
+        return self.manager.allreduce(tensor, reduce_op=dist.ReduceOp.SUM)
+
+    def all_reduce_group(self, tensor: torch.Tensor) -> Any:
+        """A SUM all-reduce over the quorum's group as every member sends it (no zeroing)."""
+        group = _torchft.quorum_group(self.manager)
+        opts = c10d.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        return self._managed(lambda: group.allreduce([tensor], opts))
+
+    def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> Any:
+        """All-gather ``tensor`` from every member of the quorum's group (healing ones too)."""
+        group = _torchft.quorum_group(self.manager)
+        return self._managed(lambda: group.allgather([outputs], [tensor], c10d.AllgatherOptions()))
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> Any:
+        """``all_to_all_single`` with equal splits over the quorum's group."""
+        group = _torchft.quorum_group(self.manager)
+        return self._managed(
+            lambda: group.alltoall_base(output, input, [], [], c10d.AllToAllOptions())
+        )
+
+    def _managed(self, launch: Callable[[], Any]) -> Any:
+        """Launch a collective on the quorum's group; errors recorded, never raised."""
+        self.quorum()
+        if self.manager.errored():
+            return _Done()
+        try:
+            work = launch()
+        except Exception as exc:
+            self.manager.report_error(exc)
+            return _Done()
+        return _Reported(self.manager, work)
+
+    # ---- state -------------------------------------------------------------------------------
+    def register_state(
+        self, key: str, state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None]
+    ) -> None:
+        """Send ``state_dict()`` (copied) to healing peers; load theirs with ``load_state_dict``."""
+        name = f"distoptim/{self.owner}/{key}"
+        if name in self._keys:
+            raise ValueError(f"{self.owner}: state {key!r} is registered twice with the manager")
+        self._keys.add(name)
+
+        def load(state: Any) -> None:
+            load_state_dict(state)
+            self.stats.heals += 1
+            self.stats.last_heal_at = time.time()
+
+        self.manager.register_state_dict_fn(name, load, lambda: copy.deepcopy(state_dict()))
+
+
+class _Done:
+    """A collective that was not launched (the round already failed): nothing to wait for."""
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+
+class _Reported:
+    """A launched collective whose failure is reported to the manager instead of raised."""
+
+    def __init__(self, manager: Any, work: Any) -> None:
+        self.manager = manager
+        self.work = work
+
+    def wait(self, timeout: Any = None) -> bool:
+        try:
+            self.work.wait()
+        except Exception as exc:
+            self.manager.report_error(exc)
+        return True

@@ -1,0 +1,205 @@
+"""The outer family's checkpoints: what the wrapper state holds, and its checks before loading.
+
+Owns the ``"wrapper"`` entry of a :class:`~distoptim.outer.diloco.DiLoCo` ``state_dict`` (its
+keys, :data:`WRAPPER_KEYS`) and :func:`check_wrapper_state`, which validates a loaded entry
+against the optimizer before anything changes: the configuration, the global copy, the outer
+optimizer's state, the error-feedback residuals of every fragment and bucket, and the sync in
+flight (it must be the one the schedule has in flight at the checkpoint's step, with payload
+slots of the right shapes), and the rank of the replica that wrote it (a replica's checkpoint
+loads on that replica only); and the warning a checkpoint taken between syncs gets
+(:func:`warn_between_syncs`). What the entries mean and how they are loaded is
+:mod:`distoptim.outer.diloco`'s.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from distoptim.checks import type_name
+from distoptim.outer.exchange import FragmentExchange
+from distoptim.outer.fragments import FragmentSchedule
+from distoptim.protocol import check_inner_state_dict
+
+__all__ = [
+    "NEWER_KEYS",
+    "WRAPPER_KEYS",
+    "check_tensors",
+    "check_wrapper_state",
+    "warn_between_syncs",
+]
+
+WRAPPER_KEYS = ("config", "global", "outer", "residuals", "pending", "syncs")
+"""The keys every checkpoint's wrapper entry holds."""
+NEWER_KEYS = ("rank", "synced_at", "closed_at")
+"""Keys written since the replica's rank is checked; a checkpoint without them still loads
+(no rank check, no fragment counted as synced, nothing closed early)."""
+
+
+def check_wrapper_state(
+    state: Any,
+    *,
+    owner: str,
+    config: dict[str, Any],
+    global_: Sequence[torch.Tensor],
+    outer: torch.optim.Optimizer,
+    exchanges: Sequence[FragmentExchange],
+    schedule: FragmentSchedule,
+    step: int,
+    rank: int,
+) -> None:
+    """Raise ``TypeError``/``ValueError`` unless ``state`` (a checkpoint's ``"wrapper"`` entry)
+    fits this optimizer: its ``config``, this replica's ``rank`` in its group, global copy
+    ``global_``, ``outer`` optimizer, the ``exchanges``' residuals and payload slots, and the
+    sync ``schedule`` has in flight after ``step`` (the checkpoint's step) unless the checkpoint
+    says it was closed early. ``owner`` names the optimizer. Changes nothing.
+    """
+    where = "state_dict['wrapper']"
+    if not isinstance(state, dict):
+        raise TypeError(f"{where} must be a dict, got {type_name(state)}")
+    if set(state) - set(NEWER_KEYS) != set(WRAPPER_KEYS):
+        raise ValueError(
+            f"{where} must have the keys {list(WRAPPER_KEYS + NEWER_KEYS)}, got {sorted(state)} "
+            f"(a {owner} checkpoint holds its global copy and outer state)"
+        )
+    saved = state["config"]
+    if not isinstance(saved, dict) or saved != config:
+        diff = (
+            sorted(k for k in {*config, *saved} if config.get(k) != saved.get(k))
+            if isinstance(saved, dict)
+            else "not a dict"
+        )
+        raise ValueError(
+            f"{where}['config'] is from another configuration (differs in {diff}): "
+            f"checkpoint {saved!r}, this optimizer {config!r}"
+        )
+    check_tensors(f"{where}['global']", state["global"], [p for p in global_])
+    if not isinstance(state["outer"], dict):
+        raise TypeError(f"{where}['outer'] must be a dict, got {type_name(state['outer'])}")
+    check_inner_state_dict(outer, state["outer"])
+    residuals = state["residuals"]
+    if not isinstance(residuals, list) or len(residuals) != len(exchanges):
+        raise ValueError(f"{where}['residuals'] must be a list of {len(exchanges)} lists")
+    for p, (saved, exchange) in enumerate(zip(residuals, exchanges)):
+        if not isinstance(saved, list) or len(saved) != len(exchange.residuals):
+            raise ValueError(
+                f"{where}['residuals'][{p}] must be a list of {len(exchange.residuals)} "
+                "dicts of residuals (one per bucket)"
+            )
+        for k, (entry, mine) in enumerate(zip(saved, exchange.residuals)):
+            if not isinstance(entry, dict) or sorted(entry) != sorted(mine):
+                raise ValueError(f"{where}['residuals'][{p}][{k}] must be a dict of {sorted(mine)}")
+            check_tensors(
+                f"{where}['residuals'][{p}][{k}]",
+                [entry[name] for name in mine],
+                list(mine.values()),
+            )
+    syncs = state["syncs"]
+    if isinstance(syncs, bool) or not isinstance(syncs, int) or syncs < 0:
+        raise ValueError(f"{where}['syncs'] must be an int >= 0, got {syncs!r}")
+    if "rank" in state:
+        _check_rank(state["rank"], rank, config.get("num_replicas"), owner)
+    synced_at = state.get("synced_at", [-1] * len(exchanges))
+    if (
+        not isinstance(synced_at, list)
+        or len(synced_at) != len(exchanges)
+        or not all(_is_int(s) and s >= -1 for s in synced_at)
+    ):
+        raise ValueError(
+            f"{where}['synced_at'] must be a list of {len(exchanges)} ints >= -1, got {synced_at!r}"
+        )
+    closed_at = state.get("closed_at", -1)
+    if not _is_int(closed_at) or closed_at < -1:
+        raise ValueError(f"{where}['closed_at'] must be an int >= -1, got {closed_at!r}")
+    _check_pending(state["pending"], exchanges, schedule, step, closed_at)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_rank(saved: Any, rank: int, replicas: Any, owner: str) -> None:
+    """A replica's checkpoint loads on that replica only (replicas differ between syncs)."""
+    if not _is_int(saved) or saved < 0:
+        raise ValueError(f"state_dict['wrapper']['rank'] must be an int >= 0, got {saved!r}")
+    if saved == rank:
+        return
+    raise ValueError(
+        f"{owner}: this checkpoint is replica {saved}'s (of a group of {replicas}), but this is "
+        f"replica {rank}: between syncs the replicas differ (local parameters, inner optimizer "
+        "state, error-feedback residuals), so each replica resumes from its own checkpoint. To "
+        "start every replica from one checkpoint, take its global copy -- the same in every "
+        "replica's checkpoint: for p, g in zip(params, sd['wrapper']['global']): "
+        "p.data.copy_(g), params in the inner optimizer's order -- and build the optimizers "
+        "afresh; or save after opt.finish(), when every replica's model holds the global "
+        "model, and load only the model's state_dict on every replica."
+    )
+
+
+def _check_pending(
+    pending: Any,
+    exchanges: Sequence[FragmentExchange],
+    schedule: FragmentSchedule,
+    step: int,
+    closed_at: int,
+) -> None:
+    """The saved in-flight sync must be the one the schedule has in flight at that step --
+    none if it was launched at or before ``closed_at`` (finish() applied it, or it was
+    refused)."""
+    where = "state_dict['wrapper']['pending']"
+    if not isinstance(pending, dict) or sorted(pending) != [
+        "fragment",
+        "launched_at",
+        "payload",
+    ]:
+        raise ValueError(f"{where} must be a dict of fragment, launched_at, payload")
+    expected = schedule.in_flight_after(step)
+    if expected is not None and expected[1] <= closed_at:
+        expected = None
+    want = (-1, -1) if expected is None else (expected[0].index, expected[1])
+    got = (pending["fragment"], pending["launched_at"])
+    if got != want:
+        raise ValueError(
+            f"{where} says fragment {got[0]!r} launched at step {got[1]!r} is in flight, but "
+            f"at step {step} the schedule has "
+            + (
+                "nothing in flight"
+                if expected is None
+                else f"fragment {want[0]} launched at step {want[1]} in flight"
+            )
+        )
+    payload = pending["payload"]
+    if not isinstance(payload, list) or len(payload) != len(exchanges):
+        raise ValueError(f"{where}['payload'] must be a list of {len(exchanges)} lists")
+    for p, (saved, exchange) in enumerate(zip(payload, exchanges)):
+        check_tensors(f"{where}['payload'][{p}]", saved, exchange.slots)
+
+
+def check_tensors(where: str, saved: Any, mine: Sequence[torch.Tensor]) -> None:
+    """``saved`` must be a list of tensors with the shapes and dtypes of ``mine``."""
+    if not isinstance(saved, (list, tuple)) or len(saved) != len(mine):
+        raise ValueError(f"{where} must be a list of {len(mine)} tensors, got {type_name(saved)}")
+    for i, (t, ref) in enumerate(zip(saved, mine)):
+        if not isinstance(t, torch.Tensor) or t.shape != ref.shape or t.dtype != ref.dtype:
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type_name(t)
+            raise ValueError(
+                f"{where}[{i}] must be a {ref.dtype} tensor of shape {tuple(ref.shape)}, got {got}"
+            )
+
+
+def warn_between_syncs(owner: str, stacklevel: int) -> None:
+    """The warning of a ``state_dict()`` taken while local parameters differ across replicas."""
+    warnings.warn(
+        f"{owner}.state_dict() between syncs: this replica's parameters, like the model's "
+        "state_dict(), are its local values, which differ across replicas until the next sync. "
+        "That is what resuming this replica needs (each replica saves and loads its own "
+        "checkpoint). For the trained model call opt.finish() on every replica first (every "
+        "replica's model then holds the global model), or read opt.global_parameters (the "
+        "global copy, the same on every replica, in the inner optimizer's parameter order). "
+        "Said once per optimizer.",
+        UserWarning,
+        stacklevel=stacklevel,
+    )

@@ -1,0 +1,125 @@
+"""DiLoCo across torchft replica groups: every fragment sync is one round, committed or not.
+
+Owns what a torchft manager changes in the outer family (``DiLoCo(manager=...)``, and so
+LocalSGD and Streaming DiLoCo): which replicas a sync runs over, who contributes, what a
+healing replica receives, and what a sync that is not committed leaves behind.
+
+One fragment sync, launched after inner step ``t``:
+
+1. **quorum** -- ``manager.start_quorum()``; the sync's collectives (header and payload) run
+   over the quorum's members (:class:`~distoptim.ft.channel.QuorumChannel`), which change from
+   sync to sync: the fragment exchange and the header follow (``rebind``; a two-phase or top-k
+   wire restarts its error-feedback residuals when the members change, see
+   :mod:`distoptim.outer.exchange`).
+2. **header** -- every member sends its header (:mod:`distoptim.outer.agreement`) with a
+   *healing* flag (torchft will give it a peer's state at the commit: its own state is stale,
+   so it contributes zeros) and the bitwise checksum of the fragment's global copy and outer
+   state. The contributing members must agree on the step, the fragment and the checksum; a
+   healing member adopts their step (and so the fragment), whatever its own counter said -- a
+   replica restarted from scratch lands on the schedule of the others.
+3. **payload** -- ``Δ`` (zeros from a healing member) averaged over the contributors; before
+   it, the error-feedback residuals are saved, so a sync that is not committed takes nothing
+   into them.
+4. **commit** -- at the sync's apply step (``t + τ``): ``manager.should_commit()``. A healing
+   replica loads, inside it, what :meth:`ManagedSyncs.register` registered: the global copy, the
+   outer optimizer's state and the sync counters as the donor had them when the quorum formed
+   (before this sync's outer step), with the user's model and inner optimizer state (their
+   ``state_dict`` given to the manager). On True every replica takes the same outer step on the
+   same global copy with the same mean, so the healed replica leaves the sync bit-for-bit equal
+   to the others (the next header checks it). On False (a peer died mid-sync, too few replicas,
+   a refused joiner): no outer step; the fragment's local parameters are reset to its global
+   copy (torchft's own DiLoCo does the same) and the residuals to their saved values.
+
+What a healing replica does *not* receive: the error-feedback residuals (they are what this
+replica's own past contributions dropped; a copy of the donor's would count the donor's dropped
+mass twice), which restart from zero, and the step counter, taken from the header instead (the
+donor's was read when the quorum formed, ``τ`` steps before the commit).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from distoptim.comm.checksum import state_checksum
+from distoptim.ft.channel import QuorumChannel
+from distoptim.ft.replicas import ManagedReplicas
+from distoptim.outer.exchange import FragmentExchange
+
+__all__ = ["ManagedRound", "ManagedSyncs"]
+
+
+@dataclass
+class ManagedRound:
+    """The round of one fragment sync: its channel, and whether this replica is healing."""
+
+    channel: QuorumChannel | None  # None: the quorum failed (no collective this round)
+    healing: bool
+    residuals: list[dict[str, torch.Tensor]]  # saved before the payload (restored on failure)
+
+
+class ManagedSyncs:
+    """The torchft side of one DiLoCo (see the module docstring)."""
+
+    def __init__(self, manager: Any, owner: str) -> None:
+        self.replicas = ManagedReplicas(manager, owner)
+        self.owner = owner
+        self.round: ManagedRound | None = None
+        self._heals_at_start = 0
+
+    def register(
+        self, state_dict: Callable[[], dict[str, Any]], load: Callable[[dict[str, Any]], None]
+    ) -> None:
+        """What a healing replica receives (copied when the quorum asks for it)."""
+        self.replicas.register_state("syncs", state_dict, load)
+
+    def begin(self, exchanges: Sequence[FragmentExchange]) -> ManagedRound:
+        """Start (or join) this sync's round: the quorum, and every exchange rebound to it."""
+        heals = self.replicas.stats.heals
+        self.replicas.start()
+        quorum = self.replicas.quorum()
+        # a synchronous-quorum manager heals inside start_quorum(): this replica's local
+        # parameters are then the donor's, and its Δ would count the donor's twice
+        healing = not quorum.contributes or self.replicas.stats.heals > heals
+        channel = None if quorum.failed else QuorumChannel(self.replicas, quorum)
+        if channel is not None:
+            for exchange in exchanges:
+                exchange.rebind(channel)
+        self.round = ManagedRound(channel, healing, [])
+        return self.round
+
+    @property
+    def healing(self) -> bool:
+        """Whether this replica is healing in the round in progress."""
+        return self.round is not None and self.round.healing
+
+    def save_residuals(self, exchange: FragmentExchange) -> None:
+        """Keep the fragment's residuals as they are before its payload is encoded."""
+        assert self.round is not None
+        self.round.residuals = [{k: v.clone() for k, v in r.items()} for r in exchange.residuals]
+
+    def fail(self, why: str) -> None:
+        """This round must not commit (every replica reaches the same decision)."""
+        self.replicas.manager.report_error(RuntimeError(why))
+
+    def commit(self, exchange: FragmentExchange) -> bool:
+        """``should_commit()``; on False, the residuals go back to their saved values."""
+        ok = self.replicas.commit()
+        rnd, self.round = self.round, None
+        if not ok and rnd is not None and rnd.residuals:
+            with torch.no_grad():
+                for mine, saved in zip(exchange.residuals, rnd.residuals):
+                    for name, value in mine.items():
+                        value.copy_(saved[name])
+        return ok
+
+    @staticmethod
+    def checksum(global_copy: Sequence[torch.Tensor], outer_state: Sequence[Any]) -> int:
+        """The bitwise checksum of a fragment's global copy and its outer optimizer state."""
+        tensors = list(global_copy)
+        for state in outer_state:
+            tensors += [v for _, v in sorted(state.items()) if isinstance(v, torch.Tensor)]
+        return state_checksum(tensors)

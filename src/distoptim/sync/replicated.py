@@ -1,0 +1,161 @@
+"""CrossShardOptimizer across torchft replica groups: a step is a round, committed or not.
+
+Owns the last floor of a managed ``step()`` (``CrossShardOptimizer(manager=...)``): after the
+round within the replica group (:mod:`distoptim.sync.rounds`; one process per group: a local
+pack), the reduced buckets are averaged over the *replicas* through the user's
+``torchft.Manager`` (:class:`~distoptim.ft.replicas.ManagedReplicas`), the replicas agree on
+their words (:mod:`distoptim.ft.agreement`), and the step is committed -- the inner optimizer
+runs -- only if ``should_commit()`` says so.
+
+Math. A replica group of ``k`` processes ends its own round with ``G_i = sum_r g_r / (k N)``
+(MEAN; the same on each of its processes). The ``P`` participants of the quorum then average
+``G_i`` -- each divides by ``P`` before a SUM all-reduce in the ``compression`` wire -- so every
+participant applies ``mean_i G_i``, the mean over every process of every participating replica
+group (groups of equal size). SUM skips both divisions. A replica that is healing this round
+(it will receive a peer's state at the commit) contributes zeros and is not counted; it still
+takes part in the collective, receives the mean, and after loading the peer's parameters and
+optimizer state at ``should_commit()`` applies the same update -- so it leaves the step
+bit-for-bit equal to the others, which the next round's words check (the checksum of the
+parameters the last commit or heal left).
+
+Each process of a replica group all-reduces the whole (identical) buckets with its counterpart
+in the other groups (torchft connects equal group ranks), so a group of ``k`` processes moves
+``k`` times the bytes of one (HSDP's reduce-scatter within the group first would cut that; not
+done here).
+
+A failed round (a peer died mid-collective, too few replicas) is not applied: the parameters
+and the inner optimizer keep the last commit's state, ``iterations`` does not advance, and
+``.grad`` is left as the round left it (with bucket views: whatever the failed collective
+wrote; call ``zero_grad()`` before the next backward, as usual).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from distoptim.comm.checksum import state_checksum
+from distoptim.comm.compression import WireFormat
+from distoptim.comm.guard import RoundKind
+from distoptim.comm.reducer import ReduceRound
+from distoptim.comm.stats import CommStats, ring_allreduce_bytes
+from distoptim.ft.agreement import ReplicaWords, decode, encode, hparams_digest, judge
+from distoptim.ft.replicas import ManagedReplicas
+
+__all__ = ["ReplicatedRounds"]
+
+
+class ReplicatedRounds:
+    """The replica level of a managed CrossShardOptimizer (see the module docstring).
+
+    ``params()``: the wrapper's parameters; ``opt``: the inner optimizer (its hyperparameters
+    are part of the words); ``mean``: divide by the participants (MEAN) or not (SUM);
+    ``wire``: the ``compression`` format of the all-reduce.
+    """
+
+    def __init__(
+        self,
+        manager: Any,
+        owner: str,
+        params: Callable[[], list[torch.Tensor]],
+        opt: torch.optim.Optimizer,
+        mean: bool,
+        wire: WireFormat,
+        stats: CommStats,
+    ) -> None:
+        self.replicas = ManagedReplicas(manager, owner)
+        self.owner = owner
+        self.params = params
+        self.opt = opt
+        self.mean = mean
+        self.wire = wire
+        self.stats = stats
+        self._started_early = False
+        self._heals_at_start = 0
+        self._agreed_quorum: int | None = None  # the membership whose plans were checked
+
+    def start(self, early: bool) -> None:
+        """Start this step's quorum (``early``: from ``zero_grad()``, before the forward pass)."""
+        if self.replicas.in_round:
+            return
+        heals = self.replicas.stats.heals
+        self.replicas.start()
+        self._started_early = early
+        self._heals_at_start = heals
+
+    def _words(
+        self, kind: RoundKind, step: int, plan: int, count: int, healing: bool
+    ) -> ReplicaWords:
+        # a synchronous-quorum manager heals inside start_quorum(): when that happened in
+        # step(), after this replica computed its gradient, its contribution is stale
+        healed_late = not self._started_early and self.replicas.stats.heals > self._heals_at_start
+        return ReplicaWords(
+            kind,
+            step=step,
+            plan=plan,
+            params=count,
+            hparams=hparams_digest(self.opt.param_groups),
+            state=state_checksum(self.params()),
+            void=healed_late,
+            healing=healing,
+        )
+
+    def _agree(self, words: ReplicaWords, q: Any) -> bool:
+        """Launch-and-judge one table of every member's ``words``; False: do not commit."""
+        table = encode(words, q.group_rank, q.group_size)
+        self.stats.send(ring_allreduce_bytes(table.numel() * 4, q.group_size))
+        self.replicas.all_reduce_group(table).wait()
+        return self._judge(table, q)
+
+    def _judge(self, table: torch.Tensor, q: Any) -> bool:
+        if self.replicas.errored() is not None:
+            return False
+        verdict = judge(decode(table, q.group_size, self.owner), q.group_rank, self.owner)
+        if not verdict.ok:
+            self.replicas.manager.report_error(RuntimeError(verdict.reason))
+        return verdict.ok
+
+    def reduce_and_commit(
+        self,
+        rnd: ReduceRound | None,
+        buffers: Sequence[torch.Tensor],
+        kind: RoundKind,
+        step: int,
+        plan: int,
+    ) -> bool:
+        """Average ``buffers`` (the round's, gradients and flags) over the quorum, agree, and
+        return ``should_commit()`` (a healing replica loads a peer's state in it)."""
+        self.start(early=False)
+        replicas = self.replicas
+        q = replicas.quorum()
+        count = len(rnd.plan.params) if rnd is not None else 0
+        words = self._words(kind, step, plan, count, healing=not q.contributes)
+        if not q.failed and q.quorum_id != self._agreed_quorum:
+            # a new membership: agree before any sized collective (see ft.agreement)
+            if self._agree(words, q):
+                self._agreed_quorum = q.quorum_id
+            else:
+                q = replace(q, group_size=0)  # no payload: the round will not commit
+        if not q.failed:
+            pending = []
+            if rnd is not None:
+                for bucket, buffer in zip(rnd.plan.buckets, buffers):
+                    head = buffer[: bucket.head]
+                    if self.mean and q.participants > 1:
+                        head.div_(q.participants)  # before the wire: float16 stays in range
+                    wire = self.wire.encode(head)
+                    nbytes = wire.numel() * wire.element_size()
+                    self.stats.send(ring_allreduce_bytes(nbytes, q.group_size))
+                    pending.append((head, wire, replicas.all_reduce_sum(wire)))
+            table = encode(words, q.group_rank, q.group_size)
+            self.stats.send(ring_allreduce_bytes(table.numel() * 4, q.group_size))
+            done = replicas.all_reduce_group(table)
+            for head, wire, work in pending:
+                work.wait()
+                self.wire.decode(wire, head)
+            done.wait()
+            self._judge(table, q)
+        return replicas.commit()

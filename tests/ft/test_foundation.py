@@ -1,0 +1,135 @@
+"""distoptim.ft's foundations: the pinned torchft internals, the lighthouse, the checksum, data."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from distoptim.comm.checksum import state_checksum
+from distoptim.ft import _torchft
+from distoptim.ft.data import SlotShards
+from distoptim.ft.lighthouse import Lighthouse
+from distoptim.ft.replica import LighthouseUnreachableError, make_manager
+
+
+def test_torchft_is_the_pinned_release():
+    import importlib.metadata
+
+    assert importlib.metadata.version("torchft") == _torchft.TORCHFT_VERSION
+
+
+def test_pinned_internals_answer_on_a_real_quorum():
+    """Manager._pg, its parent's rank/size and Manager._healing: what distoptim reads."""
+    with Lighthouse(min_replicas=1, join_timeout=0.2) as lighthouse:
+        manager = make_manager(
+            lighthouse.address,
+            replica_id="pin0",
+            state_dict=dict,
+            load_state_dict=lambda _: None,
+            timeout=5,
+            connect_timeout=5,
+            quorum_timeout=10,
+            init_sync=False,
+        )
+        try:
+            manager.start_quorum()
+            manager.wait_quorum()
+            assert _torchft.quorum_rank_and_size(manager) == (0, 1)
+            assert _torchft.is_healing(manager) is False
+            group = _torchft.quorum_group(manager)
+            t = torch.ones(3)
+            work = group.allreduce([t], torch.distributed.AllreduceOptions())
+            work.wait()
+            assert t.tolist() == [1.0, 1.0, 1.0]
+            assert manager.should_commit() is True
+            assert manager.current_step() == 1
+        finally:
+            manager.shutdown(wait=False)
+
+
+def test_unreachable_lighthouse_names_the_address_within_the_connect_timeout():
+    start = time.monotonic()
+    with pytest.raises(LighthouseUnreachableError, match=r"http://127\.0\.0\.1:9 within"):
+        make_manager(
+            "http://127.0.0.1:9",
+            replica_id="r0",
+            state_dict=dict,
+            load_state_dict=lambda _: None,
+            connect_timeout=1,
+        )
+    assert time.monotonic() - start < 10
+
+
+def test_lighthouse_checks_and_address():
+    with pytest.raises(ValueError, match=r"min_replicas must be an int >= 1"):
+        Lighthouse(min_replicas=0)
+    with pytest.raises(ValueError, match=r"heartbeat_timeout must be a finite number > 0"):
+        Lighthouse(heartbeat_timeout=0)
+    with Lighthouse(min_replicas=2) as lighthouse:
+        assert lighthouse.address == f"http://127.0.0.1:{lighthouse.port}"
+        assert lighthouse.port > 0
+
+
+def test_lighthouse_command_announces_its_address_and_stops_on_sigterm():
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "distoptim.cli.main",
+            "lighthouse",
+            "--port",
+            "0",
+            "--host",
+            "127.0.0.1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        assert "distoptim lighthouse: http://127.0.0.1:" in line, line
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_checksum_is_bitwise():
+    a = [torch.randn(30, 7), torch.randn(5, dtype=torch.float64), torch.tensor(2.5)]
+    b = [t.clone() for t in a]
+    assert state_checksum(a) == state_checksum(b)
+    b[0][3, 4] = torch.nextafter(b[0][3, 4], torch.tensor(float("inf")))
+    assert state_checksum(a) != state_checksum(b)
+    assert state_checksum([torch.tensor([0.0])]) != state_checksum([torch.tensor([-0.0])])
+    assert state_checksum([torch.tensor([1.0, 2.0])]) != state_checksum([torch.tensor([2.0, 1.0])])
+    # dtype and shape are part of the state, not only the bytes
+    x = torch.zeros(4)
+    assert state_checksum([x]) != state_checksum([x.view(2, 2)])
+    assert state_checksum([x]) != state_checksum([x.view(torch.int32)])
+    bf = torch.randn(9).to(torch.bfloat16)
+    assert state_checksum([bf]) == state_checksum([bf.clone()])
+    assert state_checksum([torch.randn(8)[::2]]) != 0  # non-contiguous reads as its values
+
+
+def test_slot_shards_partition_each_epoch_and_follow_the_step():
+    slots = [SlotShards(103, 3, r, 4, seed=7) for r in range(3)]
+    per_epoch = slots[0].batches_per_epoch
+    assert per_epoch == 103 // 3 // 4
+    for epoch in range(2):
+        steps = range(epoch * per_epoch, (epoch + 1) * per_epoch)
+        seen = torch.cat([s.batch(t) for s in slots for t in steps]).tolist()
+        assert len(seen) == len(set(seen)) == 3 * per_epoch * 4
+    # a pure function of the step: a fresh object (a restarted replica) gives the same batch
+    assert torch.equal(SlotShards(103, 3, 1, 4, seed=7).batch(11), slots[1].batch(11))
+    assert not torch.equal(slots[1].batch(0), slots[1].batch(per_epoch))  # reshuffled
+    with pytest.raises(ValueError, match=r"slot must be in \[0, num_slots=3\)"):
+        SlotShards(103, 3, 3, 4)
+    with pytest.raises(ValueError, match=r"fewer than one batch"):
+        SlotShards(10, 4, 0, 4)

@@ -1,0 +1,177 @@
+"""Replica processes for the fault-tolerance tests: a small model trained under torchft.
+
+Module-level functions (the local runner starts processes with the ``spawn`` method). Each
+replica builds a torchft manager with the user's state (model and optimizer, copied as the
+manager asks for them: it logs ``serving`` then, which a scenario uses to kill a donor in the
+middle of a heal), trains on the data of its slot (:class:`~distoptim.ft.data.SlotShards`: the
+batch follows the committed step) until the scenario says where to stop, and logs every
+commit with the checksum of the state the replicas must agree on.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from distoptim import CrossShardOptimizer, DiLoCo
+from distoptim.comm.checksum import state_checksum
+from distoptim.ft.data import SlotShards
+from distoptim.ft.local import ReplicaContext
+from distoptim.ft.replica import make_manager
+
+MAX_STEPS = 20_000  # a bound, in case a scenario never says where to stop
+_N, _DIM, _CLASSES, _BATCH = 512, 8, 3, 8
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(_N, _DIM, generator=g)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 1).long()
+    return x, y
+
+
+def _model(width: int = 16) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(_DIM, width), torch.nn.Tanh(), torch.nn.Linear(width, _CLASSES)
+    )
+
+
+def _manager(ctx: ReplicaContext, state: Any, load: Any) -> Any:
+    def serve() -> Any:
+        ctx.log("serving")
+        return copy.deepcopy(state())
+
+    return make_manager(
+        ctx.lighthouse,
+        replica_id=ctx.replica_id,
+        state_dict=serve,
+        load_state_dict=load,
+        timeout=15,
+        quorum_timeout=120,
+        connect_timeout=30,
+        init_sync=False,
+    )
+
+
+def _stop(ctx: ReplicaContext, step: int, committed: int) -> bool:
+    """Stop at the scenario's step; a restarted replica that never joined stops at the end."""
+    if ctx.incarnation and committed == 0 and ctx.ending():
+        return True
+    end = ctx.finish_at()
+    return (end is not None and step >= end) or step >= MAX_STEPS
+
+
+def cross_shard(ctx: ReplicaContext, width: int = 16) -> dict[str, Any] | None:
+    """CrossShardOptimizer (Adam, gradients as bucket views) under a torchft manager."""
+    model = _model(width)
+    x, y = _data()
+    opt: CrossShardOptimizer | None = None
+
+    def state() -> dict[str, Any]:
+        return {"model": model.state_dict(), "opt": opt.state_dict()}  # type: ignore[union-attr]
+
+    def load(s: dict[str, Any]) -> None:
+        model.load_state_dict(s["model"])
+        opt.load_state_dict(s["opt"])  # type: ignore[union-attr]
+
+    manager = _manager(ctx, state, load)
+    try:
+        opt = CrossShardOptimizer(
+            torch.optim.Adam(model.parameters(), lr=1e-2),
+            manager=manager,
+            gradient_as_bucket_view=True,
+        )
+    except Exception as exc:  # a replica refused at construction says why
+        return {"refused": f"{type(exc).__name__}: {exc}"}
+    shards = SlotShards(_N, ctx.num_slots, ctx.slot, _BATCH, seed=3)
+    ctx.log("ready")
+    ctx.wait_for_peers(240)
+    try:
+        while not _stop(ctx, opt.iterations, opt.replica_stats.commits):
+            idx = shards.batch(opt.iterations)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+            before = opt.iterations
+            opt.step()
+            if opt.iterations > before:
+                ctx.log(
+                    "commit",
+                    step=opt.iterations,
+                    state=state_checksum(list(model.parameters())),
+                    heals=opt.replica_stats.heals,
+                )
+    except Exception as exc:  # e.g. a replica with another model is refused by name
+        manager.shutdown(wait=False)
+        return {"refused": f"{type(exc).__name__}: {exc}"}
+    stats = opt.replica_stats
+    manager.shutdown(wait=False)
+    return {
+        "step": opt.iterations,
+        "state": state_checksum(list(model.parameters())),
+        "commits": stats.commits,
+        "heals": stats.heals,
+        "failed": stats.failed,
+    }
+
+
+def streaming_diloco(ctx: ReplicaContext, wire: str = "int8") -> dict[str, Any] | None:
+    """Streaming DiLoCo (2 fragments, H = 8, tau = 1, alpha = 0.5) under a torchft manager."""
+    model = _model()
+    x, y = _data()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+
+    def state() -> dict[str, Any]:
+        return {"model": model.state_dict(), "inner": inner.state_dict()}
+
+    def load(s: dict[str, Any]) -> None:
+        model.load_state_dict(s["model"])
+        inner.load_state_dict(s["inner"])
+
+    manager = _manager(ctx, state, load)
+    opt = DiLoCo(
+        inner,
+        outer,
+        sync_every=8,
+        fragments=2,
+        fragment_sync_delay=1,
+        fragment_update_alpha=0.5,
+        wire=wire,
+        manager=manager,
+    )
+    shards = SlotShards(_N, ctx.num_slots, ctx.slot, _BATCH, seed=3)
+    ctx.log("ready")
+    ctx.wait_for_peers(240)
+    while not _stop(ctx, opt.iterations, opt.replica_stats.commits):
+        idx = shards.batch(opt.iterations)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+        syncs = opt.syncs
+        opt.step()
+        if opt.syncs > syncs:
+            ctx.log(
+                "commit",
+                step=opt.iterations,
+                syncs=opt.syncs,
+                state=state_checksum(list(opt.global_parameters)),
+                heals=opt.replica_stats.heals,
+            )
+    opt.finish()
+    stats = opt.replica_stats
+    manager.shutdown(wait=False)
+    return {
+        "step": opt.iterations,
+        "state": state_checksum(list(opt.global_parameters)),
+        "model": state_checksum(list(model.parameters())),
+        "commits": stats.commits,
+        "heals": stats.heals,
+        "failed": stats.failed,
+    }
+
+
+def odd_width(ctx: ReplicaContext) -> dict[str, Any] | None:
+    """Replica 2 builds a wider model than the others (the others train as in cross_shard)."""
+    return cross_shard(ctx, width=32 if ctx.slot == 2 else 16)
