@@ -235,6 +235,44 @@ def _table(rows: dict[str, dict[str, int]], params: int) -> list[str]:
     return lines
 
 
+README_ROWS = {
+    "cross_shard": "CrossShard, defaults",
+    "cross_shard_views": "`gradient_as_bucket_view=True`",
+    "sharded": "`shard_optimizer_state=True`",
+    "sharded_views": "both",
+    "ddp": "DDP (`gradient_as_bucket_view=True`), for reference",
+}
+"""The README's rows: what each CrossShard option costs and saves, DDP beside them."""
+
+
+def readme_table(runs: dict[str, Any]) -> str:
+    """The README's table, from a recorded run's ``runs``: per option, what a rank keeps
+    between steps beyond parameters and gradients (live state, MB) and its peak RSS growth
+    (MB), for Adam and momentum SGD on 2 and 4 ranks (cells ``2 ranks / 4 ranks``)."""
+
+    def cell(method: str, optimizer: str, key: str, scale: float, digits: int) -> str:
+        return " / ".join(
+            f"{runs[f'{optimizer}/{w}'][method][key] / scale:.{digits}f}" for w in WORLDS
+        )
+
+    lines = [
+        "| options | Adam: kept, MB | Adam: peak RSS, MB | SGD momentum: kept, MB "
+        "| SGD momentum: peak RSS, MB |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for method, label in README_ROWS.items():
+        cells = [
+            cell(method, opt, key, scale, digits)
+            for opt in OPTIMIZERS
+            for key, scale, digits in (
+                ("live_elements", 0.25e6, 1),
+                ("peak_rss_growth_bytes", 1e6, 0),
+            )
+        ]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny model, seconds")
