@@ -81,6 +81,8 @@ METHODS = [
 RESULTS = Path(__file__).resolve().parent / "results" / "zero.json"
 QUICK_RESULTS = RESULTS.parent / "quick" / RESULTS.name
 QUICK_MEMORY = ["sharded"]
+REPEATS = 40
+"""Samples per contender by default (``--repeats``)."""
 """``--quick``'s memory contenders (each is a process pair of its own: seconds apiece)."""
 
 
@@ -207,7 +209,7 @@ def _memory(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=40, help="samples per contender")
+    parser.add_argument("--repeats", type=int, default=REPEATS, help="samples per contender")
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny models, seconds")
     parser.add_argument("--foreach", action="store_true", help="Adam(foreach=True) everywhere")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory processes")
@@ -243,6 +245,7 @@ def main() -> None:
     result["command"] = (
         "python benchmarks/zero.py"
         + (" --quick" if args.quick else "")
+        + (f" --repeats {args.repeats}" if args.repeats != REPEATS and not args.quick else "")
         + (" --foreach" if args.foreach else "")
     )
     for case, c in result["cases"].items():
