@@ -527,12 +527,11 @@ class CrossShardOptimizer(WrappedOptimizer):
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's part of the optimizer state, as a state dict DCP saves per rank.
 
-        Local (no communication, no gather): with ``shard_optimizer_state=True`` only this
-        rank's ``1/n`` of the per-element state, as ``ShardedTensor`` pieces; without it the
-        whole state, which DCP writes once. Save it with ``torch.distributed.checkpoint.save``
-        on every rank, alone or next to the model's (``{"model": ..., "optim":
-        opt.sharded_state_dict()}``); load it with :meth:`load_sharded`, on any number of
-        ranks, sharded or not. Format: :mod:`distoptim.sync.sharded_checkpoint`.
+        Local (no gather): with sharding this rank's ``1/n`` of the per-element state as
+        ``ShardedTensor`` pieces, else the whole state (DCP writes it once). Save it with
+        ``dcp.save`` on every rank, alone or beside the model's (``{"model": ..., "optim":
+        opt.sharded_state_dict()}``); load it with :meth:`load_sharded` on any number of ranks.
+        Format: :mod:`distoptim.sync.sharded_checkpoint`.
         """
         from distoptim.sync import sharded_checkpoint  # imports DCP: seconds, on first use
 
@@ -543,11 +542,19 @@ class CrossShardOptimizer(WrappedOptimizer):
 
     def save_sharded(self, checkpoint_id: str | os.PathLike[str]) -> None:
         """``torch.distributed.checkpoint.save(self.sharded_state_dict(), checkpoint_id=...)``:
-        every rank writes only what it holds. A collective (DCP's): call it on every rank."""
+        every rank writes only what it holds. A collective: call it on every rank (announced
+        first: a call on some ranks only is a ``DesyncError`` on all, as for ``state_dict()``)."""
         import torch.distributed.checkpoint as dcp
 
         checks.check_type("checkpoint_id", checkpoint_id, (str, os.PathLike), "a path")
+        self._announce_checkpoint()
         dcp.save(self.sharded_state_dict(), checkpoint_id=checkpoint_id)
+
+    def _announce_checkpoint(self) -> None:
+        """Before DCP's collectives: every rank in the same call, the parameter list agreed."""
+        self._rounds.refresh()
+        if self._rounds.size > 1:
+            self._rounds.announce(RoundKind.CHECKPOINT)
 
     def load_sharded(self, checkpoint_id: str | os.PathLike[str], prefix: str = "") -> None:
         """Load a per-rank checkpoint (:meth:`sharded_state_dict`) written by any number of ranks.
@@ -556,31 +563,20 @@ class CrossShardOptimizer(WrappedOptimizer):
         saved one). ``prefix``: where the optimizer's entries sit when it was saved nested
         (``"optim"`` for ``{"optim": opt.sharded_state_dict()}``). Checks that the
         checkpoint fits (format, parameter groups, hyperparameters, sizes) before anything
-        changes. A collective: call it on every rank (the parameter list is agreed first, as
-        the first ``step()`` does; with sharding, the parameters move into their flat buffers).
+        changes. A collective: call it on every rank (announced and the parameter list agreed
+        first, as for :meth:`save_sharded`; with sharding, the parameters move into their flat
+        buffers).
         """
-        import torch.distributed.checkpoint as dcp
-
         from distoptim.sync import sharded_checkpoint
 
         checks.check_type("checkpoint_id", checkpoint_id, (str, os.PathLike), "a path")
         checks.check_type("prefix", prefix, str, "a str")
-        rounds = self._rounds
-        rounds.refresh()
-        if rounds.size == 1:
-            rounds.solo_plan()
-        else:
-            rounds.agree()
-        where = sharded_checkpoint.dotted(prefix)
-        metadata = dcp.FileSystemReader(checkpoint_id).read_metadata()
-        group = rounds.comm.replicas.group
-        template = sharded_checkpoint.template_of(
-            self._wrapped, self._apply, metadata, where, group
-        )
-        nested = sharded_checkpoint.nest(template, where)
-        dcp.load(nested, checkpoint_id=checkpoint_id)
-        iterations, groups, owned = sharded_checkpoint.loaded_state(
-            self._wrapped, sharded_checkpoint.unnest(nested, where)
+        self._announce_checkpoint()
+        if self._rounds.size == 1:
+            self._rounds.solo_plan()
+        group = self._rounds.comm.replicas.group
+        iterations, groups, owned = sharded_checkpoint.read(
+            self._wrapped, self._apply, group, checkpoint_id, prefix
         )
         # hyperparameters and iterations through the checked path (the state comes next)
         self.load_state_dict({"state": {}, "param_groups": groups, "iterations": iterations})

@@ -56,6 +56,7 @@ __all__ = [
     "dotted",
     "loaded_state",
     "nest",
+    "read",
     "state_dict_of",
     "template_of",
     "unnest",
@@ -217,6 +218,23 @@ def loaded_state(
                 owned.scalars[key] = value
         out[p] = owned
     return iterations, groups, out
+
+
+def read(
+    opt: torch.optim.Optimizer, apply: ApplyStrategy, group: Any, checkpoint_id: Any, prefix: str
+) -> tuple[int, list[dict[str, Any]], dict[torch.Tensor, Owned]]:
+    """DCP-load this rank's part (:func:`template_of`) of the checkpoint at ``checkpoint_id``,
+    saved under ``prefix`` (``""`` or ``"optim"``, ...), as :func:`loaded_state` returns it.
+
+    Every rank calls it (DCP's collectives); nothing of the optimizer changes here.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    where = dotted(prefix)
+    metadata = dcp.FileSystemReader(checkpoint_id).read_metadata()
+    nested = nest(template_of(opt, apply, metadata, where, group), where)
+    dcp.load(nested, checkpoint_id=checkpoint_id)
+    return loaded_state(opt, unnest(nested, where))
 
 
 def nest(state: dict[str, Any], prefix: str) -> dict[str, Any]:
