@@ -261,3 +261,17 @@ def test_the_readme_table_is_made_of_the_shipped_runs():
         again = compare_runs.table(compare_runs._summary(d["runs"]), compare_runs._order(d["runs"]))
         assert again == d["table"], name
     assert doc["datasets"]["digits"]["table"] in readme
+
+
+def test_the_readme_memory_table_is_the_shipped_run(monkeypatch):
+    """The README's table of what each CrossShard option costs and saves is
+    ``benchmarks/memory.py``'s table of the recorded run in ``benchmarks/results/memory.json``,
+    and that run holds what the quick run's check asks (sharding saves its share)."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # memory.py imports its sibling cross_shard
+    memory = importlib.import_module("memory")
+    shipped = json.loads((BENCHMARKS / "results" / "memory.json").read_text())
+    _memory(shipped)
+    assert shipped["settings"]["worlds"] == [2, 4] and "--quick" not in shipped["command"]
+    assert memory.readme_table(shipped["runs"]) in (ROOT / "README.md").read_text()
