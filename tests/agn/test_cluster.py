@@ -300,10 +300,11 @@ def ckpt_dir(tmp_path_factory, transport):
 def run(ckpt_dir, tmp_path_factory, transport):
     """One cluster per transport: two workers, two shards (checkpointing every 2 commits).
 
-    On p2p the shards stream commits in chunks of 8 bytes (2 float32 elements), so every
-    commit is several chunks, the last one short: the exact-math tests below then check
-    the streamed path (update chunk k while k + 1 arrives, the server optimizer stepped piece by
-    piece) against the whole-tensor reference."""
+    On p2p the shards apply commits in chunks of 8 bytes (2 float32 elements), so every
+    commit is several chunks, the last one short: the exact-math tests below then check the
+    chunked path (the server optimizer stepped piece by piece, each chunk guarded) and the
+    replies read in place from the shards' memory against the whole-tensor reference (streamed
+    commits give the same bits: tests/agn/test_transport.py)."""
     out_dir = tmp_path_factory.mktemp("run")
     with pytest.MonkeyPatch.context() as mp:
         if transport == "p2p":

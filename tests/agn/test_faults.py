@@ -8,9 +8,14 @@ Four small runs, each checking several behaviours:
   the flat buffers travel on the gloo pairs here (shared memory off), as between machines;
 * restart: a shard killed mid-run is restarted from its checkpoint, the workers reconnect and go
   on; the commits lost are bounded by ``checkpoint_every`` (plus those in flight);
+* a checkpoint directory removed mid-run (``max_restarts=1``) is named by the commit that made a
+  checkpoint due, at once, and the shard is not restarted empty;
 * a worker killed during start-up fails the run within seconds, naming that worker;
 * the same death with ``on_startup_failure="drop"`` is dropped, while another worker's exception
-  still reaches the caller (root cause first, the death listed after it).
+  still reaches the caller (root cause first, the death listed after it);
+* two jobs at one store keep apart (a namespace per job id), a third with a taken job id is
+  refused at once, and the checkpoint directory of one of them removed mid-run is named as the
+  cause within seconds.
 """
 
 from __future__ import annotations
@@ -26,9 +31,9 @@ import pytest
 import torch
 
 import distoptim
-from distoptim.agn import LocalCluster, WorkerStartupError, spawn
+from distoptim.agn import Cluster, ClusterOptions, LocalCluster, WorkerStartupError, spawn
 from distoptim.agn.transport.messages import Ping
-from distoptim.launch import RankFailedError
+from distoptim.launch import RankFailedError, run_processes, torchrun_env
 
 pytestmark = [pytest.mark.timeout(150), pytest.mark.slow]
 
@@ -195,6 +200,43 @@ def test_shard_killed_mid_run_is_restarted_from_its_checkpoint(tmp_path):
     assert all(torch.isfinite(c).all() for c in result.center)
 
 
+def _vanishing_dir_worker(ctx, ckpt: str) -> None:
+    """The chief's second commit makes a checkpoint due after the directory was removed."""
+    import shutil
+
+    model = _model()
+    opt = _agn(ctx, model)
+    g = torch.Generator().manual_seed(0)
+    _step(opt, model, g)
+    shutil.rmtree(ckpt)
+    _step(opt, model, g)
+
+
+def test_checkpoint_dir_removed_mid_run_is_named_at_once(tmp_path):
+    """With ``max_restarts=1`` the shard used to die writing, come back with nothing to resume,
+    and the worker failed after the whole ``rpc_timeout`` asking whether a chief was running."""
+    ckpt = tmp_path / "ckpt"
+    t0 = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        spawn(
+            _vanishing_dir_worker,
+            1,
+            num_ps=1,
+            args=(str(ckpt),),
+            timeout=150,
+            rpc_timeout=90,
+            checkpoint_dir=ckpt,
+            checkpoint_every=1,
+            max_restarts=1,
+        )
+    elapsed = time.monotonic() - t0
+    message = str(info.value)
+    assert f"checkpoint {ckpt / 'ps0.pt'}" in message, message
+    assert "checkpoint_dir removed" in message, message
+    assert "is a chief running" not in message
+    assert elapsed < 60, elapsed  # start-up included; never the whole rpc_timeout
+
+
 # ---------------------------------------------------------------------------------------------
 # death during start-up; exceptions reach the caller
 # ---------------------------------------------------------------------------------------------
@@ -289,3 +331,75 @@ def test_torchrun_restarts_the_job_and_the_shard_resumes_from_its_checkpoint(tmp
     assert not (tmp_path / "out.0.0").exists()  # the first attempt ended at the kill
     assert all(w["at_init"] >= 4 for w in second)  # the resumed center, not a fresh seed
     assert all(w["end"] >= w["at_init"] + 6 for w in second)
+
+
+# ---------------------------------------------------------------------------------------------
+# two jobs at one store
+# ---------------------------------------------------------------------------------------------
+def _job_main(options: ClusterOptions, remove: str | None) -> dict:
+    """One process of a job of one shard and one worker; the worker removes ``remove`` (the
+    job's checkpoint directory) after its first commit."""
+    import shutil
+
+    cluster = Cluster.from_env(num_ps=1, options=options)
+    if cluster.is_ps:
+        try:
+            return {"report": cluster.serve()}
+        finally:
+            cluster.shutdown()
+    with cluster:
+        model = _model()
+        opt = _agn(cluster, model)
+        g = torch.Generator().manual_seed(0)
+        _step(opt, model, g)
+        out: dict = {"namespace": cluster.namespace}
+        if remove is not None:
+            shutil.rmtree(remove)
+        t0 = time.monotonic()
+        try:
+            for _ in range(2):
+                _step(opt, model, g)
+        except RuntimeError as exc:
+            out |= {"error": str(exc), "seconds": time.monotonic() - t0}
+        out["global_step"] = opt.global_step
+        return out
+
+
+def test_two_jobs_at_one_store_keep_apart_and_a_taken_job_id_is_refused(tmp_path, monkeypatch):
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    ckpt = tmp_path / "ckpt_a"
+    a = ClusterOptions(rpc_timeout=60, checkpoint_dir=ckpt, checkpoint_every=1)
+    b = ClusterOptions(rpc_timeout=60)
+    jobs = [("a", a, str(ckpt)), ("b", b, None)]
+    outcomes = run_processes(
+        _job_main,
+        [(options, remove) for _, options, remove in jobs for _ in range(2)],
+        timeout=120,
+        envs=[
+            {**torchrun_env(rank, 2, store.port), "DISTOPTIM_AGN_JOB": job}
+            for job, _, _ in jobs
+            for rank in range(2)
+        ],
+        names=[f"{job} {role}" for job, _, _ in jobs for role in ("ps 0", "worker 0")],
+        fail_fast=False,
+    )
+    _, a_worker, b_shard, b_worker = outcomes
+    assert b_shard.ok and b_worker.ok, [o.headline() for o in outcomes]
+    # job b ran alone in its namespace: its own three commits, none of job a's
+    assert b_worker.value["namespace"] == "distoptim.agn/b/0"
+    assert b_worker.value["global_step"] == 3
+    assert b_shard.value["report"].stats.commits_per_worker == {0: 3}
+    # job a: the commit that made a checkpoint due names the removed directory, at once
+    assert a_worker.ok and a_worker.value["namespace"] == "distoptim.agn/a/0"
+    error = a_worker.value["error"]
+    assert f"could not write its checkpoint {ckpt / 'ps0.pt'}" in error, error
+    assert "checkpoint_dir removed during the run" in error
+    assert a_worker.value["seconds"] < 20
+    # a third job with job b's id at the same store stops at once, before writing anything
+    monkeypatch.setenv("DISTOPTIM_AGN_JOB", "b")
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 0 of the job in the store namespace "):
+        Cluster(rank=0, world_size=2, num_ps=1, master_addr="127.0.0.1", master_port=store.port)
+    assert time.monotonic() - t0 < 10

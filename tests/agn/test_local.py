@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import copy
 import math
+import re
+import shutil
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -17,6 +20,7 @@ import distoptim
 from distoptim.agn import AGNCustomGetter, Cluster, ParameterServer, ShardLink, spawn
 from distoptim.agn.flat import FlatLayout
 from distoptim.agn.rules import AddUpdate, ApplyOptimizer, ElasticUpdate
+from distoptim.agn.store import StoreUnreachableError, store_namespace
 from distoptim.agn.transport import framing
 from distoptim.agn.transport.messages import (
     Commit,
@@ -579,7 +583,7 @@ def test_a_first_connection_moves_on_when_its_incarnation_died_before_serving_it
     from distoptim.agn.transport.p2p import _FIRST_WINDOW_S, P2PTransport
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    namespace = "distoptim.agn/0"
+    namespace = store_namespace()  # the Cluster below (this job's) uses it
     ns = dist.PrefixStore(namespace, store)
     assert ns.add("shard/0/incarnation", 1) == 1  # incarnation 1 started and died unseen
     worker = P2PTransport("127.0.0.1", store.port, namespace, num_ps=1, timeout=60)
@@ -613,3 +617,124 @@ def test_a_first_connection_moves_on_when_its_incarnation_died_before_serving_it
     assert "error" not in out, out
     assert out["incarnation"] == 2
     assert out["seconds"] < 3 * _FIRST_WINDOW_S  # one window on the dead one, not 60 s
+
+
+# ---- checkpoints that go wrong say which file and why --------------------------------------------
+def test_checkpoint_problems_name_the_file_and_the_cause(tmp_path):
+    """A corrupt file, a stale one from another model, a directory removed during the run, and a
+    restart that finds the checkpoint of its own run gone: each named, at once."""
+    import torch.distributed as dist
+
+    params = [torch.nn.Parameter(torch.ones(2, 4)), torch.nn.Parameter(torch.zeros(2))]
+    opt = torch.optim.SGD(params, lr=0.5)
+    spec = _spec(ApplyOptimizer(), params, opt)
+    layout = spec.layout()
+    path = tmp_path / "ps0.pt"
+    at = re.escape(str(path))
+    path.write_bytes(b"\x80\x04garbage")  # what a crash or a copy cut short leaves
+    with pytest.raises(ValueError, match=f"checkpoint {at} cannot be read .*corrupt"):
+        ParameterServer(0, 1, 1, checkpoint_dir=tmp_path)
+    path.unlink()
+
+    # a checkpoint of model A, then a chief (and a worker) that build model B
+    store = dist.HashStore()
+    ps = ParameterServer(0, 1, 1, checkpoint_dir=tmp_path, checkpoint_every=1, store=store)
+    _seed(ps, "t", spec, layout.flatten(params))
+    assert path.exists()  # written when the table was seeded: a restart can resume it
+    other = [torch.nn.Parameter(torch.ones(3, 4)), torch.nn.Parameter(torch.zeros(3))]
+    other_spec = _spec(ApplyOptimizer(), other, torch.optim.SGD(other, lr=0.5))
+    resumed = ParameterServer(0, 1, 1, checkpoint_dir=tmp_path)
+    err = resumed.handle(Seed("t", other_spec, other_spec.layout().flatten(other))).reply
+    assert isinstance(err, ErrorReply) and err.kind == "ValueError", err
+    assert f"resumed from checkpoint {path}, which holds" in err.message
+    assert "remove it or use another checkpoint_dir" in err.message
+    assert "the chief seeded" not in err.message
+    with pytest.raises(ValueError, match=f"worker 1's parameters .* checkpoint {at}"):
+        _pull(resumed, "t", other_spec.layout())
+
+    # the directory is removed while the shard runs: the commit that makes a checkpoint due
+    # is answered with the real cause
+    shutil.rmtree(tmp_path)
+    grads = layout.flatten([torch.ones(2, 4), torch.ones(2)])
+    err = ps.handle(Commit("t", 0, 0, grads)).reply
+    assert isinstance(err, ErrorReply) and err.kind == "RuntimeError", err
+    assert f"could not write its checkpoint {path}" in err.message
+    assert "checkpoint_dir removed during the run" in err.message
+    # ... and a restart of that shard in the same run says its checkpoint is gone, at once
+    with pytest.raises(RuntimeError, match=f"its checkpoint {at}, written earlier"):
+        ParameterServer(0, 1, 1, checkpoint_dir=tmp_path, store=store)
+
+
+# ---- joining a cluster: every wait bounded, a wrong address named at once ----------------------
+@pytest.fixture
+def mute_port():
+    """A port where something accepts connections and never answers (another service)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    accepted: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            accepted.append(conn)
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield server.getsockname()[1]
+    for conn in accepted:  # the store clients' handshake threads see the end and stop
+        conn.close()
+    server.close()
+    for t in threading.enumerate():  # (their farewell warnings stay in this test's capture)
+        if t.name == "agn-store-handshake":
+            t.join(10)
+
+
+MUTE = r"did not answer as a torch\.distributed store"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_joining_a_wrong_address_is_named_at_once_and_a_mute_one_within_rpc_timeout(
+    mute_port, monkeypatch
+):
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnreachableError, match=r"nothing listens at 127\.0\.0\.1:.*refused"):
+        Cluster.join("127.0.0.1", _free_port(), rpc_timeout=30)
+    with pytest.raises(StoreUnreachableError, match=r"'no-such-host\.invalid' cannot be resolved"):
+        Cluster.join("no-such-host.invalid", 29500, rpc_timeout=30)
+    assert time.monotonic() - t0 < 10  # at once, not after rpc_timeout
+    for bad, why in [
+        ("abc", "no host and port"),
+        ("node7:port", "the port 'port' is not a number"),
+        ("node7:0", "port 0 is not in"),
+    ]:
+        monkeypatch.setenv("DISTOPTIM_AGN_JOIN", bad)
+        expected = f"DISTOPTIM_AGN_JOIN='{bad}' must be HOST:PORT.*{why}"
+        with pytest.raises(ValueError, match=expected):
+            Cluster.from_env()
+    # something else listens there: bounded by rpc_timeout (it never returned)
+    monkeypatch.setenv("DISTOPTIM_AGN_JOIN", f"127.0.0.1:{mute_port}")
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnreachableError, match=MUTE):
+        Cluster.from_env(rpc_timeout=1)
+    assert time.monotonic() - t0 < 10
+    # the same under torchrun's variables (e.g. MASTER_PORT under python -m distoptim.cli.train)
+    monkeypatch.delenv("DISTOPTIM_AGN_JOIN")
+    env = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    for k, v in {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(mute_port)}.items():
+        monkeypatch.setenv(k, v)
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnreachableError, match=MUTE):
+        Cluster.from_env(rpc_timeout=1)
+    assert time.monotonic() - t0 < 10
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    with pytest.raises(StoreUnreachableError, match="nothing listens"):
+        Cluster.from_env(rpc_timeout=30)
+    assert time.monotonic() - t0 < 15

@@ -8,6 +8,7 @@ checked in milliseconds.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from datetime import timedelta
@@ -52,7 +53,7 @@ def _exchange(sender: _Pipe, receiver: _Pipe, message, **recv_kwargs):
 
     t = threading.Thread(target=recv)
     t.start()
-    for w in sender.send(message):
+    for w in sender.send(message)[0]:
         w.wait(timedelta(seconds=20))
     t.join(20)
     return got["msg"]
@@ -121,3 +122,160 @@ def test_messages_in_a_shared_segment_copy_nothing_in_place(pair):
 
 def test_a_segment_cannot_be_made_where_there_is_no_room(tmp_path):
     assert Segment.create(64, directory=str(tmp_path / "missing")) is None
+
+
+# ---- a shard in a thread and a worker, in this process -------------------------------------------
+@contextlib.contextmanager
+def _shard_and_worker(idle_timeout: float = 60.0, **server_options):
+    """A shard served from threads of this process (``ParameterServer(**server_options)``) and
+    this process as its worker 0 (a :class:`~distoptim.agn.Cluster`): the real p2p path, shared
+    memory included, without starting processes."""
+    from distoptim.agn import Cluster, ParameterServer
+    from distoptim.agn.store import store_namespace
+    from distoptim.agn.transport.p2p import P2PTransport
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    namespace = store_namespace()
+    server = ParameterServer(0, 1, 1, **server_options)
+    server.incarnation = int(dist.PrefixStore(namespace, store).add("shard/0/incarnation", 1))
+    shard = P2PTransport(
+        "127.0.0.1", store.port, namespace, num_ps=1, timeout=30, idle_timeout=idle_timeout
+    )
+    shard.serve(server)
+    try:
+        worker = Cluster(
+            rank=1, world_size=2, num_ps=1, master_addr="127.0.0.1", master_port=store.port
+        )
+        try:
+            yield server, worker
+        finally:
+            worker.shutdown()
+    finally:
+        shard.close()
+
+
+def _agn(worker, model, lam=1, momentum=0.0):
+    import distoptim
+
+    opt = distoptim.AGNOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum), 1, None, lam
+    )
+    hook = opt.make_session_run_hook(worker.is_chief, worker.task_index)
+    hook.begin()
+    hook.after_create_session()
+    return opt
+
+
+def _train(opt, model, steps: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        opt.zero_grad()
+        (model(torch.randn(4, 3, generator=g)) - 1).pow(2).mean().backward()
+        opt.step()
+
+
+# ---- a worker dropped for idleness is told so ----------------------------------------------------
+def test_a_worker_dropped_after_idle_timeout_is_told_so_not_that_the_shard_died():
+    """A shard with a short idle_timeout and a real worker: after a pause longer than
+    idle_timeout the worker's next commit says it was dropped for idleness and how to raise
+    idle_timeout -- the shard is alive."""
+    from distoptim.agn import WorkerDroppedError
+
+    with _shard_and_worker(idle_timeout=3) as (server, worker):
+        model = torch.nn.Linear(3, 2)
+        opt = _agn(worker, model)
+        _train(opt, model, 1)
+        assert opt.global_step == 1
+        # the pause: the shard drops the silent worker (counted dead) while staying alive
+        server.wait_for_workers(lambda pending: {}, probe_period_s=0.05, timeout_s=30)
+        with pytest.raises(WorkerDroppedError) as info:
+            _train(opt, model, 1)
+        text = str(info.value)
+        assert "dropped worker 0's connection" in text and "idle_timeout=3s" in text
+        assert "the shard itself is alive" in text and "idle_timeout=SECONDS" in text
+        assert "died" not in text and "is gone" not in text
+
+
+# ---- streamed and whole commits, replies in place or copied: the same math -----------------------
+def _centers_after_training(**server_options):
+    from distoptim.agn.transport.shared_center import SharedCenters
+
+    torch.manual_seed(0)
+    with _shard_and_worker(centers=SharedCenters(), **server_options) as (_, worker):
+        model = torch.nn.Linear(3, 2)
+        start = model.weight.detach().clone()
+        opt = _agn(worker, model, lam=2, momentum=0.5)
+        _train(opt, model, 6)
+        assert opt.global_step == 3 and not torch.equal(model.weight, start)
+        told = worker.transport.chunk_bytes(0), worker.transport._channels[0].pipe.released
+        return told, opt.center_variables(), [p.detach().clone() for p in model.parameters()]
+
+
+def test_streamed_and_whole_commits_give_the_same_center_bit_for_bit():
+    """8-byte chunks (every commit several chunks, the last one short): streamed commits
+    (DISTOPTIM_AGN_STREAM=1) and whole ones with replies read in place (the default) give the
+    same center and local parameters, bit for bit, as the server optimizer (momentum SGD) is
+    stepped piece by piece either way."""
+    streamed = _centers_after_training(chunk_bytes=8, stream=True)
+    whole = _centers_after_training(chunk_bytes=8, stream=False)
+    assert streamed[0] == (8, 0)  # streamed in 8-byte chunks; replies in the segment
+    assert whole[0][0] == 0 and whole[0][1] >= 3  # whole; 3 commit replies read in place
+    for a, b in zip(streamed[1] + streamed[2], whole[1] + whole[2]):
+        assert torch.equal(a, b)
+
+
+# ---- replies read in place from the shard's memory -----------------------------------------------
+def _until(condition, seconds: float = 20.0) -> bool:
+    """Wait (bounded) for a condition another thread makes true."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def test_a_commit_reply_is_read_in_place_and_the_center_held_until_released():
+    """Same machine: the reply to a commit names where the center lies in the shard's memory;
+    the worker reads it there (no copy into the connection's segment) and the shard keeps the
+    table's read lock -- no commit can change the center -- until the worker releases it."""
+    from distoptim.agn import AddUpdate, ParameterServer
+    from distoptim.agn.store import store_namespace
+    from distoptim.agn.transport.messages import CommitReply, Ping, Seed, TableSpec
+    from distoptim.agn.transport.p2p import P2PTransport
+    from distoptim.agn.transport.shared_center import SharedCenters
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    namespace = store_namespace()
+    server = ParameterServer(0, 1, 1, centers=SharedCenters())
+    server.incarnation = int(dist.PrefixStore(namespace, store).add("shard/0/incarnation", 1))
+    shard = P2PTransport("127.0.0.1", store.port, namespace, num_ps=1, timeout=30)
+    shard.serve(server)
+    worker = P2PTransport("127.0.0.1", store.port, namespace, num_ps=1, timeout=30)
+    try:
+        worker.connect(0, timeout=30)
+        assert worker.reserve(0, 4096)  # the segment, and the shard's centers mapped
+        spec = TableSpec("test", AddUpdate(), [0], [(6,)], [torch.float32], True, None, {}, [])
+        worker.send(0, Seed("t", spec, {"float32": torch.zeros(6)}), 30).wait()
+        table = server._tables["t"]
+        pending = worker.send(0, Commit("t", 0, 0, {"float32": torch.arange(6.0)}), 30)
+        reply = pending.wait()
+        assert isinstance(reply, CommitReply) and not reply.refused
+        got = reply.flats["float32"]
+        assert torch.equal(got, torch.arange(6.0))
+        segment = worker._channels[0].pipe.segment
+        assert segment is not None and segment.offset_of(got) is None  # not copied there
+        assert _until(lambda: table.rw._readers == 1)  # held while the worker reads
+        pending.release()
+        assert _until(lambda: table.rw._readers == 0)  # ... and let go once it is done
+        # a reply not released explicitly is released by the next request
+        reply = worker.send(0, Commit("t", 0, 1, {"float32": torch.ones(6)}), 30).wait()
+        assert torch.equal(reply.flats["float32"], torch.arange(6.0) + 1)
+        assert _until(lambda: table.rw._readers == 1)
+        worker.send(0, Ping(), 30).wait()
+        assert _until(lambda: table.rw._readers == 0)
+    finally:
+        worker.close()
+        shard.close()

@@ -140,6 +140,50 @@ def test_streaming_diloco_int8_survives_a_donor_killed_mid_heal():
     assert finals[1]["heals"] >= 1
 
 
+class _MidSyncScenario:
+    """Kill replica 2 as it enters its third sync and restart it at once; once it committed
+    with the others, kill replica 0 as it enters a sync too; end once both committed again."""
+
+    def __init__(self) -> None:
+        self.phase = "warmup"
+        self.top = 0
+
+    def __call__(self, e: dict[str, Any], c: Controls) -> None:
+        if e["kind"] == "commit":
+            self.top = max(self.top, e["step"])
+        if self.phase == "second" and _seen_commit_of(c, 0):
+            c.finish_at(self.top + FAR)
+            self.phase = "ending"
+        if e["kind"] != "syncing":
+            return
+        if self.phase == "warmup" and e["slot"] == 2 and e["step"] >= 24:
+            assert c.kill(2)  # as it enters the sync: the others' sync fails or goes on without it
+            c.restart(2)
+            self.phase = "joining"
+        elif self.phase == "joining" and e["slot"] == 0 and _seen_commit_of(c, 2):
+            assert c.kill(0)
+            c.restart(0)
+            self.phase = "second"
+
+
+@pytest.mark.parametrize("workload", ["diloco", "local_sgd"])
+def test_diloco_and_local_sgd_survive_kills_mid_sync(workload):
+    scenario = _MidSyncScenario()
+    fn = getattr(workloads, workload)
+    run = run_replicas(fn, 3, on_event=scenario, timeout=RUN_TIMEOUT)
+    assert scenario.phase == "ending", scenario.phase
+    finals = run.values
+    assert all(v is not None for v in finals), finals
+    assert len({v["state"] for v in finals}) == 1  # the global copy, bit for bit
+    assert len({v["model"] for v in finals}) == 1  # after finish(): the model too
+    assert len({v["step"] for v in finals}) == 1
+    _commits_agree(run, "syncs")
+    assert _joined(run, 2) and _joined(run, 0)
+    assert finals[2]["heals"] >= 1 and finals[0]["heals"] >= 1
+    kills = [a.slot for a in run.chaos if a.action == "kill"]
+    assert kills == [2, 0]
+
+
 class _MismatchScenario:
     """End once the two good replicas have committed 10 steps (after the odd one left)."""
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from distoptim import CrossShardOptimizer, DiLoCo
+from distoptim import CrossShardOptimizer, DiLoCo, LocalSGD
 from distoptim.comm.checksum import state_checksum
 from distoptim.ft.data import SlotShards
 from distoptim.ft.local import ReplicaContext
@@ -119,10 +119,25 @@ def cross_shard(ctx: ReplicaContext, width: int = 16) -> dict[str, Any] | None:
 
 def streaming_diloco(ctx: ReplicaContext, wire: str = "int8") -> dict[str, Any] | None:
     """Streaming DiLoCo (2 fragments, H = 8, tau = 1, alpha = 0.5) under a torchft manager."""
+    return _outer(ctx, "streaming", wire)
+
+
+def diloco(ctx: ReplicaContext) -> dict[str, Any] | None:
+    """DiLoCo (one fragment, H = 8, fp32) under a torchft manager."""
+    return _outer(ctx, "diloco", "fp32")
+
+
+def local_sgd(ctx: ReplicaContext) -> dict[str, Any] | None:
+    """LocalSGD (H = 8) under a torchft manager."""
+    return _outer(ctx, "localsgd", "fp32")
+
+
+def _outer(ctx: ReplicaContext, kind: str, wire: str) -> dict[str, Any] | None:
+    """The DiLoCo family under a torchft manager; logs ``syncing`` before each step that syncs
+    (so a scenario can kill a replica as it enters a sync) and ``commit`` after each sync."""
     model = _model()
     x, y = _data()
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
 
     def state() -> dict[str, Any]:
         return {"model": model.state_dict(), "inner": inner.state_dict()}
@@ -132,16 +147,21 @@ def streaming_diloco(ctx: ReplicaContext, wire: str = "int8") -> dict[str, Any] 
         inner.load_state_dict(s["inner"])
 
     manager = _manager(ctx, state, load)
-    opt = DiLoCo(
-        inner,
-        outer,
-        sync_every=8,
-        fragments=2,
-        fragment_sync_delay=1,
-        fragment_update_alpha=0.5,
-        wire=wire,
-        manager=manager,
-    )
+    opt: DiLoCo
+    if kind == "localsgd":
+        opt = LocalSGD(inner, sync_every=8, manager=manager)
+    else:
+        streaming = kind == "streaming"
+        opt = DiLoCo(
+            inner,
+            torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True),
+            sync_every=8,
+            fragments=2 if streaming else 1,
+            fragment_sync_delay=1 if streaming else 0,
+            fragment_update_alpha=0.5 if streaming else 0.0,
+            wire=wire,
+            manager=manager,
+        )
     shards = SlotShards(_N, ctx.num_slots, ctx.slot, _BATCH, seed=3)
     ctx.log("ready")
     ctx.wait_for_peers(240)
@@ -150,6 +170,8 @@ def streaming_diloco(ctx: ReplicaContext, wire: str = "int8") -> dict[str, Any] 
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
         syncs = opt.syncs
+        if kind != "streaming" and (opt.iterations + 1) % 8 == 0:
+            ctx.log("syncing", step=opt.iterations + 1)
         opt.step()
         if opt.syncs > syncs:
             ctx.log(

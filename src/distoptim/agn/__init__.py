@@ -5,7 +5,9 @@ Owns nothing itself; the public names of the package:
 * :func:`spawn`, :class:`LocalCluster` (late workers, shard restarts), :class:`Cluster`
   (``Cluster.from_env`` under torchrun, ``Cluster.join`` for a late worker),
   :class:`ClusterOptions` (what every process of a cluster runs with), :class:`ClusterResult`,
-  :class:`ClusterStats`, :class:`ShardReport`, :class:`ParameterServerError` -- the cluster
+  :class:`ClusterStats`, :class:`ShardReport`, :class:`ParameterServerError` (and
+  :class:`ShardLostError`, :class:`WorkerDroppedError`, :class:`StoreUnreachableError`: the store,
+  :mod:`distoptim.agn.store`) -- the cluster
   (:mod:`distoptim.agn.cluster`; local clusters: :mod:`distoptim.agn.local_cluster`), on the
   transports of :mod:`distoptim.agn.transport` (``"p2p"``, the default, or ``"rpc"``);
 * :class:`AGNOptimizer` (:mod:`~distoptim.agn.agn`), :class:`DownpourOptimizer`
@@ -43,7 +45,8 @@ from distoptim.agn.rules import (
 )
 from distoptim.agn.server import ParameterServer
 from distoptim.agn.shard_link import ShardLink
-from distoptim.agn.transport import ParameterServerError, ShardLostError
+from distoptim.agn.store import StoreUnreachableError
+from distoptim.agn.transport import ParameterServerError, ShardLostError, WorkerDroppedError
 
 __all__ = [
     "TRANSPORTS",
@@ -67,6 +70,8 @@ __all__ = [
     "ShardLink",
     "ShardLostError",
     "ShardReport",
+    "StoreUnreachableError",
+    "WorkerDroppedError",
     "WorkerStartupError",
     "current_cluster",
     "spawn",

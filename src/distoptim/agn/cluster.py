@@ -17,9 +17,11 @@ running cluster later (:meth:`Cluster.join`; ``DISTOPTIM_AGN_JOIN=host:port`` ma
 :meth:`~distoptim.agn.local_cluster.LocalCluster.add_worker` locally); it gets the next task
 index after the expected ones.
 
-Keys in the store (under ``distoptim.agn/<TORCHELASTIC_RESTART_COUNT>``: a torchrun restart of
-the whole job starts afresh; ``distoptim.agn/current`` names the namespace for late joiners)
------------------------------------------------------------------------------------------
+Keys in the store (under the job's namespace ``distoptim.agn/<job>/<TORCHELASTIC_RESTART_COUNT>``,
+:mod:`distoptim.agn.store`: one per job, and a torchrun restart of the whole job starts afresh)
+-----------------------------------------------------------------------------------------------
+* ``member/<rank>/<restart>``: which process holds each rank (a second job that shares the
+  store and the job id stops at once, :func:`~distoptim.agn.store.claim`);
 * ``config``: ``num_ps``, ``num_worker``, transport and placement strategy (for late joiners);
 * ``late``: a counter handing out late workers' task indices;
 * ``worker/<t>/starting``: worker ``t`` reached the cluster and starts connecting (set first
@@ -56,10 +58,28 @@ import torch.distributed as dist
 from distoptim.agn.flat import Chunk
 from distoptim.agn.getter import STRATEGIES, AGNCustomGetter
 from distoptim.agn.server import ParameterServer
+from distoptim.agn.store import (
+    CURRENT_KEY,
+    JOB_ENV,
+    StoreUnreachableError,
+    claim,
+    connect,
+    current_key,
+    job_id,
+    parse_address,
+    store_namespace,
+)
 from distoptim.agn.transport import TRANSPORTS
-from distoptim.agn.transport.base import ParameterServerError, Pending, Stream, Transport
+from distoptim.agn.transport.base import (
+    ParameterServerError,
+    Pending,
+    Stream,
+    Transport,
+    WorkerDroppedError,
+)
 from distoptim.agn.transport.messages import ErrorReply, Finish, Reply, Request
 from distoptim.agn.transport.p2p import DEFAULT_IDLE_TIMEOUT, P2PTransport
+from distoptim.agn.transport.shared_center import SharedCenters, shm_enabled
 from distoptim.checks import (
     check_choice,
     check_int,
@@ -72,6 +92,7 @@ from distoptim.launch import require_torchrun_env
 from distoptim.netcheck import check_torchrun_network
 
 __all__ = [
+    "JOB_ENV",
     "JOIN_ENV",
     "TRANSPORTS",
     "Cluster",
@@ -79,8 +100,10 @@ __all__ = [
     "ClusterStats",
     "ParameterServerError",
     "ShardReport",
+    "StoreUnreachableError",
     "current_cluster",
     "merge_reports",
+    "store_namespace",
 ]
 
 DEFAULT_RPC_TIMEOUT = 60.0
@@ -92,13 +115,6 @@ JOIN_ENV = "DISTOPTIM_AGN_JOIN"
 
 TASK_ENV = "DISTOPTIM_AGN_TASK"
 """The task index a launcher reserved for a late worker (with :data:`JOIN_ENV`)."""
-
-_CURRENT_KEY = "distoptim.agn/current"
-
-
-def store_namespace() -> str:
-    """This run's namespace in the job's store (a torchrun restart of the job starts afresh)."""
-    return f"distoptim.agn/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,6 +235,15 @@ def merge_reports(
 # ---------------------------------------------------------------------------------------------
 # the cluster
 # ---------------------------------------------------------------------------------------------
+def _env_int(name: str, low: int) -> int:
+    """The environment variable ``name`` as an int >= ``low``, or an error naming it."""
+    raw = os.environ[name]
+    try:
+        return check_int(name, int(raw), low)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} must be an integer >= {low}") from None
+
+
 _CURRENT: Cluster | None = None
 
 
@@ -303,8 +328,11 @@ class Cluster:
     index, or shard index on a PS), ``is_chief`` (worker 0), ``is_late``, ``num_ps``,
     ``num_worker`` (the expected count), ``custom_getter`` (the default placement),
     ``rpc_timeout`` (bound of every request), ``reconnect_timeout`` (how long a worker waits for
-    a restarted shard; 0: it does not), ``transport`` (the :class:`Transport`). A worker
-    function receives the cluster itself as ``ctx``.
+    a restarted shard; 0: it does not), ``transport`` (the :class:`Transport`), ``namespace``
+    (where the cluster's keys live in the job's store: ``namespace``, default this job's,
+    :func:`~distoptim.agn.store.store_namespace`). A worker function receives the cluster itself
+    as ``ctx``. Reaching the store at ``master_addr:master_port`` is bounded by ``rpc_timeout``
+    (:func:`~distoptim.agn.store.connect`).
     """
 
     def __init__(
@@ -317,6 +345,7 @@ class Cluster:
         master_port: int,
         late_task: int | None = None,
         options: ClusterOptions | None = None,
+        namespace: str | None = None,
         **fields: Any,
     ) -> None:
         global _CURRENT
@@ -360,20 +389,31 @@ class Cluster:
         self._closed = False
         self._server: ParameterServer | None = None
         self._late_seen: dict[int, float] = {}  # task -> when this shard first saw it starting
-        self.namespace = store_namespace()
-        self._root = dist.TCPStore(
-            master_addr, master_port, is_master=False, timeout=timedelta(seconds=self.rpc_timeout)
+        self.namespace = store_namespace() if namespace is None else namespace
+        where = f"{master_addr}:{master_port}"
+        self._root = connect(
+            master_addr, master_port, self.rpc_timeout, f"the cluster's store at {where}"
         )
         self._store = dist.PrefixStore(self.namespace, self._root)
+        if late_task is None:  # before anything is written: a second job sharing it stops here
+            claim(self._store, rank, self.namespace, where)
         if self.is_worker:  # the shards time its start-up from here (Cluster._gone)
             self._store.set(f"worker/{self.task_index}/starting", "1")
         self.transport: Transport
         if self.is_ps:
             self._server = ParameterServer(
-                self.task_index, num_ps, self.num_worker, opts.checkpoint_dir, opts.checkpoint_every
+                self.task_index,
+                num_ps,
+                self.num_worker,
+                opts.checkpoint_dir,
+                opts.checkpoint_every,
+                store=self._store,
+                centers=SharedCenters() if opts.transport == "p2p" and shm_enabled() else None,
             )
             if self.task_index == 0:
-                self._root.set(_CURRENT_KEY, self.namespace)
+                self._root.set(CURRENT_KEY, self.namespace)
+                job = self.namespace.split("/")[1]
+                self._root.set(current_key(job), self.namespace)
                 config = {"num_ps": num_ps, "num_worker": self.num_worker}
                 config |= {"transport": opts.transport, "strategy": opts.strategy}
                 self._store.set("config", pickle.dumps(config))
@@ -418,30 +458,38 @@ class Cluster:
         ``checkpoint_dir``, ``transport``, ...), or ``options``, a record of them.
 
         With ``DISTOPTIM_AGN_JOIN=host:port`` set, this process instead joins the running
-        cluster whose store is there, as a late worker (:meth:`join`).
+        cluster whose store is there, as a late worker (:meth:`join`; ``DISTOPTIM_AGN_JOB``,
+        when set, names the job to join). Every wait for the store is bounded by
+        ``rpc_timeout``; an address that cannot be resolved or where nothing listens is
+        reported at once (:class:`~distoptim.agn.store.StoreUnreachableError`).
         """
         opts = _options(options, fields)
         join = os.environ.get(JOIN_ENV)
         if join:
-            host, _, port = join.rpartition(":")
+            host, port = parse_address(JOIN_ENV, join)
             task = os.environ.get(TASK_ENV)
             return cls.join(
                 host,
-                int(port),
-                task_index=None if task is None else int(task),
+                port,
+                task_index=None if task is None else _env_int(TASK_ENV, 0),
                 rpc_timeout=opts.rpc_timeout,
                 reconnect_timeout=opts.reconnect_timeout,
                 idle_timeout=opts.idle_timeout,
+                job=os.environ.get(JOB_ENV) or None,
+                what=f"{JOIN_ENV}={join}",
             )
         require_torchrun_env("Cluster.from_env", "distoptim.agn.spawn")
+        rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+        _, master_port = parse_address("MASTER_PORT", f"x:{os.environ['MASTER_PORT']}")
+        job_id()  # a bad DISTOPTIM_AGN_JOB is named before anything starts
         backends = ("gloo",) if opts.transport == "p2p" else ("gloo", "tensorpipe")
         check_torchrun_network("Cluster.from_env", backends, opts.rpc_timeout)
         return cls(
-            rank=int(os.environ["RANK"]),
-            world_size=int(os.environ["WORLD_SIZE"]),
+            rank=rank,
+            world_size=world_size,
             num_ps=num_ps,
             master_addr=os.environ["MASTER_ADDR"],
-            master_port=int(os.environ["MASTER_PORT"]),
+            master_port=master_port,
             options=opts,
         )
 
@@ -455,22 +503,33 @@ class Cluster:
         rpc_timeout: float = DEFAULT_RPC_TIMEOUT,
         reconnect_timeout: float = 0.0,
         idle_timeout: float | None = None,
+        job: str | None = None,
+        what: str | None = None,
     ) -> Cluster:
         """Join a running cluster (``"p2p"``) as a late worker, through its store at
         ``host:port``. Its task index is the next one after the expected workers (or
         ``task_index``, when a launcher reserved it); it pulls the current center like any
-        worker and commits from then on. The other options come from the running cluster."""
+        worker and commits from then on. The other options come from the running cluster.
+
+        ``job``: the id of the job to join when several share the store (default: the one that
+        started last). Every wait is bounded by ``rpc_timeout``; an address that cannot be
+        resolved or where nothing listens raises
+        :class:`~distoptim.agn.store.StoreUnreachableError` at once. ``what`` names the address
+        in errors (default ``host:port``)."""
         opts = ClusterOptions(
             rpc_timeout=rpc_timeout, reconnect_timeout=reconnect_timeout, idle_timeout=idle_timeout
         )
         timeout = opts.rpc_timeout
-        root = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
+        where = f"{host}:{port}"
+        root = connect(host, port, timeout, f"joining the cluster at {what or where}")
+        key = CURRENT_KEY if job is None else current_key(job_id(job))
         try:
-            namespace = root.get(_CURRENT_KEY).decode()
+            namespace = root.get(key).decode()
             config = pickle.loads(root.get(f"{namespace}/config"))
         except dist.DistStoreError as exc:
+            name = "" if job is None else f" of job {job!r}"
             raise RuntimeError(
-                f"no AGN cluster found in the store at {host}:{port} within {timeout:g}s (its "
+                f"no AGN cluster{name} found in the store at {where} within {timeout:g}s (its "
                 "shard 0 publishes the cluster there when it starts)"
             ) from exc
         if config["transport"] != "p2p":
@@ -489,6 +548,7 @@ class Cluster:
             master_port=port,
             late_task=task_index,
             options=replace(opts, strategy=config["strategy"], transport="p2p"),
+            namespace=namespace,
         )
 
     def __repr__(self) -> str:
@@ -556,6 +616,8 @@ class Cluster:
         """After a lost connection: wait up to ``reconnect_timeout`` for ``shard`` to be back
         (restarted) and connect; returns its incarnation. Without a reconnect timeout, or on a
         transport without restarts, re-raise ``cause`` (a clear error)."""
+        if isinstance(cause, WorkerDroppedError) and self.reconnect_timeout <= 0:
+            raise cause  # the shard is alive: its message says why it dropped this worker
         if self.reconnect_timeout <= 0 or not self.transport.supports_restart:
             detail = f": {cause}" if cause is not None else ""
             raise ParameterServerError(

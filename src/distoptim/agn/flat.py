@@ -15,13 +15,15 @@ Invariants
 
 Chunks
 ------
-A commit travels and is applied **chunk by chunk** (:meth:`FlatLayout.chunks`): each buffer is
-cut into consecutive ranges of at most ``chunk_bytes`` bytes, so a shard can update chunk ``k``
-while chunk ``k + 1`` is still arriving and a worker can take chunk ``k`` of the reply while the
-shard works on the next one. Both ends build the same plan from the same layout and
-``chunk_bytes`` (the shard's, told to each worker when it connects). A chunk never spans two
-buffers; it is made of :class:`Piece` s, its intersections with the variables, so that
-per-variable work (copying into a parameter, a server optimizer's state) can follow it:
+A commit is applied **chunk by chunk** (:meth:`FlatLayout.chunks`): each buffer is cut into
+consecutive ranges of at most ``chunk_bytes`` bytes, and the shard updates, checks and backs up
+one chunk at a time (while it is in the cache). Streamed commits also travel that way, so a
+shard can update chunk ``k`` while chunk ``k + 1`` is still arriving and a worker can take chunk
+``k`` of the reply while the shard works on the next one; both ends then build the same plan
+from the same layout and ``chunk_bytes`` (the shard's, told to each worker when it connects).
+A chunk never spans two buffers; it is made of :class:`Piece` s, its intersections with the
+variables, so that per-variable work (copying into a parameter, a server optimizer's state) can
+follow it:
 
 * the chunks of a buffer are disjoint and cover it in order; ``chunks[k].index == k``;
 * each piece of a chunk lies in one variable, and the pieces of a chunk cover it in order;
@@ -46,11 +48,11 @@ __all__ = [
 ]
 
 DEFAULT_CHUNK_BYTES = 4 << 20
-"""The chunk size a shard streams commits with (4 MiB: a 19 MB payload is 5 chunks. Measured
-with benchmarks/agn.py's round trip on the AGN paper's 19.2 MB MLP, 2 loaded cores, commit/echo
-paired: 1 MiB chunks 2.7-3.9x over shared memory and 1.24-1.34x over the gloo pair; 4 MiB
-2.1-2.8x and 1.27x; whole commits 3.5-3.7x and 1.38x -- below 4 MiB the per-chunk overhead, a
-server optimizer ``step()`` call and a progress signal, outweighs the overlap).
+"""The chunk size a shard applies (and, when asked, streams) commits in (4 MiB: a 19 MB payload
+is 5 chunks. Measured for streamed commits with benchmarks/agn.py's round trip on the AGN
+paper's 19.2 MB MLP, 2 loaded cores, commit/echo paired: 1 MiB chunks 2.7-3.9x over shared
+memory and 1.24-1.34x over the gloo pair; 4 MiB 2.1-2.8x and 1.27x -- below 4 MiB the per-chunk
+overhead, a server optimizer ``step()`` call and a progress signal, outweighs the overlap).
 ``DISTOPTIM_AGN_CHUNK_BYTES`` overrides it (read when a shard starts)."""
 
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from distoptim.agn.cluster import (
     DEFAULT_RPC_TIMEOUT,
+    JOB_ENV,
     JOIN_ENV,
     TASK_ENV,
     Cluster,
@@ -188,11 +189,14 @@ class LocalCluster:
         self._error: BaseException | None = None
         self._started = 0.0
         self._lock = threading.Lock()
+        self.job = f"local-{os.getpid()}-{os.urandom(4).hex()}"
+        """This cluster's job id (its processes' keys in its store: :mod:`distoptim.agn.store`)."""
 
     # ---- running --------------------------------------------------------------------------------
     def _env(self, rank: int) -> dict[str, str]:
         assert self._store is not None
         env = torchrun_env(rank, self.num_ps + self.num_worker, self._store.port)
+        env[JOB_ENV] = self.job
         if self.transport == "rpc" and "TORCH_CPP_LOG_LEVEL" not in os.environ:
             # a local rpc shut-down without a global barrier makes TensorPipe log a "pipe
             # closed" warning per connection: expected here and says nothing useful
@@ -256,7 +260,8 @@ class LocalCluster:
         if args is not None and not isinstance(args, tuple):
             raise TypeError(f"args must be a tuple, got {type(args).__name__}")
         with self._lock:
-            task = self.num_worker + int(self._store.add(f"{store_namespace()}/late", 1)) - 1
+            ns = store_namespace(self.job)
+            task = self.num_worker + int(self._store.add(f"{ns}/late", 1)) - 1
             env = {
                 **self._env(0),
                 JOIN_ENV: f"127.0.0.1:{self._store.port}",
@@ -273,7 +278,7 @@ class LocalCluster:
         """A worker process failed: mark it in the store; a death at start-up fails the run."""
         assert self._store is not None
         task = self._tasks[outcome.index]
-        ns = store_namespace()
+        ns = store_namespace(self.job)
         up = self._store.check([f"{ns}/worker/{task}/up"])
         if not outcome.raised and not up and self.on_startup_failure == "fail":
             raise WorkerStartupError(

@@ -28,9 +28,11 @@ worker that reconnects (p2p) is alive again.
 Checkpoints (``checkpoint_dir``, :mod:`distoptim.agn.shard_checkpoint`): every
 ``checkpoint_every`` accepted commits of a table -- before that table accepts its next commit, so a
 restart loses at most ``checkpoint_every`` of its accepted commits (plus the commits in flight,
-which their workers see fail) -- and when the shard stops. A shard started with an existing
-checkpoint loads it: its tables are seeded already, so the chief's seed is ignored (the chief
-pulls the resumed center like everyone else) and ``version`` continues.
+which their workers see fail) -- when the chief seeds a table, and when the shard stops. A shard
+started with an existing checkpoint loads it: its tables are seeded already, so the chief's seed
+is ignored (the chief pulls the resumed center like everyone else) and ``version`` continues; a
+chief or worker whose model differs from the checkpoint's is told that the checkpoint holds
+another model (a stale file in ``checkpoint_dir``), naming it.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
+
+import torch.distributed as dist
 
 from distoptim.agn.flat import DEFAULT_CHUNK_BYTES, nbytes
 from distoptim.agn.shard_checkpoint import CHECKPOINT_FORMAT, ShardCheckpoint
@@ -63,12 +67,24 @@ from distoptim.agn.transport.messages import (
     TableSpec,
     Welcome,
 )
+from distoptim.agn.transport.shared_center import SharedCenters
 from distoptim.comm.link import transmit
 
-__all__ = ["CHECKPOINT_FORMAT", "CHUNK_ENV", "ParameterServer"]
+__all__ = ["CHECKPOINT_FORMAT", "CHUNK_ENV", "STREAM_ENV", "ParameterServer"]
 
 CHUNK_ENV = "DISTOPTIM_AGN_CHUNK_BYTES"
 """Overrides :data:`~distoptim.agn.flat.DEFAULT_CHUNK_BYTES` for a shard started with it set."""
+
+STREAM_ENV = "DISTOPTIM_AGN_STREAM"
+"""``1`` on a shard: its workers stream commits chunk by chunk (p2p); unset or ``0``: each commit
+travels whole (the default: fewer hand-overs between the two processes, see docs/agn.md)."""
+
+
+def _stream_from_env() -> bool:
+    raw = os.environ.get(STREAM_ENV, "0")
+    if raw not in ("0", "1"):
+        raise ValueError(f"{STREAM_ENV} must be 0 or 1, got {raw!r}")
+    return raw == "1"
 
 
 def _chunk_bytes_from_env() -> int:
@@ -91,8 +107,13 @@ class ParameterServer:
     is the serving loop's end condition. ``incarnation``: 1 + the number of times this shard
     was restarted (told to workers in :class:`~distoptim.agn.transport.messages.Welcome`).
     ``chunk_bytes``: the chunk size of every table's plan (default
-    :data:`~distoptim.flat.DEFAULT_CHUNK_BYTES`, or ``DISTOPTIM_AGN_CHUNK_BYTES``), told to
-    workers in ``Welcome``.
+    :data:`~distoptim.flat.DEFAULT_CHUNK_BYTES`, or ``DISTOPTIM_AGN_CHUNK_BYTES``): a commit is
+    applied chunk by chunk in it. ``stream``: workers stream their commits in that plan (told in
+    ``Welcome``; default ``DISTOPTIM_AGN_STREAM``, off). ``store``: the cluster's store (a
+    ``torch.distributed.Store``), where the checkpoints written are recorded
+    (:class:`~distoptim.agn.shard_checkpoint.ShardCheckpoint`). ``centers``: where tables keep
+    their center buffers (:class:`~distoptim.agn.transport.shared_center.SharedCenters`, so
+    same-machine workers read replies in place; None: private memory).
     """
 
     def __init__(
@@ -104,6 +125,9 @@ class ParameterServer:
         checkpoint_every: int | None = None,
         incarnation: int = 1,
         chunk_bytes: int | None = None,
+        store: dist.Store | None = None,
+        stream: bool | None = None,
+        centers: SharedCenters | None = None,
     ) -> None:
         self.shard = shard
         self.num_ps = num_ps
@@ -112,6 +136,9 @@ class ParameterServer:
         self.chunk_bytes = _chunk_bytes_from_env() if chunk_bytes is None else int(chunk_bytes)
         if self.chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes!r}")
+        self.stream = _stream_from_env() if stream is None else bool(stream)
+        self.centers = centers
+        self._allocate = None if centers is None else centers.allocate
         self.checkpoint_dir = None if checkpoint_dir is None else os.fspath(checkpoint_dir)
         self.checkpoint_every = checkpoint_every
         self._tables: dict[str, Table] = {}
@@ -124,11 +151,20 @@ class ParameterServer:
         self.started = time.monotonic()
         self._checkpoint: ShardCheckpoint | None = None
         if self.checkpoint_dir is not None:
-            self._checkpoint = ShardCheckpoint(self.checkpoint_dir, shard, num_ps)
+            self._checkpoint = ShardCheckpoint(self.checkpoint_dir, shard, num_ps, store)
             self.removed_temporaries = self._checkpoint.remove_temporaries()
+            path = self._checkpoint.path
             for name, state in self._checkpoint.load().items():
-                table = Table.from_state(name, state, self.chunk_bytes)
+                try:
+                    table = Table.from_state(name, state, self.chunk_bytes, self._allocate)
+                except Exception as exc:
+                    raise ValueError(
+                        f"checkpoint {path}: optimizer {name!r} cannot be restored "
+                        f"({type(exc).__name__}: {exc}); remove the checkpoint or use another "
+                        "checkpoint_dir"
+                    ) from exc
                 table.saved_state = state
+                table.resumed_from = path
                 self._tables[name] = table
                 self._resumed.add(name)
 
@@ -183,7 +219,12 @@ class ParameterServer:
             self._dead.discard(request.task)
             self._hosts[request.task] = request.host
         return Welcome(
-            self.shard, self.incarnation, os.getpid(), socket.gethostname(), self.chunk_bytes
+            self.shard,
+            self.incarnation,
+            os.getpid(),
+            socket.gethostname(),
+            self.chunk_bytes if self.stream else 0,
+            None if self.centers is None else self.centers.probe(),
         )
 
     def seed(self, request: Seed) -> Handled:
@@ -194,20 +235,24 @@ class ParameterServer:
             raise TypeError("seed needs a TableSpec")
         layout = spec.layout()
         layout.check(flats, "seed")
+        created = False
         with self._cond:
             table = self._tables.get(request.table)
             if table is None:
-                table = Table(request.table, spec, flats, self.chunk_bytes)
+                table = Table(request.table, spec, flats, self.chunk_bytes, self._allocate)
                 table.saved_state = table.state() if self.checkpoint_dir is not None else None
                 self._tables[request.table] = table
                 self._cond.notify_all()
+                created = True
             else:
                 table.check_worker(spec.algorithm, layout.signature(), task=-1)
                 if table.spec.rule != spec.rule:
                     raise ValueError(
-                        f"optimizer {request.table!r} exists with rule {table.spec.rule!r}, the "
-                        f"chief now seeds {spec.rule!r}"
+                        f"optimizer {request.table!r} {table.origin()} rule {table.spec.rule!r}, "
+                        f"the chief now seeds {spec.rule!r}{table.remedy()}"
                     )
+        if created:  # a restart from here on resumes this table (not a seed nobody sends again)
+            self.checkpoint()
         with table.stats_lock:
             table.bytes_in += nbytes(flats)
         pull = Pull(request.table, -1, spec.algorithm, layout.signature(), 0.0)

@@ -32,12 +32,15 @@ whole payload and takes the reply from the spent payload buffers.
 
 Replies from the live center: when the transport sends a reply before anything else can change
 the center (p2p), reply chunks are sent from the center itself (no copy) or copied into the
-connection's shared segment while in cache; the write lock is then downgraded to a read lock,
-held until the reply's bytes are out. Readers (replies, pulls) proceed together; a commit waits
-for them (writers first, so commits are not starved). With ``use_locking=False`` additive rules
-run without the lock (Hogwild!-style: a concurrent pull may see a partly applied update, as with
-TF's ``use_locking=False``), whole, guarded by a bound (:func:`~distoptim.agn.center_guard.
-apply_unlocked`). Counters are always exact (their own lock).
+connection's shared segment while in cache -- or, for a whole commit to a worker on the same
+machine, not copied at all: the center's buffers live where such workers map them
+(``allocate``, :mod:`~distoptim.agn.transport.shared_center`) and the worker reads them in
+place. The write lock is then downgraded to a read lock, held until the reply's bytes are out
+(read in place: until the worker released them). Readers (replies, pulls) proceed together; a
+commit waits for them (writers first, so commits are not starved). With ``use_locking=False``
+additive rules run without the lock (Hogwild!-style: a concurrent pull may see a partly applied
+update, as with TF's ``use_locking=False``), whole, guarded by a bound
+(:func:`~distoptim.agn.center_guard.apply_unlocked`). Counters are always exact (their own lock).
 """
 
 from __future__ import annotations
@@ -127,12 +130,20 @@ class Table:
     checkpoint)."""
 
     def __init__(
-        self, name: str, spec: TableSpec, flats: Mapping[str, torch.Tensor], chunk_bytes: int
+        self,
+        name: str,
+        spec: TableSpec,
+        flats: Mapping[str, torch.Tensor],
+        chunk_bytes: int,
+        allocate: Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
     ) -> None:
         self.name = name
         self.spec = spec
         self.layout = spec.layout()
-        self.flats = {k: v.detach().clone().contiguous() for k, v in flats.items()}
+        if allocate is None:
+            self.flats = {k: v.detach().clone().contiguous() for k, v in flats.items()}
+        else:  # where same-machine workers read replies in place (p2p)
+            self.flats = allocate(flats)
         self.views = self.layout.views(self.flats)
         self.chunks = self.layout.chunks(chunk_bytes)
         rule = spec.rule
@@ -148,6 +159,7 @@ class Table:
             self.backup = backup_for(self.flats, self.chunks, self.server_opt, self.chunkwise)
         self.bound = Bound()
         self.saved_state: dict[str, Any] | None = None  # as of its latest checkpoint
+        self.resumed_from: str | None = None  # the checkpoint file it was loaded from
         self.refreshing = threading.Lock()
         self.rw = ReadWriteLock()
         self.stats_lock = threading.Lock()
@@ -306,17 +318,40 @@ class Table:
     def snapshot(self) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in self.flats.items()}
 
+    def origin(self) -> str:
+        """Where this table came from, in words: ``"was seeded by the chief as"`` or ``"was
+        resumed from checkpoint PATH, which holds"``."""
+        if self.resumed_from is None:
+            return "was seeded by the chief as"
+        return f"was resumed from checkpoint {self.resumed_from}, which holds"
+
+    def remedy(self) -> str:
+        """What to do about a mismatch with a resumed table (a stale checkpoint), or ``""``."""
+        if self.resumed_from is None:
+            return ""
+        return (
+            ". The checkpoint is from another run: remove it or use another checkpoint_dir "
+            "(or build the model it was written with)"
+        )
+
     def check_worker(self, algorithm: str, signature: tuple, task: int) -> None:
+        """Raise ``ValueError`` unless ``task`` (-1: the chief's seed) runs this table's
+        algorithm on the same model (parameter order, shapes, dtypes)."""
+        who = "the chief" if task < 0 else f"worker {task}"
         if algorithm != self.spec.algorithm:
             raise ValueError(
-                f"worker {task} runs {algorithm} but optimizer {self.name!r} was seeded by the "
-                f"chief as {self.spec.algorithm}: every worker must wrap the same algorithm"
+                f"{who} runs {algorithm} but optimizer {self.name!r} {self.origin()} "
+                f"{self.spec.algorithm}: every worker must wrap the same algorithm{self.remedy()}"
             )
         if signature != self.layout.signature():
+            if self.resumed_from is None:
+                held = f"the chief seeded {list(self.layout.signature())}"
+            else:
+                held = f"{self.origin()} {list(self.layout.signature())}"
             raise ValueError(
-                f"worker {task}'s parameters for optimizer {self.name!r} on this shard are "
-                f"{list(signature)}, the chief seeded {list(self.layout.signature())}: every "
-                "worker must build the same model (same parameter order, shapes and dtypes)"
+                f"{who}'s parameters for optimizer {self.name!r} on this shard are "
+                f"{list(signature)}; {held}: every worker must build the same model (same "
+                f"parameter order, shapes and dtypes){self.remedy()}"
             )
 
     def counters(self) -> dict[str, Any]:
@@ -362,8 +397,14 @@ class Table:
                 self.rw.release_read()
 
     @classmethod
-    def from_state(cls, name: str, state: dict[str, Any], chunk_bytes: int) -> Table:
-        t = cls(name, state["spec"], state["flats"], chunk_bytes)
+    def from_state(
+        cls,
+        name: str,
+        state: dict[str, Any],
+        chunk_bytes: int,
+        allocate: Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+    ) -> Table:
+        t = cls(name, state["spec"], state["flats"], chunk_bytes, allocate)
         if t.server_opt is not None and state["optimizer"] is not None:
             t.server_opt.load_state_dict(torch.load(io.BytesIO(state["optimizer"])))
         t.load_counters(state["counters"])
@@ -414,6 +455,7 @@ class AppliedCommit:
             else:
                 self.table.rw.release_write()
         transmit(nbytes(self.table.flats))
+        in_place = self.live and not self.streamed
         reply = CommitReply(
             refused=self.refusal is not None,
             version=self.version,
@@ -422,4 +464,4 @@ class AppliedCommit:
             reason="" if self.refusal is None else self.refusal.describe(),
             streamed=self.streamed,
         )
-        return Handled(reply, after)
+        return Handled(reply, after, in_place)

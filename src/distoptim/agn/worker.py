@@ -19,12 +19,13 @@ A worker step, in order: validate (initialized?) → accumulate (AGN: ``a += g``
 wrapped optimizer's ``step()`` on the local parameters → ``local_step += 1`` → if
 ``local_step % λ == 0``: commit and absorb. Nothing waits for other workers.
 
-A commit, per shard, when the transport streams (p2p): the header goes first; then chunk ``k``
-of the payload is written and made ready (the shard applies it while the worker writes chunk
-``k + 1``); once every shard's payload is written the worker tells each its verdict; then it
-takes each reply chunk as it arrives (the shard still works on the next ones) and finally
-reads the outcome. Otherwise (rpc) the payload is written whole, sent, and the reply absorbed
-chunk by chunk once it is back.
+A commit, per shard, when the shard asks for streaming (p2p, ``DISTOPTIM_AGN_STREAM=1``): the
+header goes first; then chunk ``k`` of the payload is written and made ready (the shard applies
+it while the worker writes chunk ``k + 1``); once every shard's payload is written the worker
+tells each its verdict; then it takes each reply chunk as it arrives (the shard still works on
+the next ones) and finally reads the outcome. Otherwise (the default, and rpc) the payload is
+written whole, sent, and the reply absorbed chunk by chunk once it is back -- on the same
+machine straight from the shard's memory, released once absorbed.
 
 Refused commits: with several shards the worker checks its payload as it writes it (a ``sum`` of
 each chunk while in cache) and, if any value is NaN/Inf, tells every shard to refuse it
@@ -593,11 +594,13 @@ class AsyncWorkerOptimizer(WrappedOptimizer):
             f.lost, f.stream = exc, None
 
     def _finish_link(self, f: _Flow, cluster: Cluster, parts: bool, reasons: list[str]) -> None:
-        """Take the reply: chunk by chunk as it arrives (streaming), then the outcome."""
+        """Take the reply: chunk by chunk as it arrives (streaming), then the outcome. A whole
+        reply may be the shard's own memory, read in place: released once absorbed."""
         link = f.link
         if f.lost is not None:
             return
         assert f.payload is not None
+        pending: Pending | None = None
         try:
             if f.stream is not None:
                 stream = f.stream
@@ -616,20 +619,24 @@ class AsyncWorkerOptimizer(WrappedOptimizer):
         except ShardLostError as exc:
             f.lost = exc
             return
-        if isinstance(reply, ErrorReply):
-            self._resync(link)  # the local copy may hold part of a reply: take the center
-            raise reply.to_exception()
-        assert isinstance(reply, CommitReply)
-        link.version = reply.version
-        self.global_step = max(self.global_step, reply.version)
-        if reply.refused:
-            reasons.append(reply.reason or "refused")
-            link.sent_hparams.clear()
-            self._reset_to(link, reply.flats)
-        elif reply.streamed and parts:
-            self._absorbed(link, center)
-        else:
-            self._absorb(link, f.payload, center if reply.streamed else reply.flats)
+        try:  # absorbed, and only then released
+            if isinstance(reply, ErrorReply):
+                self._resync(link)  # the local copy may hold part of a reply: take the center
+                raise reply.to_exception()
+            assert isinstance(reply, CommitReply)
+            link.version = reply.version
+            self.global_step = max(self.global_step, reply.version)
+            if reply.refused:
+                reasons.append(reply.reason or "refused")
+                link.sent_hparams.clear()
+                self._reset_to(link, reply.flats)
+            elif reply.streamed and parts:
+                self._absorbed(link, center)
+            else:
+                self._absorb(link, f.payload, center if reply.streamed else reply.flats)
+        finally:
+            if pending is not None:
+                pending.release()
 
     # ---- state ----------------------------------------------------------------------------------
     def _wrapper_state_dict(self) -> dict[str, Any]:

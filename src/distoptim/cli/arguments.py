@@ -867,6 +867,10 @@ def _check_modules(needed: dict[str, str]) -> None:
             if module in _FILES_ONLY:
                 if importlib.util.find_spec(module) is None:
                     raise ModuleNotFoundError(module)
+            elif module == "torchft":  # through distoptim's door: it quiets torchft's Rust logs
+                from distoptim.ft._torchft import require
+
+                require(module)
             else:
                 importlib.import_module(module)
         except ImportError as exc:

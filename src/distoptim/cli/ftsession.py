@@ -7,10 +7,10 @@ the process pool: every run of the plan (``sync``, ``localsgd``, ``diloco``,
 shard of the training set (``distoptim.ft.SlotShards``) -- and runs with
 :func:`~distoptim.cli.faulttolerant.run_fault_tolerant`. With ``--chaos`` every run also runs
 without faults first, the reference of its goodput. The table gives, per run: the wall time,
-the rounds committed and failed, recoveries (heals) and the median time to heal, goodput
-(useful samples per second) and its ratio to the fault-free run, the final validation
-accuracy, and whether every commit's committers held bitwise-equal state. ``results.json``
-holds every record (``distoptim.cli.faulttolerant.FaultTolerantRecord``).
+the rounds committed, the faults dealt, the rounds failed, recoveries (heals) and the median
+time to heal, goodput (useful samples per second) and its ratio to the fault-free run, the
+final validation accuracy, and whether every commit's committers held bitwise-equal state.
+``results.json`` holds every record (``distoptim.cli.faulttolerant.FaultTolerantRecord``).
 """
 
 from __future__ import annotations
@@ -72,6 +72,7 @@ def _row(label: str, rec: FaultTolerantRecord, free: FaultTolerantRecord | None)
         label,
         f"{rec.wall_s:.1f}",
         str(rec.commits),
+        str(len(rec.faults)),
         str(rec.failed_rounds),
         str(rec.recoveries),
         heal,
@@ -86,6 +87,7 @@ _HEAD = [
     "run",
     "wall s",
     "commits",
+    "faults",
     "failed",
     "recoveries",
     "heal s",
@@ -153,6 +155,12 @@ def run_fault_tolerant_plan(
                     runs.append({"run": name, "error": f"{type(exc).__name__}: {exc}"})
                     continue
                 free = rec if chaos is None else free
+                if chaos is not None and not rec.faults:
+                    print_or_drop(
+                        f"distoptim: '{name}' ended ({rec.wall_s:.1f} s of training) before its "
+                        f"first fault at {chaos.every:g} s: raise --epochs or lower the period",
+                        stderr,
+                    )
                 rows.append(_row(name, rec, free if chaos is not None else None))
                 runs.append({"run": name, **rec.as_dict()})
                 _write(plan, argv, runs, "running")

@@ -14,6 +14,7 @@ from distoptim.agn.transport.base import (
     Pending,
     ShardLostError,
     Transport,
+    WorkerDroppedError,
 )
 
 TRANSPORTS = ("p2p", "rpc")
@@ -26,4 +27,5 @@ __all__ = [
     "Pending",
     "ShardLostError",
     "Transport",
+    "WorkerDroppedError",
 ]

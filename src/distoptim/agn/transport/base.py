@@ -52,6 +52,7 @@ import torch
 
 from distoptim.agn.flat import Chunk
 from distoptim.agn.transport.messages import Reply, Request
+from distoptim.agn.transport.shared_center import SharedCenters
 from distoptim.launch import PeerFailureError
 
 __all__ = [
@@ -65,6 +66,7 @@ __all__ = [
     "ShardLostError",
     "Stream",
     "Transport",
+    "WorkerDroppedError",
 ]
 
 VERDICTS = ("ok", "refuse", "abort")
@@ -84,6 +86,11 @@ class ShardLostError(ParameterServerError):
         super().__init__(message)
 
 
+class WorkerDroppedError(ShardLostError):
+    """The shard is alive but dropped this worker's connection: the worker sent no request for
+    the shard's ``idle_timeout`` (a long pause between steps). The message says how to raise it."""
+
+
 @dataclass
 class Handled:
     """A shard's answer to one request.
@@ -91,10 +98,14 @@ class Handled:
     ``reply`` may reference the live center (no copy) when the transport sends replies before it
     handles the next request on any connection that could change it; ``after_send`` (if any)
     must then be called once the reply's bytes are out (it releases the table's read lock).
+    ``in_place``: the reply's buffers may be read by the worker where they are, in the shard's
+    memory (p2p, same machine: :mod:`~distoptim.agn.transport.shared_center`); the transport
+    then calls ``after_send`` once the worker said it is done reading them.
     """
 
     reply: Reply
     after_send: Callable[[], None] | None = None
+    in_place: bool = False
 
     def sent(self) -> None:
         if self.after_send is not None:
@@ -173,6 +184,8 @@ class Handler(Protocol):
     shard: int
     incarnation: int
     chunk_bytes: int
+    centers: SharedCenters | None
+    """Where the shard's tables keep their centers, when same-machine workers may read them."""
 
     def handle(
         self, request: Request, live_reply: bool = False, inflow: Inflow | None = None
@@ -190,6 +203,12 @@ class Pending(ABC):
     def wait(self) -> Reply:
         """The reply; raises :class:`ParameterServerError` if the shard does not answer in time
         (:class:`ShardLostError` when the connection broke)."""
+
+    def release(self) -> None:
+        """The caller is done with the reply's buffers (they may be the shard's own memory,
+        read in place, which the shard keeps unchanged until then). Idempotent; the next
+        request to the shard releases them too. Nothing to do by default."""
+        return None
 
 
 class Stream(Pending):

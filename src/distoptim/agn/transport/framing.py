@@ -35,10 +35,13 @@ from typing import Any
 
 import torch
 
+from distoptim.agn.transport.shared_center import RegionRef
+
 __all__ = [
     "HEADER_BYTES",
     "INLINE_META",
     "MAGIC",
+    "Place",
     "VERDICT_CODES",
     "BufferSpec",
     "StreamInfo",
@@ -63,12 +66,20 @@ class FramingError(RuntimeError):
 @dataclass(frozen=True)
 class BufferSpec:
     """One flat buffer of a message: its key in ``flats``, dtype, element count, and its offset
-    in the shared segment (``-1``: it follows on the pair)."""
+    in the shared segment (``-1``: it follows on the pair) -- or, with ``region``, in that
+    region of the shard's memory (a reply read in place,
+    :mod:`~distoptim.agn.transport.shared_center`)."""
 
     key: str
     dtype: torch.dtype
     numel: int
     offset: int = -1
+    region: RegionRef | None = None
+
+
+Place = int | tuple[RegionRef, int]
+"""Where a buffer travels: an offset in the connection's segment (-1: on the pair), or
+``(region, offset)`` in the shard's memory."""
 
 
 @dataclass(frozen=True)
@@ -88,7 +99,7 @@ class _Envelope:
 
 
 def encode(
-    message: Any, offsets: list[int] | None = None, stream: StreamInfo | None = None
+    message: Any, offsets: list[Place] | None = None, stream: StreamInfo | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
     """``(header, metadata or None, buffers to send on the pair)`` for ``message``.
 
@@ -97,8 +108,13 @@ def encode(
     returned to send whole).
     """
     flats = getattr(message, "flats", None) or {}
-    where = offsets if offsets is not None else [-1] * len(flats)
-    specs = [BufferSpec(k, t.dtype, t.numel(), o) for (k, t), o in zip(flats.items(), where)]
+    where: list[Place] = offsets if offsets is not None else [-1] * len(flats)
+    specs = [
+        BufferSpec(k, t.dtype, t.numel(), o[1], o[0])
+        if isinstance(o, tuple)
+        else BufferSpec(k, t.dtype, t.numel(), o)
+        for (k, t), o in zip(flats.items(), where)
+    ]
     bare = replace(message, flats={}) if flats else message
     meta = pickle.dumps(_Envelope(bare, specs, stream), protocol=pickle.HIGHEST_PROTOCOL)
     header = torch.zeros(HEADER_BYTES, dtype=torch.uint8)

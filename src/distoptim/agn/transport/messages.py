@@ -38,6 +38,7 @@ import torch
 
 from distoptim.agn.flat import FlatLayout
 from distoptim.agn.rules import ServerRule
+from distoptim.agn.transport.shared_center import RegionRef
 
 __all__ = [
     "Ack",
@@ -116,6 +117,9 @@ class Attach(Request):
     path: str
     nbytes: int
     token: bytes
+    maps_centers: bool = False
+    """The worker can map the shard's center regions (it mapped ``Welcome.centers``): replies
+    to commits may then be read in place (:mod:`~distoptim.agn.transport.shared_center`)."""
 
 
 @dataclass
@@ -183,14 +187,17 @@ class Finish(Request):
 @dataclass
 class Welcome(Reply):
     """The shard accepted the connection: shard ``shard``, ``incarnation`` (1 + restarts),
-    its process ``pid`` on ``host``, and the ``chunk_bytes`` of its tables' chunk plans (commits
-    on this connection are streamed in that plan, :mod:`distoptim.agn.flat`)."""
+    its process ``pid`` on ``host``, the ``chunk_bytes`` of its tables' chunk plans when commits
+    on this connection are streamed in that plan (0: they travel whole, :mod:`distoptim.agn.flat`)
+    and, when its centers may be read in place, a small region to try mapping (``centers``,
+    :mod:`~distoptim.agn.transport.shared_center`)."""
 
     shard: int
     incarnation: int
     pid: int
     host: str = ""
     chunk_bytes: int = 0
+    centers: RegionRef | None = None
 
 
 @dataclass

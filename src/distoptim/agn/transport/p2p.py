@@ -15,6 +15,10 @@ Rendezvous and control (all keys under the cluster's namespace in the job's ``TC
   own thread. ``close()`` pushes a stop request, which ends the acceptor without any timeout.
 * ``shard/<s>/<inc>/pg/<k>/...`` -- the ``PrefixStore`` in which connection ``k``'s 2-rank
   ``ProcessGroupGloo`` (shard rank 0, worker rank 1) makes its own rendezvous.
+* ``shard/<s>/<inc>/dropped/<k>`` -- set (to the shard's ``idle_timeout``) when the shard dropped
+  connection ``k`` because its worker sent no request for that long; a worker whose connection
+  broke reads it to tell this from a shard that died
+  (:class:`~distoptim.agn.transport.base.WorkerDroppedError`).
 
 A connection starts with :class:`~distoptim.agn.transport.messages.Hello` (the worker's task,
 pid and host; the reply is :class:`~distoptim.agn.transport.messages.Welcome`), then carries one
@@ -26,9 +30,16 @@ dropped; if it comes back it reconnects like a late worker). A timeout closes th
 Replies are sent from the live center when possible (see :mod:`distoptim.agn.server`): the shard
 sends the reply before it reads the next request and releases the table's read lock once the
 bytes are out. A shard reuses each connection's receive buffers from one message to the next.
+Same machine, a commit's reply is not even copied: it names where the center lies in the shard's
+memory (:mod:`~distoptim.agn.transport.shared_center`), the worker copies it from there into its
+parameters and then releases it (the segment's release counter, or its next request), and the
+shard keeps the table's read lock until then.
 
-Commits are **streamed** (:mod:`distoptim.agn.transport.base`), in the chunk plan of the shard's
-``chunk_bytes`` (told in ``Welcome``): on the pair, one ``send`` per chunk each way (tags
+Commits travel **whole** by default: the worker writes its payload (in the segment, or sends it
+on the pair), then the shard applies it chunk by chunk and answers, one hand-over each way as for
+an echo. A shard started with ``DISTOPTIM_AGN_STREAM=1`` has its workers **stream** them
+(:mod:`distoptim.agn.transport.base`), in the chunk plan of the shard's ``chunk_bytes`` (told in
+``Welcome``; 0 there: whole): on the pair, one ``send`` per chunk each way (tags
 ``1 + k``) and the verdict (tag ``1 + n``), so the shard updates chunk ``k`` while chunk
 ``k + 1`` is on the wire and sends reply chunk ``k`` back while the next ones arrive; in a
 shared segment, the progress counters of :mod:`~distoptim.agn.transport.shm` announce each
@@ -82,6 +93,7 @@ from distoptim.agn.transport.base import (
     ShardLostError,
     Stream,
     Transport,
+    WorkerDroppedError,
 )
 from distoptim.agn.transport.messages import (
     Attach,
@@ -93,6 +105,7 @@ from distoptim.agn.transport.messages import (
     Request,
     Welcome,
 )
+from distoptim.agn.transport.shared_center import MappedCenters, SharedCenters
 from distoptim.agn.transport.shm import PROGRESS_SUPPORTED, Segment
 from distoptim.launch import import_dynamo_before_groups
 
@@ -120,6 +133,10 @@ def _seconds(deadline: float) -> timedelta:
     return timedelta(seconds=max(0.001, deadline - time.monotonic()))
 
 
+class _Idle(TimeoutError):
+    """No message began to arrive by the deadline (the peer sent nothing: it is idle)."""
+
+
 class _Pipe:
     """One end of a connection: a 2-rank gloo group, typed messages in both directions, and
     (same machine) the shared segment the flat buffers travel in. ``replies``: this end sends
@@ -131,10 +148,23 @@ class _Pipe:
         self.replies = replies
         self.segment: Segment | None = None
         self.announced = 0  # chunks this end announced on its segment progress counter
+        # replies read in place (shared_center): the shard's centers, when its peer maps them;
+        # the worker's mapped regions; the release count; a reply read in place, unreleased
+        self.centers: SharedCenters | None = None
+        self.mapped: MappedCenters | None = None
+        self.released = 0
+        self.unreleased = False
 
-    def place(self, flats: dict[str, torch.Tensor]) -> list[int] | None:
-        """Offsets of ``flats`` in the segment: where they already are, else in this end's
-        region (None: no segment, or they do not fit)."""
+    def place(
+        self, flats: dict[str, torch.Tensor], in_place: bool = False
+    ) -> list[framing.Place] | None:
+        """Where ``flats`` travel: with ``in_place``, in the shard's center regions when they
+        all lie there (and the peer maps them); else offsets in the segment, where they already
+        are or in this end's region (None: no segment, or they do not fit)."""
+        if in_place and self.centers is not None and flats:
+            found = [self.centers.locate(t) for t in flats.values()]
+            if all(f is not None for f in found):
+                return found  # type: ignore[return-value]
         seg = self.segment
         if seg is None or not flats:
             return None
@@ -147,17 +177,25 @@ class _Pipe:
         ]
 
     def send(
-        self, message: Any, stream: framing.StreamInfo | None = None, copy: bool = True
-    ) -> list[Any]:
-        """Start sending ``message``; the returned works must be waited. ``stream``: only the
-        header goes now (the buffers follow chunk by chunk); ``copy``: put buffers that are not
-        in the segment there now (else the caller does, chunk by chunk)."""
+        self,
+        message: Any,
+        stream: framing.StreamInfo | None = None,
+        copy: bool = True,
+        in_place: bool = False,
+    ) -> tuple[list[Any], bool]:
+        """Start sending ``message``: ``(works, read_in_place)``; the works must be waited, and
+        a message read in place must be released by the peer (:meth:`wait_released`).
+        ``stream``: only the header goes now (the buffers follow chunk by chunk); ``copy``: put
+        buffers that are not in the segment there now (else the caller does, chunk by chunk);
+        ``in_place``: the buffers may be read where they are (:meth:`place`)."""
         flats = getattr(message, "flats", None) or {}
-        offsets = self.place(flats)
-        if offsets is not None and copy:
+        offsets = self.place(flats, in_place)
+        shared = offsets is not None and any(isinstance(o, tuple) for o in offsets)
+        if offsets is not None and copy and not shared:
             seg = self.segment
             assert seg is not None
             for t, off in zip(flats.values(), offsets):
+                assert isinstance(off, int)
                 if not seg.holds(t, off):
                     seg.view(off, t.dtype, t.numel()).copy_(t)
         header, extra, buffers = framing.encode(message, offsets, stream)
@@ -166,21 +204,50 @@ class _Pipe:
             works.append(self.pg.send([extra], self.peer, 0))
         for i, buf in enumerate(buffers):
             works.append(self.pg.send([buf], self.peer, 1 + i))
-        return works
+        return works, shared
+
+    def post(self) -> tuple[torch.Tensor, Any]:
+        """Start receiving the next message's header: ``(header, work)`` for :meth:`recv`
+        (``work.is_completed()`` tells whether a message began to arrive)."""
+        header = torch.empty(framing.HEADER_BYTES, dtype=torch.uint8)
+        return header, self.pg.recv([header], self.peer, 0)
+
+    def release(self) -> None:
+        """Worker: done with the last reply read in place (the shard may change it again)."""
+        if self.unreleased and self.segment is not None:
+            self.unreleased = False
+            self.released += 1
+            self.segment.release.publish(self.released)
+
+    def wait_released(self, deadline: float, probe: Any) -> None:
+        """Shard: wait (bounded, ``probe`` between sleeps) until the worker released the reply
+        it reads in place."""
+        assert self.segment is not None
+        self.released += 1
+        self.segment.release.wait(self.released, deadline, probe)
 
     def recv(
         self,
         deadline: float,
         into: dict[str, torch.Tensor] | None = None,
         pool: dict[framing.BufferSpec, torch.Tensor] | None = None,
+        idle: bool = False,
+        posted: tuple[torch.Tensor, Any] | None = None,
     ) -> tuple[Any, list[framing.BufferSpec], framing.StreamInfo | None]:
         """Receive one message by ``deadline`` (``time.monotonic()``): ``(message, its buffer
         specs, its stream info)``. Buffers in the shared segment are views of it (valid until
         the next message); the others are received into ``into`` where key, dtype and size
         match, else into ``pool``'s (reused), else new ones. A streamed message's ``flats`` are
-        where its chunks will arrive (nothing is received yet: see :class:`_PipeInflow`)."""
-        header = torch.empty(framing.HEADER_BYTES, dtype=torch.uint8)
-        self.pg.recv([header], self.peer, 0).wait(_seconds(deadline))
+        where its chunks will arrive (nothing is received yet: see :class:`_PipeInflow`).
+        ``idle``: a message that did not begin by ``deadline`` raises :class:`_Idle`.
+        ``posted``: the header's receive, started earlier (:meth:`post`)."""
+        header, work = posted if posted is not None else self.post()
+        try:
+            work.wait(_seconds(deadline))
+        except RuntimeError as exc:
+            if idle and "Timed out" in str(exc):
+                raise _Idle(str(exc)) from exc
+            raise
         n, meta = framing.decode_header(header)
         if meta is None:
             extra = torch.empty(n, dtype=torch.uint8)
@@ -192,6 +259,12 @@ class _Pipe:
         flats: dict[str, torch.Tensor] = {}
         works = []
         for i, spec in enumerate(specs):
+            if spec.region is not None:  # the shard's own memory, read in place (released)
+                if self.mapped is None:
+                    raise framing.FramingError("a buffer in place, but no region can be mapped")
+                flats[spec.key] = self.mapped.view(spec.region, spec.offset, spec.dtype, spec.numel)
+                self.unreleased = True
+                continue
             if spec.offset >= 0:
                 if self.segment is None:
                     raise framing.FramingError(
@@ -364,6 +437,7 @@ class _Channel:
     incarnation: int
     pipe: _Pipe
     lock: threading.Lock
+    number: int = 0  # the connection number k (store keys shard/<s>/<inc>/.../<k>)
     pid: int = 0  # the shard's process (from Welcome)
     host: str = ""
     chunk_bytes: int = 0  # the shard's chunk plan (from Welcome; 0: no streaming)
@@ -409,6 +483,10 @@ class _P2PPending(Pending):
             raise self._t._lost(ch, self._what, exc, time.monotonic() - self._started) from exc
         finally:
             ch.lock.release()
+
+    def release(self) -> None:
+        with self._ch.lock:
+            self._ch.pipe.release()
 
 
 class _P2PStream(Stream):
@@ -457,7 +535,7 @@ class _P2PStream(Stream):
             self._copy = [None] * self._n
             self.reply_flats = {s.key: pipe._buffer(s, into, None) for s in specs}
             info = framing.StreamInfo(ch.chunk_bytes)
-        self._sends += pipe.send(request, info, copy=False)
+        self._sends += pipe.send(request, info, copy=False)[0]
         if self._seg is None:
             self._recvs = [
                 pipe.pg.recv([v], pipe.peer, 1 + k)
@@ -581,6 +659,7 @@ class P2PTransport(Transport):
         self.idle_timeout = idle_timeout
         self.shared_memory = shared_memory and os.environ.get("DISTOPTIM_AGN_SHM", "1") != "0"
         self._store = _store(addr, port, namespace, timeout)
+        self._mapped = MappedCenters()  # shards' center regions this worker reads in place
         self._channels: dict[int, _Channel] = {}
         self._reserved: dict[int, int] = {}  # shard -> bytes the worker asked to reserve
         self._task: int | None = None
@@ -656,18 +735,25 @@ class P2PTransport(Transport):
         try:
             hello = Hello(self._task, os.getpid(), socket.gethostname())
             end = time.monotonic() + max(wait_s, self.timeout)
-            _wait_all(pipe.send(hello), end)
+            _wait_all(pipe.send(hello)[0], end)
             reply = pipe.recv(end)[0]
             if not isinstance(reply, Welcome):
                 raise ParameterServerError(f"parameter server {shard} answered hello with {reply}")
         except BaseException:
             pipe.close()
             raise
+        if (
+            reply.centers is not None
+            and self.shared_memory
+            and MappedCenters.can_map(reply.centers)
+        ):
+            pipe.mapped = self._mapped  # offered with Attach (same machine)
         return _Channel(
             shard,
             reply.incarnation,
             pipe,
             threading.Lock(),
+            k,
             reply.pid,
             reply.host,
             reply.chunk_bytes,
@@ -684,7 +770,7 @@ class P2PTransport(Transport):
         what = type(request).__name__
         self._hold(ch)
         try:
-            works = ch.pipe.send(request)
+            works = ch.pipe.send(request)[0]
         except Exception as exc:
             raise self._broke(ch, what, exc) from exc
         return _P2PPending(self, ch, works, into, timeout, what)
@@ -725,7 +811,9 @@ class P2PTransport(Transport):
         if seg is None:
             return False
         try:
-            reply = self.send(shard, Attach(seg.path, seg.nbytes, seg.token), self.timeout).wait()
+            maps = ch.pipe.mapped is not None
+            attach = Attach(seg.path, seg.nbytes, seg.token, maps_centers=maps)
+            reply = self.send(shard, attach, self.timeout).wait()
         finally:
             seg.unlink()  # both ends have it mapped (or it was refused): no name to leave behind
         if isinstance(reply, Attached) and reply.ok:
@@ -755,11 +843,13 @@ class P2PTransport(Transport):
     @staticmethod
     def _hold(ch: _Channel) -> None:
         """Take ``ch`` for one exchange (its lock, released when the exchange ends), or raise
-        :class:`ShardLostError` if it broke earlier (the lock is not kept)."""
+        :class:`ShardLostError` if it broke earlier (the lock is not kept). A reply still read
+        in place is released first (the shard waits for that before it reads a request)."""
         ch.lock.acquire()
         if ch.broken:
             ch.lock.release()
             raise ShardLostError(ch.shard, "the connection broke earlier")
+        ch.pipe.release()
 
     def _broke(self, ch: _Channel, what: str, exc: BaseException) -> ParameterServerError:
         """Starting ``what`` on held ``ch`` failed: mark it broken, release it, and return the
@@ -779,7 +869,27 @@ class P2PTransport(Transport):
         )
         if "Timed out" in str(exc):
             return ParameterServerError(text)
+        idle = self._dropped_after(ch)
+        if idle is not None:
+            return WorkerDroppedError(
+                ch.shard,
+                f"parameter server {ch.shard} dropped worker {self._task}'s connection because "
+                f"the worker sent it no request for idle_timeout={idle}s (a pause between steps "
+                "longer than that: evaluation, saving, a debugger); the shard itself is alive. "
+                "Raise the shards' idle_timeout (agn.spawn(..., idle_timeout=SECONDS), "
+                "Cluster.from_env(idle_timeout=SECONDS) or ClusterOptions(idle_timeout=SECONDS)), "
+                "or start workers with reconnect_timeout > 0 to reconnect after such a drop "
+                "(the commit in flight is then lost)",
+            )
         return ShardLostError(ch.shard, text)
+
+    def _dropped_after(self, ch: _Channel) -> str | None:
+        """The shard's ``idle_timeout`` if it dropped connection ``ch`` for idleness, else None."""
+        key = f"shard/{ch.shard}/{ch.incarnation}/dropped/{ch.number}"
+        try:
+            return self._store.get(key).decode() if self._store.check([key]) else None
+        except Exception:  # the store is gone too: the job is ending, say what was seen
+            return None
 
     def reconnect(self, shard: int, timeout: float) -> int:
         """Drop the broken connection to ``shard`` and connect to its next incarnation."""
@@ -787,6 +897,7 @@ class P2PTransport(Transport):
         if old is not None:
             with old.lock:
                 old.pipe.close()
+            self._mapped.forget(old.pid)
         ch = self._open(shard, time.monotonic() + timeout, lost=old)
         self._channels[shard] = ch
         if shard in self._reserved:
@@ -849,24 +960,33 @@ class P2PTransport(Transport):
             if not isinstance(first, Hello) or first.task != task:
                 return
             handled = handler.handle(first)
-            _wait_all(pipe.send(handled.reply), time.monotonic() + self.timeout)
+            _wait_all(pipe.send(handled.reply)[0], time.monotonic() + self.timeout)
 
             def probe() -> None:
                 if _process_gone(first.pid, first.host):
                     raise ShardLostError(handler.shard, f"worker {task}'s process ended")
 
+            posted = None  # the next request's header, received while the shard works ahead
             while not self._stopping.is_set():
                 try:
                     request, specs, info = pipe.recv(
-                        time.monotonic() + self.idle_timeout, pool=pool
+                        time.monotonic() + self.idle_timeout, pool=pool, idle=True, posted=posted
                     )
+                    posted = None
+                except _Idle:  # the worker is told why, should it come back (WorkerDroppedError)
+                    with contextlib.suppress(Exception):
+                        store.set(f"{self._prefix()}/dropped/{k}", f"{self.idle_timeout:g}")
+                    handler.connection_lost(task)
+                    return
                 except Exception:
                     handler.connection_lost(task)
                     return
                 if isinstance(request, Attach):  # the transport's own business
                     pipe.segment = Segment.attach(request.path, request.nbytes, request.token)
+                    if pipe.segment is not None and request.maps_centers:
+                        pipe.centers = handler.centers  # replies to commits read in place
                     _wait_all(
-                        pipe.send(Attached(pipe.segment is not None)),
+                        pipe.send(Attached(pipe.segment is not None))[0],
                         time.monotonic() + self.timeout,
                     )
                     continue
@@ -879,9 +999,12 @@ class P2PTransport(Transport):
                 try:
                     if inflow is not None:
                         inflow.finish()
-                    _wait_all(pipe.send(handled.reply), deadline)
+                    works, shared = pipe.send(handled.reply, in_place=handled.in_place)
+                    _wait_all(works, deadline)
                     if inflow is not None:
                         inflow.wait_sent(deadline)
+                    if shared:  # the worker reads the center itself: unchanged until it is done
+                        pipe.wait_released(deadline, probe)
                 except Exception:
                     handler.connection_lost(task)
                     return
@@ -889,7 +1012,8 @@ class P2PTransport(Transport):
                     handled.sent()
                 if isinstance(request, Finish) and not isinstance(handled.reply, ErrorReply):
                     return
-                handler.idle()
+                posted = pipe.post()  # work ahead until the worker's next request begins
+                handler.idle(posted[1].is_completed)
         except Exception:
             handler.connection_lost(task)
         finally:

@@ -61,6 +61,7 @@ __all__ = [
     "PROBE_S",
     "PROGRESS_SUPPORTED",
     "REPLY_PROGRESS",
+    "RELEASE",
     "REQUEST_PROGRESS",
     "VERDICT",
     "Progress",
@@ -77,6 +78,9 @@ REPLY_PROGRESS = 128
 VERDICT = 192
 """Byte offset of the worker's verdict on its streamed commit (written before the counter step
 that announces it, :data:`~distoptim.agn.transport.framing.VERDICT_CODES`)."""
+RELEASE = 256
+"""Byte offset of the worker's release counter: how many replies read in place from the shard's
+memory it is done with (:mod:`~distoptim.agn.transport.shared_center`)."""
 CONTROL_BYTES = 4096
 """The control page, before the request region."""
 PROBE_S = 0.05
@@ -186,6 +190,7 @@ class Segment:
         self.request_progress = Progress(ctypes.c_int32.from_buffer(self._map, REQUEST_PROGRESS))
         self.reply_progress = Progress(ctypes.c_int32.from_buffer(self._map, REPLY_PROGRESS))
         self.verdict = ctypes.c_int32.from_buffer(self._map, VERDICT)
+        self.release = Progress(ctypes.c_int32.from_buffer(self._map, RELEASE))
 
     @classmethod
     def create(cls, message_bytes: int, directory: str = "/dev/shm") -> Segment | None:

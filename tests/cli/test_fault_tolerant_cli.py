@@ -1,0 +1,66 @@
+"""``distoptim compare --fault-tolerant --chaos kill:S``, run as a user runs it: the console
+script, torchft replica groups around a local lighthouse, one replica group SIGKILLed and
+restarted; the table, ``results.json``, and nothing of torchft's own logging on the terminal."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from distoptim.cli.arguments import UsageError, build_parser, make_plan
+
+pytest.importorskip("torchft")
+
+pytestmark = pytest.mark.timeout(300)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_compare_fault_tolerant_under_kill_chaos(tmp_path):
+    out = tmp_path / "ft"
+    argv = ["compare", "--fault-tolerant", "--chaos", "kill:1", "--algos", "sync"]
+    argv += ["--workers", "3", "--epochs", "6", "--out", str(out)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    env.pop("RUST_LOG", None)  # what a user has: distoptim must quiet torchft itself
+    proc = subprocess.run(
+        [sys.executable, "-m", "distoptim.cli.main", *argv],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=env,
+        cwd=tmp_path,
+    )
+    shown = proc.stdout + proc.stderr
+    assert proc.returncode == 0, shown
+    assert "torchft::" not in shown and "[INFO]" not in shown, shown  # no lighthouse chatter
+    assert "sync n=3 kill:1" in proc.stdout and "vs no faults" in proc.stdout, shown
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    free, faulty = runs
+    assert free["run"] == "sync n=3" and not free["faults"] and free["recoveries"] == 0
+    assert faulty["run"] == "sync n=3 kill:1"
+    assert len(faulty["faults"]) >= 1 and faulty["faults"][0]["action"] == "kill"
+    assert faulty["recoveries"] >= 1 and faulty["heal_s"], faulty  # the restarted one healed
+    assert free["states_equal"] and faulty["states_equal"]  # every commit bitwise agreed
+    assert faulty["commits"] == free["commits"] == 174  # 6 epochs of each slot's shard
+    assert faulty["goodput"] > 0 and faulty["useful_samples"] < free["useful_samples"]
+
+
+def test_fault_tolerant_refuses_what_it_cannot_run(tmp_path):
+    def plan(*extra: str):
+        args = ["compare", "--out", str(tmp_path / "o"), "--overwrite", *extra]
+        return make_plan(build_parser().parse_args(args))
+
+    with pytest.raises(UsageError, match="--chaos needs --fault-tolerant"):
+        plan("--algos", "sync", "--chaos", "kill:5")
+    with pytest.raises(UsageError, match="not agn"):
+        plan("--fault-tolerant", "--algos", "sync,agn")
+    with pytest.raises(UsageError, match="--workers >= 2"):
+        plan("--fault-tolerant", "--algos", "sync", "--workers", "1", "--chaos", "kill:5")
+    with pytest.raises(SystemExit):  # argparse: a schedule it cannot read
+        build_parser().parse_args(["compare", "--fault-tolerant", "--chaos", "explode:5"])
