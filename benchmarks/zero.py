@@ -13,8 +13,14 @@ Contenders:
   (whole parameters partitioned between ranks, owners broadcast them);
 * ``zero_bucketview`` -- the same with ``parameters_as_bucket_view=True``;
 * ``cross_shard``    -- ``CrossShardOptimizer(Adam)`` (all-reduce, every rank updates all);
-* ``sharded``        -- ``CrossShardOptimizer(Adam, shard_optimizer_state=True)``;
-* ``sharded_views``  -- the same with ``gradient_as_bucket_view=True``.
+* ``sharded``        -- ``CrossShardOptimizer(Adam, shard_optimizer_state=True)``: on gloo its
+  reduce-scatter and all-gather are a pairwise exchange of point-to-point messages
+  (:mod:`distoptim.comm.shard_transport`);
+* ``sharded_views``  -- the same with ``gradient_as_bucket_view=True``;
+* ``sharded_all_reduce``, ``sharded_views_all_reduce`` -- the same two with the previous gloo
+  method: an in-place all-reduce of each bucket standing in for the reduce-scatter (twice the
+  bytes; with bucket views it reduces a copy), and gloo's own all-gather. The paired ratio
+  ``paired_pairwise_vs_all_reduce`` decides which one sharding uses on gloo.
 
 Memory, per contender, in a process of its own (so high-water marks do not mix): the
 optimizer state bytes this rank holds, and the peak resident memory of the process above its
@@ -42,7 +48,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import time
 import warnings
@@ -54,19 +59,31 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 from cross_shard import CASES, QUICK_CASES, machine, model_of, paired, round_robin
+from memory import MALLOC, peak_rss_bytes, reset_peak, rss_bytes
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distoptim import CrossShardOptimizer
+from distoptim.comm.shard_transport import AllReduceStandIn
 from distoptim.launch import spawn
 
-METHODS = ["ddp", "zero", "zero_bucketview", "cross_shard", "sharded", "sharded_views"]
+METHODS = [
+    "ddp",
+    "zero",
+    "zero_bucketview",
+    "cross_shard",
+    "sharded",
+    "sharded_views",
+    "sharded_all_reduce",
+    "sharded_views_all_reduce",
+]
 RESULTS = Path(__file__).resolve().parent / "results" / "zero.json"
 QUICK_RESULTS = RESULTS.parent / "quick" / RESULTS.name
 QUICK_MEMORY = ["sharded"]
+REPEATS = 40
+"""Samples per contender by default (``--repeats``)."""
 """``--quick``'s memory contenders (each is a process pair of its own: seconds apiece)."""
-_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_ARENA_MAX": "2"}
 
 
 def _adam(foreach: bool) -> dict[str, Any]:
@@ -100,8 +117,12 @@ def _contender(
         opt = CrossShardOptimizer(
             torch.optim.Adam(model.parameters(), **kwargs),
             shard_optimizer_state=method.startswith("sharded"),
-            gradient_as_bucket_view=method.endswith("views"),
+            gradient_as_bucket_view="views" in method,
         )
+        if method.endswith("all_reduce"):  # the previous gloo method, for the comparison
+            scatter = opt._rounds.comm.scatter
+            t = scatter.transport
+            scatter.transport = AllReduceStandIn(t.group, t.size, t.rank, t.ranks)
 
     def run() -> None:
         opt.zero_grad()
@@ -156,23 +177,14 @@ def _timing(
             "paired_sharded_views_vs": {
                 m: paired(times, "sharded_views", m) for m in METHODS if m != "sharded_views"
             },
+            "paired_pairwise_vs_all_reduce": {
+                "packed": paired(times, "sharded", "sharded_all_reduce"),
+                "views": paired(times, "sharded_views", "sharded_views_all_reduce"),
+            },
             "state_bytes": {m: state_bytes(m, r[2]) for m, r in runs.items()},
             "max_abs_param_difference_vs_ddp": drift,
         }
     return out
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _peak_rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _memory(
@@ -180,25 +192,24 @@ def _memory(
 ) -> dict[str, int]:
     """Peak-RSS growth of this process over steps of ``method`` alone (see the docstring)."""
     warnings.filterwarnings("ignore", category=UserWarning)
-    before = _rss_bytes()
+    before = rss_bytes()
     run, _, opt = _contender(method, case, rank, foreach)
     for _ in range(3):
         run()
-    first = _peak_rss_bytes() - before
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the high-water mark to the current resident size
+    first = peak_rss_bytes() - before
+    reset_peak()
     for _ in range(3):
         run()
     return {
         "peak_rss_growth_first_steps_bytes": first,
-        "peak_rss_growth_steady_bytes": _peak_rss_bytes() - before,
+        "peak_rss_growth_steady_bytes": peak_rss_bytes() - before,
         "state_bytes": state_bytes(method, opt),
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=40, help="samples per contender")
+    parser.add_argument("--repeats", type=int, default=REPEATS, help="samples per contender")
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny models, seconds")
     parser.add_argument("--foreach", action="store_true", help="Adam(foreach=True) everywhere")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory processes")
@@ -222,7 +233,7 @@ def main() -> None:
         "cases": spawn(_timing, 2, args=(repeats, args.foreach, cases), timeout=1800)[0]
     }
     if not args.no_memory:
-        with mock.patch.dict(os.environ, _MALLOC):  # read by each process's malloc at start-up
+        with mock.patch.dict(os.environ, MALLOC):  # read by each process's malloc at start-up
             for case, dims in memory_cases.items():
                 result["cases"][case]["memory"] = {
                     m: spawn(_memory, 2, args=(m, dims, args.foreach), timeout=300)[0]
@@ -234,6 +245,7 @@ def main() -> None:
     result["command"] = (
         "python benchmarks/zero.py"
         + (" --quick" if args.quick else "")
+        + (f" --repeats {args.repeats}" if args.repeats != REPEATS and not args.quick else "")
         + (" --foreach" if args.foreach else "")
     )
     for case, c in result["cases"].items():
@@ -252,6 +264,10 @@ def main() -> None:
                 f"{c['state_bytes'][m] / 1e6:10.2f}{first:14.1f}{steady:11.1f}"
             )
         print("  sharded vs:", {k: round(v, 3) for k, v in c["paired_sharded_vs"].items()})
+        print(
+            "  pairwise exchange / all-reduce stand-in:",
+            {k: round(v, 3) for k, v in c["paired_pairwise_vs_all_reduce"].items()},
+        )
     print(f"\nload average before/after: {load_before} / {result['machine']['loadavg_after']}")
     print(f"wall time {result['wall_s']:.0f} s")
     if not args.no_save:

@@ -62,11 +62,35 @@ def _cross_shard(r: dict[str, Any]) -> None:
 def _zero(r: dict[str, Any]) -> None:
     assert {"cases", "machine", "settings"} <= r.keys()
     methods = {"ddp", "zero", "zero_bucketview", "cross_shard", "sharded", "sharded_views"}
+    methods |= {"sharded_all_reduce", "sharded_views_all_reduce"}
     for case in r["cases"].values():
         assert set(case["median_s"]) == methods and set(case["state_bytes"]) == methods
         assert all(_positive(t) for t in case["median_s"].values())
+        assert all(_positive(x) for x in case["paired_pairwise_vs_all_reduce"].values())
+        assert set(case["max_abs_param_difference_vs_ddp"].values()) == {0.0}
     memory = [c["memory"] for c in r["cases"].values() if "memory" in c]
     assert memory and all(m["sharded"]["state_bytes"] > 0 for m in memory)
+
+
+def _memory(r: dict[str, Any]) -> None:
+    assert {"runs", "machine", "settings"} <= r.keys() and r["runs"]
+    contenders = {"ddp", "zero", "cross_shard", "cross_shard_views", "sharded", "sharded_views"}
+    for key, rows in r["runs"].items():
+        world = int(key.split("/")[1])
+        assert set(rows) == contenders | {"diloco"}
+        params = rows["ddp"]["params"]
+        full = rows["cross_shard_views"]["state_elements"]
+        assert full >= params  # at least one moment per parameter
+        # sharding: 1/n of the state (plus padding), and no buffer of the gradients' size
+        for sharded, unsharded in (("sharded_views", "cross_shard_views"),
+                                   ("sharded", "cross_shard")):  # fmt: skip
+            assert rows[sharded]["state_elements"] <= full / world + world
+            saved = rows[unsharded]["live_elements"] - rows[sharded]["live_elements"]
+            assert saved >= 0.8 * (1 - 1 / world) * full, (key, sharded, saved)
+        assert rows["zero"]["state_elements"] < full  # whole parameters per rank: about 1/n
+        # DiLoCo keeps a global copy and the outer momentum on top of the inner state
+        assert rows["diloco"]["state_elements"] >= full + 2 * params
+        assert all(row["peak_rss_growth_bytes"] >= 0 for row in rows.values())
 
 
 def _diloco(r: dict[str, Any]) -> None:
@@ -191,6 +215,7 @@ CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
     "gpu_mesh_sgd.py": _gpu_mesh_sgd,
     "lm.py": _lm,
     "lm_size.py": _lm_size,
+    "memory.py": _memory,
     "mesh_sgd.py": _mesh_sgd,
     "zero.py": _zero,
 }
@@ -236,3 +261,17 @@ def test_the_readme_table_is_made_of_the_shipped_runs():
         again = compare_runs.table(compare_runs._summary(d["runs"]), compare_runs._order(d["runs"]))
         assert again == d["table"], name
     assert doc["datasets"]["digits"]["table"] in readme
+
+
+def test_the_readme_memory_table_is_the_shipped_run(monkeypatch):
+    """The README's table of what each CrossShard option costs and saves is
+    ``benchmarks/memory.py``'s table of the recorded run in ``benchmarks/results/memory.json``,
+    and that run holds what the quick run's check asks (sharding saves its share)."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # memory.py imports its sibling cross_shard
+    memory = importlib.import_module("memory")
+    shipped = json.loads((BENCHMARKS / "results" / "memory.json").read_text())
+    _memory(shipped)
+    assert shipped["settings"]["worlds"] == [2, 4] and "--quick" not in shipped["command"]
+    assert memory.readme_table(shipped["runs"]) in (ROOT / "README.md").read_text()

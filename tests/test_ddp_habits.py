@@ -10,7 +10,7 @@
 * hyperparameters that differ between ranks (an LR scheduler stepped on rank 0 only, another
   momentum) raise ``DesyncError`` on every rank, nothing applied;
 * collective calls made on some ranks only (sharded ``state_dict()`` / ``get_slot()``,
-  ``finish()``) raise ``DesyncError`` within seconds on every rank involved;
+  ``save_sharded()``, ``finish()``) raise ``DesyncError`` within seconds on every rank involved;
 * sparse gradients are densified in every mode; a backward that reaches none of the pass
   counter's sentinels is no false alarm; a wrong-shaped ``.grad`` and an absurd
   ``bucket_cap_mb`` are named.
@@ -25,9 +25,11 @@ exception instead of raising, so each test fails for its own reason.
 
 from __future__ import annotations
 
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -256,6 +258,11 @@ def _momentum_differs(rank: int, options: dict[str, Any]) -> Callable[[], None]:
     return run
 
 
+def _save_alone(opt: CrossShardOptimizer) -> None:
+    with tempfile.TemporaryDirectory() as root:
+        opt.save_sharded(Path(root) / "checkpoint")
+
+
 def _lone_call(call: str) -> Callable[[int, dict[str, Any]], Callable[[], None]]:
     """Rank 0 makes ``call`` after its second step; rank 1 steps on (or calls finish())."""
 
@@ -279,6 +286,7 @@ def _lone_call(call: str) -> Callable[[int, dict[str, Any]], Callable[[], None]]
                     "state_dict": opt.state_dict,
                     "get_slot": lambda: opt.get_slot(model[0].weight, "exp_avg"),
                     "finish": opt.finish,
+                    "save_sharded": lambda: _save_alone(opt),
                 }[call.split("/")[0]]()
             elif call.endswith("/peer_finishes"):
                 opt.finish()
@@ -314,6 +322,7 @@ CALLS: dict[str, tuple[Maker, type]] = {
     "state_dict_on_rank0/peer_finishes": (_lone_call("state_dict/peer_finishes"), DesyncError),
     "get_slot_on_rank0": (_lone_call("get_slot"), DesyncError),
     "finish_on_rank0": (_lone_call("finish"), DesyncError),
+    "save_sharded_on_rank0": (_lone_call("save_sharded"), DesyncError),
 }
 RAISING_MODES: dict[str, dict[str, Any]] = {
     "plain": {},
@@ -599,7 +608,8 @@ def test_a_collective_call_on_some_ranks_raises_on_every_rank_quickly(
 ) -> None:
     _intact(calls, _calls)
     message = _raised(calls, name, mode, CALLS[name][1])
-    words = {"state": "state_dict()", "get_slot": "get_slot()", "finish": "finish()"}
+    words = {"state": "state_dict()", "get_slot": "get_slot()", "finish": "finish()",
+             "save_sharded": "save_sharded()"}  # fmt: skip
     word = next(v for k, v in words.items() if name.startswith(k))
     assert word in message and "called on rank(s) [0] only" in message
     assert "every rank must call it" in message

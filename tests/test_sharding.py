@@ -20,6 +20,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from distoptim import CrossShardOptimizer, DesyncError
+from distoptim.comm.shard_transport import (
+    AllReduceStandIn,
+    NativeTransport,
+    PairwiseExchange,
+    ShardTransport,
+)
 from distoptim.cross_shard_sharding import ELEMENTWISE_OPTIMIZERS, elementwise
 from distoptim.launch import spawn
 from distoptim.sync import sharding
@@ -124,13 +130,24 @@ def _train(
     opt.apply_gradients(opt.compute_gradients(loss_of(0)))
 
 
+def _use_transport(opt: CrossShardOptimizer, kind: type[ShardTransport]) -> None:
+    """Make ``opt``'s sharded collectives travel over ``kind`` (gloo: pairwise by default)."""
+    scatter = opt._rounds.comm.scatter
+    t = scatter.transport
+    scatter.transport = kind(t.group, t.size, t.rank, t.ranks)
+
+
 def _pair(
-    make: Make, rows: torch.Tensor, world: int, native: bool = False, **kwargs: Any
+    make: Make,
+    rows: torch.Tensor,
+    world: int,
+    transport: type[ShardTransport] = PairwiseExchange,
+    **kwargs: Any,
 ) -> tuple[tuple[torch.Tensor, dict], tuple[torch.Tensor, dict], CrossShardOptimizer]:
     """The same training unsharded and sharded: (params, state dict) of each, and the sharded.
 
-    ``native``: the sharded run uses the backend's reduce-scatter even on gloo (where an
-    in-place all-reduce stands in for it by default).
+    ``transport``: how the sharded run's reduce-scatter and all-gather travel (on gloo, the
+    pairwise exchange by default; gloo's own collectives, or the all-reduce stand-in).
     """
     x, y = _data(world)
     out = []
@@ -142,8 +159,8 @@ def _pair(
             kwargs if shard else {k: v for k, v in kwargs.items() if k != "gradient_as_bucket_view"}
         )
         opt = CrossShardOptimizer(make(_groups(model)), shard_optimizer_state=shard, **mine)
-        if shard and native:
-            opt._rounds.comm.scatter.via_all_reduce = False
+        if shard:
+            _use_transport(opt, transport)
         _train(opt, model, x[:, rows], y[:, rows])
         out.append((_flat(model), opt.state_dict(), opt))
         opt.remove_hooks()
@@ -182,14 +199,18 @@ def _optimizers(rank: int, world: int, out: dict[str, Any]) -> None:
         for overlap in (False, True) if name in ("SGD", "Adam") else (False,):
             (pa, sa), (pb, sb), opt = _pair(make, rows, world, overlap=overlap)
             out[f"opt/{name}/{overlap}"] = (torch.equal(pa, pb), _same_state(sa, sb))
-    # with views and overlap (on gloo's reduce-scatter too); a tiny cap splits parameters
-    for key, native, kwargs in (
-        ("views", False, {"gradient_as_bucket_view": True, "overlap": True}),
-        ("views_native", True, {"gradient_as_bucket_view": True, "overlap": True}),
-        ("native", True, {}),
-        ("tiny_buckets", False, {"bucket_cap_mb": 1e-4}),
+    # with views and overlap (over every transport); a tiny cap splits parameters
+    views = {"gradient_as_bucket_view": True, "overlap": True}
+    for key, transport, kwargs in (
+        ("views", PairwiseExchange, views),
+        ("views_native", NativeTransport, views),
+        ("views_all_reduce", AllReduceStandIn, views),
+        ("native", NativeTransport, {}),
+        ("all_reduce", AllReduceStandIn, {}),
+        ("tiny_buckets", PairwiseExchange, {"bucket_cap_mb": 1e-4}),
+        ("tiny_buckets_native", NativeTransport, {"bucket_cap_mb": 1e-4}),
     ):
-        (pa, sa), (pb, sb), opt = _pair(OPTIMIZERS["Adam"], rows, world, native, **kwargs)
+        (pa, sa), (pb, sb), opt = _pair(OPTIMIZERS["Adam"], rows, world, transport, **kwargs)
         out[f"opt/{key}"] = (torch.equal(pa, pb), _same_state(sa, sb))
         if key == "tiny_buckets":
             out["tiny_buckets/split_params"] = any(
@@ -203,13 +224,14 @@ def _memory_and_bytes(rank: int, world: int, out: dict[str, Any]) -> None:
     rows = _rows(rank)
     x, y = _data(world)
     stats = {}
-    for shard in (False, True, "native"):
+    kinds = {True: PairwiseExchange, "native": NativeTransport, "all_reduce": AllReduceStandIn}
+    for shard in (False, True, "native", "all_reduce"):
         model = _mlp().double()
         opt = CrossShardOptimizer(
             torch.optim.Adam(model.parameters(), lr=0.05), shard_optimizer_state=bool(shard)
         )
-        if shard == "native":
-            opt._rounds.comm.scatter.via_all_reduce = False
+        if shard:
+            _use_transport(opt, kinds[shard])
         for k in range(2):
             opt.zero_grad()
             F.mse_loss(model(x[k, rows]), y[k, rows]).backward()
@@ -234,7 +256,7 @@ def _memory_and_bytes(rank: int, world: int, out: dict[str, Any]) -> None:
                 if torch.is_tensor(v) and v.dim() > 0
             )
             out["memory_unsharded"] = full
-    out["bytes"] = tuple(stats[k]["bytes_sent"] for k in (False, True, "native"))
+    out["bytes"] = tuple(stats[k]["bytes_sent"] for k in (False, True, "native", "all_reduce"))
 
 
 def _presence_and_replans(rank: int, world: int, out: dict[str, Any]) -> None:
@@ -310,6 +332,40 @@ def _checkpoints(rank: int, world: int, out: dict[str, Any]) -> None:
     out["ckpt_iterations"] = [o.iterations for o in opts]
 
 
+def _local_grads(rank: int, world: int, out: dict[str, Any]) -> None:
+    """.grad as bucket views keeps this replica's local gradient after every sharded step --
+    also when backward allocated fresh tensors (``model.zero_grad()`` set them to None) that
+    the round copied into the buckets -- so accumulating across a step boundary equals the
+    unsharded run. Over the pairwise exchange and over the all-reduce stand-in (which reduces a
+    copy of the buckets)."""
+    x, y = _data(world)
+    rows = _rows(rank)
+    for transport in (PairwiseExchange, AllReduceStandIn):
+        for zero in ("opt", "model"):
+            flats, kept = [], True
+            for shard in (False, True):
+                model = _mlp().double()
+                opt = CrossShardOptimizer(
+                    torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                    shard_optimizer_state=shard,
+                    gradient_as_bucket_view=shard,
+                )
+                if shard:
+                    _use_transport(opt, transport)
+                params = list(model.parameters())
+                for k in range(STEPS):
+                    (opt if zero == "opt" else model).zero_grad()
+                    F.mse_loss(model(x[k, rows]), y[k, rows]).backward()
+                    local = [p.grad.clone() for p in params]
+                    opt.step()
+                    kept &= all(torch.equal(g, p.grad) for g, p in zip(local, params))
+                F.mse_loss(model(x[STEPS, rows]), y[STEPS, rows]).backward()  # accumulates
+                opt.step()
+                flats.append(_flat(model))
+                opt.remove_hooks()
+            out[f"local_grads/{transport.name}/{zero}"] = (kept, torch.equal(*flats))
+
+
 def _guard_and_compression(rank: int, world: int, out: dict[str, Any]) -> None:
     x, y = _data(world)
     rows = _rows(rank)
@@ -370,7 +426,13 @@ def _gather(t: torch.Tensor) -> list[torch.Tensor]:
 
 def _bundle(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for part in (_optimizers, _memory_and_bytes, _presence_and_replans, _checkpoints):
+    for part in (
+        _optimizers,
+        _memory_and_bytes,
+        _presence_and_replans,
+        _checkpoints,
+        _local_grads,
+    ):
         part(rank, world, out)
     _guard_and_compression(rank, world, out)
     return out
@@ -407,12 +469,25 @@ def test_state_is_sharded_and_the_wire_carries_one_all_reduce(
         assert mine < 0.6 * out["memory_unsharded"]
         assert out["flat_params"]
         assert out["slot_equal_everywhere"]
-        unsharded, gloo, native = out["bytes"]
+        unsharded, pairwise, native, stand_in = out["bytes"]
         # reduce-scatter + all-gather == all-reduce of the gradients (the flags and words
-        # travel in float32, in the float64 buckets without sharding); on gloo an all-reduce
-        # stands in for the reduce-scatter: 1.5x
+        # travel in float32, in the float64 buckets without sharding), over gloo's pairwise
+        # exchange as over its own collectives; the all-reduce stand-in sends 1.5x
         assert 0.8 * unsharded <= native <= unsharded
-        assert 1.2 * unsharded <= gloo <= 1.5 * unsharded
+        assert pairwise == native
+        assert 1.2 * unsharded <= stand_in <= 1.5 * unsharded
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_grad_as_bucket_views_keeps_the_local_gradient_under_sharding(
+    two_ranks: list[dict[str, Any]],
+) -> None:
+    for out in two_ranks:
+        keys = [k for k in out if k.startswith("local_grads/")]
+        assert len(keys) == 4
+        for key in keys:
+            assert out[key] == (True, True), key  # (.grad local after each step, same result)
 
 
 @pytest.mark.slow

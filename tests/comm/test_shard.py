@@ -11,11 +11,16 @@ from distoptim.comm.bucket import BucketPlan
 from distoptim.comm.compression import WireFormat
 from distoptim.comm.shard import ShardLayout
 from distoptim.comm.shard_reducer import BucketReduceScatter, ControlReduce, ShardRound
+from distoptim.comm.shard_transport import NativeTransport
 from distoptim.comm.stats import CommStats, ring_allreduce_bytes, ring_half_bytes
 
 
 def _params(*sizes: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
     return [torch.zeros(n, dtype=dtype, requires_grad=True) for n in sizes]
+
+
+def _solo() -> NativeTransport:
+    return NativeTransport(None, 1, 0, [0])
 
 
 def test_padding_makes_equal_shards_and_pieces_follow_the_members() -> None:
@@ -62,13 +67,11 @@ def test_a_shard_round_reads_its_inputs_divides_its_shards_and_carries_the_flags
     stats = CommStats()
     control = ControlReduce(plan, words=4, device=torch.device("cpu"), group=None,
                             group_size=1, stats=stats)  # fmt: skip
-    shards = [torch.full((b.padded,), 9.0) for b in plan.buckets]
     grads = {0: torch.tensor([2.0, 4.0, 6.0]), 1: None}
     rnd = ShardRound(
         plan,
-        BucketReduceScatter(None, 1, WireFormat.parse(None), stats),
+        BucketReduceScatter(_solo(), 1, WireFormat.parse(None), stats),
         layout,
-        shards,
         control,
         grads_of=lambda b: [grads[i] for i in b.members],
         buffer_of=lambda b: b.persistent_buffer(),
@@ -77,7 +80,8 @@ def test_a_shard_round_reads_its_inputs_divides_its_shards_and_carries_the_flags
     assert rnd.launchable == len(plan) and not rnd.reduces_in_place
     rnd.launch_next()  # nothing is held back: the words travel in the control message
     (shard,) = rnd.wait_all(lambda t: t.copy_(torch.tensor([1.0, 2.0, 3.0, 4.0])))
-    assert shard is shards[0] and shard.tolist() == [0.0, 0.0, 1.0, 2.0, 3.0]
+    assert shard.tolist() == [0.0, 0.0, 1.0, 2.0, 3.0]
+    assert shard.data_ptr() != plan.buckets[0].persistent_buffer().data_ptr()  # the round's
     assert plan.buckets[0].persistent_buffer().tolist() == [0.0, 0.0, 2.0, 4.0, 6.0]  # only read
     assert rnd.present([shard]) == [True, False]
     assert rnd.trailer([shard]).tolist() == [1.0, 2.0, 3.0, 4.0]
@@ -90,7 +94,7 @@ def test_a_shard_round_reads_its_inputs_divides_its_shards_and_carries_the_flags
 def test_a_16_bit_wire_divides_before_the_sum() -> None:
     plan = BucketPlan(_params(4), cap_bytes=1 << 20, flags=False)
     (bucket,) = plan.buckets
-    reducer = BucketReduceScatter(None, 1, WireFormat.parse("fp16"), CommStats())
+    reducer = BucketReduceScatter(_solo(), 1, WireFormat.parse("fp16"), CommStats())
     buffer = torch.tensor([60000.0, 2.0, 4.0, 8.0])
     out = torch.empty(4)
     pending = reducer.launch(bucket, buffer, out, 4)

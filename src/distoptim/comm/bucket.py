@@ -164,17 +164,16 @@ class Bucket:
         Gradients are copied (cast to the bucket dtype if needed), except one that already
         sits in its slot of ``buffer`` (a :meth:`grad_aliases` alias: nothing to copy);
         ``None`` becomes zeros. ``source``: another buffer of this bucket's layout whose slots
-        the gradients may sit in (the aliases' buffer, when ``buffer`` is a spare one): its
-        gradient region is copied whole, in one pass, and only the other gradients one by
-        one. The flags go into the buffer's flag region, or into ``flags`` (``len(members)``
-        elements, any dtype and device) -- required when the bucket has no flag region. The
-        padding is zeroed; the input tensors are only read.
+        the gradients may sit in (the aliases' buffer, when ``buffer`` is a spare one): the
+        other gradients are copied into *its* slots first (so each member's slot there holds
+        its gradient afterwards, as it does when ``buffer`` is the aliases' buffer), then its
+        gradient region is copied whole, in one pass. The flags go into the buffer's flag
+        region, or into ``flags`` (``len(members)`` elements, any dtype and device) --
+        required when the bucket has no flag region. The padding is zeroed; the gradients
+        are only read.
         """
         views = self.views(buffer)
-        home = buffer
-        if source is not None and source is not buffer:
-            buffer[: self.numel].copy_(source[: self.numel])
-            home = source
+        home = buffer if source is None else source
         slots = self.views(home)
         # gradients are usually this bucket's own aliases: an identity check is enough
         aliases = self._aliases if home is self._buffer else None
@@ -191,10 +190,12 @@ class Bucket:
                 if (aliases is None or grad is not aliases[k]) and not _in_slot(grad, slots[k]):
                     if grad.shape != view.shape:
                         raise self.wrong_shape(k, grad)
-                    dst.append(view)
+                    dst.append(slots[k])
                     src.append(grad.to_dense() if grad.layout != torch.strided else grad)
         if dst:
             torch._foreach_copy_(dst, src)
+        if home is not buffer:
+            buffer[: self.numel].copy_(home[: self.numel])
         if absent:
             torch._foreach_zero_(absent)
         if self.pad:

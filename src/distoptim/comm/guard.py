@@ -87,6 +87,7 @@ class RoundKind(enum.IntEnum):
     SYNC = 6  # synchronize(): the reduction of .grad, applied by the next step()
     STATE = 7  # state_dict() gathering sharded state (a collective)
     SLOTS = 8  # get_slot() / get_slot_names() / variables() gathering sharded state
+    CHECKPOINT = 9  # save_sharded() / load_sharded(): DCP's collectives (a per-rank checkpoint)
 
     def describe(self) -> str:
         return _KIND_TEXT[self]
@@ -94,7 +95,7 @@ class RoundKind(enum.IntEnum):
     @property
     def collective_call(self) -> bool:
         """A call every rank must make that is not a step: a peer elsewhere is a caller's bug."""
-        return self in (RoundKind.FINISH, RoundKind.STATE, RoundKind.SLOTS)
+        return self in (RoundKind.FINISH, RoundKind.STATE, RoundKind.SLOTS, RoundKind.CHECKPOINT)
 
 
 _KIND_VALUES = frozenset(k.value for k in RoundKind)
@@ -107,6 +108,7 @@ _KIND_TEXT = {
     RoundKind.SYNC: "synchronize()",
     RoundKind.STATE: "state_dict()",
     RoundKind.SLOTS: "get_slot()/get_slot_names()/variables()",
+    RoundKind.CHECKPOINT: "save_sharded()/load_sharded()",
 }
 
 # (field, bits): the words in trailer order, packed little-endian into CHUNKS bytes per rank

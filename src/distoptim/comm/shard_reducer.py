@@ -12,16 +12,20 @@ ZeRO stage 1), over the flat layout of :mod:`distoptim.comm.shard`:
   the round, so its words can say what became known last (an edit of ``.grad`` after launch).
   Nothing is applied before every rank has read every rank's words.
 * :func:`all_gather_shards` -- after the update, every rank's updated parameter range goes to
-  every rank, in place in the flat parameter buffers (each rank's range is already at its
-  place in the output: NCCL and gloo both accept that aliasing).
+  every rank, in place in the flat parameter buffers.
+
+How the bytes travel is the :class:`~distoptim.comm.shard_transport.ShardTransport`'s (the
+backend's own collectives, or gloo's pairwise exchange). Each round allocates the shards it
+reduces into (``1/n`` of its buckets), so nothing of the gradients' size outlives the step.
 
 Math: after :meth:`ShardRound.wait_all` rank ``r``'s shard of bucket ``b`` holds
 ``sum_q x_q[r s : (r + 1) s] / divisor`` (``x_q`` = rank ``q``'s packed gradient region). The
 division happens on the shard, after the sum (``1/n`` of the elements), except with a 16-bit
-wire, where it happens before encoding so float16 sums stay in range. A reduce-scatter only
-reads its input buffers; the all-reduce that stands in for it where the backend's
-reduce-scatter is slower (gloo) sums them in place, so callers whose ``.grad`` lives in the
-buckets then reduce a copy (:attr:`ShardRound.reduces_in_place`).
+wire, where it happens before encoding so float16 sums stay in range. The reduce-scatter reads
+its input buffers only, except where an all-reduce stands in for it
+(:class:`~distoptim.comm.shard_transport.AllReduceStandIn`, kept for comparison): that one sums
+them in place, so callers whose ``.grad`` lives in the buckets then reduce a copy
+(:attr:`ShardRound.reduces_in_place`).
 """
 
 from __future__ import annotations
@@ -36,11 +40,8 @@ from distoptim.comm.bucket import Bucket, BucketPlan
 from distoptim.comm.compression import WireFormat
 from distoptim.comm.reducer import ReduceRound
 from distoptim.comm.shard import ShardLayout
+from distoptim.comm.shard_transport import Pending, ShardTransport
 from distoptim.comm.stats import CommStats, ring_allreduce_bytes, ring_half_bytes
-
-# newer torch releases name them *_single; older ones only have the *_tensor spelling
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 __all__ = [
     "BucketReduceScatter",
@@ -59,42 +60,34 @@ class PendingShard:
     out: torch.Tensor
     wire_out: torch.Tensor
     divisor: float  # still to apply to the shard (1 when applied before the wire)
-    work: dist.Work | None
+    work: Pending | None
 
 
 class BucketReduceScatter:
-    """SUM reduce-scatters of bucket gradient regions over ``group`` into per-rank shards.
+    """SUM reduce-scatters of bucket gradient regions into per-rank shards, over ``transport``.
 
-    With ``group_size == 1`` nothing is sent: the shard is the whole region. ``rank`` is this
-    rank's index in the group. ``via_all_reduce``: sum the whole region *in place* with an
-    all-reduce and keep this rank's range of it -- for backends whose reduce-scatter is no
-    cheaper than an all-reduce (gloo in torch 2.13: 1.44x an all-reduce of the same bytes,
-    plus a temporary of the region's size); the buffer is then overwritten.
+    With ``group_size == 1`` nothing is sent: the shard is the whole region. The input buffer is
+    only read, unless the transport's reduce-scatter sums in place
+    (``transport.reads_input_only`` False: the all-reduce stand-in).
     """
 
     def __init__(
-        self,
-        group: dist.ProcessGroup | None,
-        group_size: int,
-        wire: WireFormat,
-        stats: CommStats,
-        rank: int = 0,
-        via_all_reduce: bool = False,
+        self, transport: ShardTransport, group_size: int, wire: WireFormat, stats: CommStats
     ) -> None:
-        self.group = group
+        self.transport = transport
         self.group_size = group_size
         self.wire = wire
         self.stats = stats
-        self.rank = rank
-        self.via_all_reduce = via_all_reduce
+
+    @property
+    def reads_input_only(self) -> bool:
+        """Does a reduce-scatter leave its input buffer unchanged?"""
+        return self.group_size == 1 or self.transport.reads_input_only
 
     def launch(
         self, bucket: Bucket, buffer: torch.Tensor, out: torch.Tensor, divisor: float
     ) -> PendingShard:
-        """Start reducing ``buffer``'s gradient region into ``out`` (this rank's shard).
-
-        ``buffer`` is only read, except with ``via_all_reduce`` (then it holds the sum).
-        """
+        """Start reducing ``buffer``'s gradient region into ``out`` (this rank's shard)."""
         region = buffer[: bucket.padded]
         wire_dtype = self.wire.wire_dtype(region.dtype)
         if wire_dtype != region.dtype:  # divide and encode in one pass, before the sum
@@ -110,17 +103,13 @@ class BucketReduceScatter:
         n = self.group_size
         if n == 1:
             wire_out = wire
-        elif self.via_all_reduce:
-            self.stats.send(ring_allreduce_bytes(wire.numel() * wire.element_size(), n))
-            work = dist.all_reduce(wire, group=self.group, async_op=True)
-            size = wire.numel() // n
-            wire_out = wire[self.rank * size : (self.rank + 1) * size]
         else:
             wire_out = (
                 out if wire_dtype == out.dtype else out.new_empty(out.shape, dtype=wire_dtype)
             )
-            self.stats.send(ring_half_bytes(wire.numel() * wire.element_size(), self.group_size))
-            work = _reduce_scatter(wire_out, wire, group=self.group, async_op=True)
+            nbytes = ring_half_bytes(wire.numel() * wire.element_size(), n)
+            self.stats.send(nbytes * self.transport.scatter_factor)
+            wire_out, work = self.transport.reduce_scatter(wire, wire_out, bucket.index)
         return PendingShard(bucket, out, wire_out, divisor, work)
 
     @staticmethod
@@ -193,7 +182,8 @@ class ControlReduce:
 class ShardRound(ReduceRound):
     """All buckets of ``plan`` reduce-scattered once, in bucket order, then the control message.
 
-    ``shards[b]`` receives this rank's shard of bucket ``b``; ``grads_of`` / ``buffer_of`` /
+    Each bucket's shard (``layout.shard_size[b]`` elements) is allocated when the bucket is
+    launched and belongs to the round; ``grads_of`` / ``buffer_of`` /
     ``divisor`` / ``what`` are :class:`~distoptim.comm.reducer.ReduceRound`'s. The plan has no
     flag regions and no trailer (``flags=False``): :attr:`control` carries both, so no bucket
     is held back -- backward hooks may launch every one of them.
@@ -204,7 +194,6 @@ class ShardRound(ReduceRound):
         plan: BucketPlan,
         reducer: BucketReduceScatter,
         layout: ShardLayout,
-        shards: Sequence[torch.Tensor],
         control: ControlReduce,
         grads_of: Callable[[Bucket], Sequence[torch.Tensor | None]],
         buffer_of: Callable[[Bucket], torch.Tensor],
@@ -213,13 +202,12 @@ class ShardRound(ReduceRound):
     ) -> None:
         super().__init__(plan, reducer, grads_of, buffer_of, divisor, what)  # type: ignore[arg-type]
         self.layout = layout
-        self.shards = list(shards)
         self.control = control
 
     @property  # type: ignore[override]
     def reduces_in_place(self) -> bool:
         """A reduce-scatter only reads the packed buffers; its all-reduce stand-in does not."""
-        return self.reducer.via_all_reduce  # type: ignore[attr-defined, no-any-return]
+        return not self.reducer.reads_input_only  # type: ignore[attr-defined]
 
     @property
     def launchable(self) -> int:
@@ -239,7 +227,9 @@ class ShardRound(ReduceRound):
 
     def _launch(self, bucket: Bucket, buffer: torch.Tensor) -> PendingShard:
         reducer: BucketReduceScatter = self.reducer  # type: ignore[assignment]
-        return reducer.launch(bucket, buffer, self.shards[bucket.index], self.divisor)
+        size = self.layout.shard_size[bucket.index]
+        out = torch.empty(size, dtype=bucket.dtype, device=bucket.device)
+        return reducer.launch(bucket, buffer, out, self.divisor)
 
     def wait_all(
         self, write_trailer: Callable[[torch.Tensor], None] | None = None
@@ -270,11 +260,7 @@ class ShardRound(ReduceRound):
 
 
 def all_gather_shards(
-    flats: Sequence[torch.Tensor],
-    rank: int,
-    num_shards: int,
-    group: dist.ProcessGroup | None,
-    stats: CommStats,
+    flats: Sequence[torch.Tensor], transport: ShardTransport, stats: CommStats
 ) -> None:
     """Every rank's range of each flat buffer to every rank, in place (blocking).
 
@@ -282,13 +268,12 @@ def all_gather_shards(
     input, the whole buffer the output. All buffers are launched before the first wait.
     Raises ``RuntimeError`` (from the backend) if a peer left.
     """
-    if num_shards == 1:
+    n = transport.size
+    if n == 1:
         return
     works = []
-    for flat in flats:
-        size = flat.numel() // num_shards
-        mine = flat[rank * size : (rank + 1) * size]
-        stats.send(ring_half_bytes(flat.numel() * flat.element_size(), num_shards))
-        works.append(_all_gather(flat, mine, group=group, async_op=True))
+    for b, flat in enumerate(flats):
+        stats.send(ring_half_bytes(flat.numel() * flat.element_size(), n))
+        works.append(transport.all_gather(flat, b))
     for work in works:
         work.wait()

@@ -17,7 +17,8 @@ collectives from :class:`~distoptim.sync.collectives.Collectives`); where ``.gra
 its :class:`GradSource`; and the update -- :meth:`ApplyStrategy.step` with an agreed round of
 ``.grad``, :meth:`ApplyStrategy.solo_step` on one shard, :meth:`ApplyStrategy.apply_pairs` for
 given ``(grad, var)`` pairs -- with the per-parameter optimizer state it keeps
-(:meth:`ApplyStrategy.full_state`).
+(:meth:`ApplyStrategy.full_state`, and by the part each rank holds, :meth:`ApplyStrategy.owned`,
+for per-rank checkpoints).
 
 The all-reduce strategies split a step in two, so that ``synchronize()`` can stop between them:
 :meth:`ApplyStrategy.hold` puts the reduced gradient into ``.grad`` (a :class:`Held`, which user
@@ -36,14 +37,16 @@ from __future__ import annotations
 
 import abc
 import contextlib
+from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from distoptim.comm.bucket import Bucket, BucketPlan
 from distoptim.comm.reducer import ReduceRound
+from distoptim.elementwise_rule import is_per_element
 from distoptim.protocol import GradsAndVars, swapped_grads
 from distoptim.sync.clipping import GradClip
 from distoptim.sync.collectives import Collectives
@@ -59,6 +62,7 @@ __all__ = [
     "GradPairs",
     "GradSource",
     "Held",
+    "Owned",
     "PlanShape",
     "SwappedHeld",
     "State",
@@ -78,6 +82,42 @@ class PlanShape:
     trailer: int  # sequence-word elements in the last bucket (0: the words travel elsewhere)
     pad_to: int  # gradient regions padded to a multiple of this (shards per bucket)
     flags: bool  # presence flags in the buckets
+
+
+@dataclass
+class Owned:
+    """The part of one parameter's optimizer state a rank holds (:meth:`ApplyStrategy.owned`).
+
+    Elements ``[first, first + numel)`` of the parameter's flat (row-major) order.
+    ``elements``: the per-element state, 1-D tensors of ``numel`` elements; ``scalars``: the
+    rest (Adam's ``step``, ...). ``holders``: ``(global rank, first, numel)`` of every piece of
+    the parameter held in this rank's group (this one included), or None when every rank holds
+    the whole parameter's state.
+    """
+
+    first: int
+    numel: int
+    elements: dict[str, torch.Tensor] = field(default_factory=dict)
+    scalars: State = field(default_factory=dict)
+    holders: list[tuple[int, int, int]] | None = None
+
+    @staticmethod
+    def whole(param: torch.Tensor, state: State) -> Owned:
+        """All of ``param``'s ``state`` (per-element values flattened, no copy)."""
+        owned = Owned(0, param.numel())
+        for key, value in state.items():
+            if is_per_element(key, value, param.shape):
+                owned.elements[key] = value.reshape(-1)
+            else:
+                owned.scalars[key] = value
+        return owned
+
+    def as_state(self, param: torch.Tensor) -> State:
+        """The per-parameter state of a whole parameter (per-element values in its shape)."""
+        state = dict(self.scalars)
+        for key, value in self.elements.items():
+            state[key] = value.view(param.shape)
+        return state
 
 
 def reduced_pairs(rnd: ReduceRound, buffers: Sequence[torch.Tensor]) -> GradPairs:
@@ -300,6 +340,19 @@ class ApplyStrategy(abc.ABC):
 
     def after_load(self) -> None:  # noqa: B027 - most strategies keep no state of their own
         """``opt`` just loaded a state dict: take what this strategy keeps elsewhere."""
+
+    def owned(self) -> dict[torch.Tensor, Owned]:
+        """The optimizer state this rank holds, by parameter (local): unsharded, all of it."""
+        return {p: Owned.whole(p, s) for p, s in self.opt.state.items() if s}
+
+    def slots(self, params: Sequence[torch.Tensor]) -> dict[torch.Tensor, Owned]:
+        """Which part of each of ``params``' state this rank would hold (empty :class:`Owned`;
+        parameters it holds nothing of are left out): unsharded, all of it."""
+        return {p: Owned(0, p.numel()) for p in params}
+
+    def load_owned(self, owned: dict[torch.Tensor, Owned]) -> None:
+        """Replace the optimizer state by ``owned`` (laid out as :meth:`slots` says; local)."""
+        self.opt.state = defaultdict(dict, {p: o.as_state(p) for p, o in owned.items()})
 
 
 class AllReduceApply(ApplyStrategy):

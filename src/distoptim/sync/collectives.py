@@ -8,8 +8,9 @@ Owns two things:
   (collectively, on every rank) or settles for one shard outside a process group.
 * :class:`Collectives` -- the one object through which the optimizer's collectives go: the
   bucket all-reduces (:class:`~distoptim.comm.reducer.BucketAllReduce`), the reduce-scatters of
-  weight-update sharding (:class:`~distoptim.comm.shard_reducer.BucketReduceScatter`) and their
-  control message, the parameter all-gather, the sequence guard's codec
+  weight-update sharding (:class:`~distoptim.comm.shard_reducer.BucketReduceScatter`, over the
+  backend's :class:`~distoptim.comm.shard_transport.ShardTransport`) and their control message,
+  the parameter all-gather, the gathers of sharded optimizer state, the sequence guard's codec
   (:class:`~distoptim.comm.guard.GuardCodec`), the parameter-list agreement and the bucket-order
   broadcast. Each counts its bytes in one :class:`~distoptim.comm.stats.CommStats`, and a
   collective that fails because a peer left raises :class:`~distoptim.comm.guard.DesyncError`
@@ -36,6 +37,7 @@ from distoptim.comm.groups import comm_device
 from distoptim.comm.guard import DesyncError, GuardCodec, ParameterMismatchError
 from distoptim.comm.reducer import BucketAllReduce
 from distoptim.comm.shard_reducer import BucketReduceScatter, ControlReduce, all_gather_shards
+from distoptim.comm.shard_transport import transport_for
 from distoptim.comm.stats import CommStats, ring_allreduce_bytes
 
 __all__ = ["Collectives", "Replicas"]
@@ -101,8 +103,9 @@ class Collectives:
 
     Attributes: ``all_reduce`` and ``scatter`` (the bucket reducers rounds launch into),
     ``codec`` (the sequence words' codec; None on one shard), ``stats`` (bytes and counts).
-    Gloo's reduce-scatter costs more than an all-reduce (time and a full-size temporary), so
-    there ``scatter`` sums by all-reduce and keeps this rank's range.
+    Sharding's reduce-scatter and all-gather travel over the backend's transport
+    (:func:`~distoptim.comm.shard_transport.transport_for`: on gloo, a pairwise exchange of
+    point-to-point messages, cheaper in time and memory than gloo's own collectives).
     """
 
     def __init__(self, replicas: Replicas, wire: WireFormat, stats: CommStats) -> None:
@@ -111,14 +114,8 @@ class Collectives:
         self.stats = stats
         self.all_reduce = BucketAllReduce(group, n, wire, stats)
         self.codec = GuardCodec(n, replicas.rank, replicas.ranks) if n > 1 else None
-        self.scatter = BucketReduceScatter(
-            group,
-            n,
-            wire,
-            stats,
-            rank=replicas.rank,
-            via_all_reduce=n > 1 and dist.get_backend(group) == "gloo",
-        )
+        transport = transport_for(group, n, replicas.rank, replicas.ranks)
+        self.scatter = BucketReduceScatter(transport, n, wire, stats)
 
     @property
     def device(self) -> torch.device:
@@ -136,13 +133,17 @@ class Collectives:
         r = self.replicas
         return ControlReduce(plan, self.words, device, r.group, r.size, self.stats)
 
-    def all_gather(self, flats: Sequence[torch.Tensor]) -> None:
-        """Every rank's range of each flat buffer to every rank, in place (sharding)."""
-        r = self.replicas
+    def all_gather(
+        self, flats: Sequence[torch.Tensor], what: str = "the updated parameters"
+    ) -> None:
+        """Every rank's range of each flat buffer to every rank, in place (sharding).
+
+        ``what`` the buffers hold, for the error if a peer left.
+        """
         try:
-            all_gather_shards(flats, r.rank, r.size, r.group, self.stats)
+            all_gather_shards(flats, self.scatter.transport, self.stats)
         except RuntimeError as exc:
-            raise self.peer_lost("the all-gather of the updated parameters", exc) from exc
+            raise self.peer_lost(f"the all-gather of {what}", exc) from exc
 
     def sum_scalar(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` (a few elements) summed over the group, on every rank (``max_grad_norm``'s
@@ -159,7 +160,11 @@ class Collectives:
         return out.to(t.device)
 
     def gather_objects(self, obj: object, what: str) -> list[object]:
-        """Every rank's ``obj`` (picklable), in group-rank order: for error messages only."""
+        """Every rank's ``obj`` (picklable), in group-rank order, on every rank (a small
+        collective: error messages, the shard layout of a per-rank checkpoint).
+
+        ``what`` names the exchange for the error if a peer left.
+        """
         out: list[object] = [None] * self.replicas.size
         try:
             dist.all_gather_object(out, obj, group=self.replicas.group)

@@ -46,6 +46,7 @@ A step's way down: ``step()`` -> :meth:`RoundDriver.reduce_grads
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -141,7 +142,9 @@ class CrossShardOptimizer(WrappedOptimizer):
             buffers at the first step. ``state_dict()``, ``get_slot()``, ``get_slot_names()``
             and ``variables()`` gather the full per-parameter state: collectives, call them
             on every rank (a call on some ranks only is a ``DesyncError`` on every rank
-            involved). The state dict has the unsharded format (either loads into either).
+            involved). The state dict has the unsharded format (either loads into either);
+            :meth:`save_sharded` / :meth:`load_sharded` write and read each rank's own part
+            instead, through ``torch.distributed.checkpoint``, resharding on load.
         max_grad_norm: ``None`` (default) or ``c > 0``: before every inner step, clip the
             *reduced* gradient to a global L2 norm of at most ``c``
             (``torch.nn.utils.clip_grad_norm_``'s rule; bitwise DDP's ``backward();
@@ -519,6 +522,65 @@ class CrossShardOptimizer(WrappedOptimizer):
             check_saved_hyperparameters(self._wrapped, state_dict.get("param_groups"))
         super().load_state_dict(state_dict)
         self._apply.after_load()
+
+    # ---- per-rank checkpoints through torch.distributed.checkpoint --------------------------
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's part of the optimizer state, as a state dict DCP saves per rank.
+
+        Local (no gather): with sharding this rank's ``1/n`` of the per-element state as
+        ``ShardedTensor`` pieces, else the whole state (DCP writes it once). Save it with
+        ``dcp.save`` on every rank, alone or beside the model's (``{"model": ..., "optim":
+        opt.sharded_state_dict()}``); load it with :meth:`load_sharded` on any number of ranks.
+        Format: :mod:`distoptim.sync.sharded_checkpoint`.
+        """
+        from distoptim.sync import sharded_checkpoint  # imports DCP: seconds, on first use
+
+        self._rounds.refresh()
+        return sharded_checkpoint.state_dict_of(
+            self._wrapped, self._apply, self.iterations, self._rounds.comm.replicas.group
+        )
+
+    def save_sharded(self, checkpoint_id: str | os.PathLike[str]) -> None:
+        """``torch.distributed.checkpoint.save(self.sharded_state_dict(), checkpoint_id=...)``:
+        every rank writes only what it holds. A collective: call it on every rank (announced
+        first: a call on some ranks only is a ``DesyncError`` on all, as for ``state_dict()``)."""
+        import torch.distributed.checkpoint as dcp
+
+        checks.check_type("checkpoint_id", checkpoint_id, (str, os.PathLike), "a path")
+        self._announce_checkpoint()
+        dcp.save(self.sharded_state_dict(), checkpoint_id=checkpoint_id)
+
+    def _announce_checkpoint(self) -> None:
+        """Before DCP's collectives: every rank in the same call, the parameter list agreed."""
+        self._rounds.refresh()
+        if self._rounds.size > 1:
+            self._rounds.announce(RoundKind.CHECKPOINT)
+
+    def load_sharded(self, checkpoint_id: str | os.PathLike[str], prefix: str = "") -> None:
+        """Load a per-rank checkpoint (:meth:`sharded_state_dict`) written by any number of ranks.
+
+        Every rank reads only the state it holds in its current layout (resharding from the
+        saved one). ``prefix``: where the optimizer's entries sit when it was saved nested
+        (``"optim"`` for ``{"optim": opt.sharded_state_dict()}``). Checks that the
+        checkpoint fits (format, parameter groups, hyperparameters, sizes) before anything
+        changes. A collective: call it on every rank (announced and the parameter list agreed
+        first, as for :meth:`save_sharded`; with sharding, the parameters move into their flat
+        buffers).
+        """
+        from distoptim.sync import sharded_checkpoint
+
+        checks.check_type("checkpoint_id", checkpoint_id, (str, os.PathLike), "a path")
+        checks.check_type("prefix", prefix, str, "a str")
+        self._announce_checkpoint()
+        if self._rounds.size == 1:
+            self._rounds.solo_plan()
+        group = self._rounds.comm.replicas.group
+        iterations, groups, owned = sharded_checkpoint.read(
+            self._wrapped, self._apply, group, checkpoint_id, prefix
+        )
+        # hyperparameters and iterations through the checked path (the state comes next)
+        self.load_state_dict({"state": {}, "param_groups": groups, "iterations": iterations})
+        self._apply.load_owned(owned)
 
     def __repr__(self) -> str:
         return (

@@ -13,6 +13,14 @@ parameters outside it (frozen ones, or ones a new plan dropped) is *parked* here
 and a plan change carries the state over (a collective gather of the old layout, then each rank
 keeps its new pieces). :meth:`ShardedApply.full_state` gathers it back into the unsharded
 per-parameter format, so checkpoints load into a sharded or an unsharded optimizer alike.
+:meth:`ShardedApply.owned` gives each rank's own part instead (per-rank checkpoints,
+:mod:`distoptim.sync.sharded_checkpoint`).
+
+Memory. Between steps a rank keeps the parameters (the flat buffers are their storage), ``.grad``
+(with bucket views the buckets themselves; otherwise tensors of their own plus one persistent
+pack buffer per bucket, as the unsharded optimizer and DDP keep), ``1/n`` of the state and the
+small control message. Each round allocates the shards it reduces into (``1/n`` of its
+buckets); they are freed with the round, at the end of the step.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from distoptim.sync.apply import (
     BufferOf,
     GradPairs,
     GradSource,
+    Owned,
     PlanShape,
     State,
 )
@@ -74,7 +83,8 @@ class ShardedApply(ApplyStrategy):
         return PlanShape(trailer=0, pad_to=self.comm.replicas.size, flags=False)
 
     def reduces_copy(self, overlap: bool) -> bool:
-        return self.comm.scatter.via_all_reduce  # that all-reduce would overwrite .grad
+        # a reduce-scatter only reads .grad; an all-reduce standing in for it would not
+        return not self.comm.scatter.reads_input_only
 
     def new_round(
         self,
@@ -90,7 +100,6 @@ class ShardedApply(ApplyStrategy):
             plan,
             self.comm.scatter,
             update.layout,
-            update.shards,
             control,
             grads_of,
             buffer_of,
@@ -117,7 +126,7 @@ class ShardedApply(ApplyStrategy):
             carried[id(p)] = (p, state)
         r = self.comm.replicas
         layout = ShardLayout(plan, r.size, r.rank)
-        update = ShardedUpdate(plan, layout, self.opt, r.group, self.comm.stats)
+        update = ShardedUpdate(plan, layout, self.opt, self.comm)
         update.load(
             {i: carried.pop(id(p))[1] for i, p in enumerate(plan.params) if id(p) in carried}
         )
@@ -145,7 +154,7 @@ class ShardedApply(ApplyStrategy):
         if self.clip is not None:  # max_grad_norm: the shards of the reduced gradient
             self.clip.clip_shards(buffers, self.comm.sum_scalar)
         update.ensure_params()
-        update.step(self.opt, present)
+        update.step(self.opt, present, buffers)
         self.comm.all_gather(update.flats)
 
     def step(self, rnd: ReduceRound, buffers: list[torch.Tensor]) -> None:
@@ -205,3 +214,63 @@ class ShardedApply(ApplyStrategy):
             {i: carried.pop(id(p))[1] for i, p in enumerate(update.plan.params) if id(p) in carried}
         )
         self.parked = carried
+
+    # ---- per-rank checkpoints -------------------------------------------------------------
+    def _holders(self) -> dict[int, list[tuple[int, int, int]]]:
+        """Per plan member: ``(global rank, first, numel)`` of every rank's piece of it."""
+        update = self.update
+        assert update is not None
+        r = self.comm.replicas
+        holders: dict[int, list[tuple[int, int, int]]] = {}
+        for q in range(r.size):
+            layout = update.layout if q == r.rank else ShardLayout(update.plan, r.size, q)
+            for pieces in layout.pieces:
+                for piece in pieces:
+                    holders.setdefault(piece.member, []).append(
+                        (r.ranks[q], piece.first, piece.numel)
+                    )
+        return holders
+
+    def owned(self) -> dict[torch.Tensor, Owned]:
+        """This rank's pieces of the shard state, and the parked state (whole, local)."""
+        update = self.update
+        if update is None:
+            return super().owned()  # no step yet: what opt holds (a loaded checkpoint, or none)
+        holders = self._holders()
+        out = {p: Owned.whole(p, s) for p, s in self.parked.values() if s}
+        for member, (piece, elements, scalars) in update.owned().items():
+            out[update.plan.params[member]] = Owned(
+                piece.first, piece.numel, elements, scalars, holders[member]
+            )
+        return out
+
+    def slots(self, params: Sequence[torch.Tensor]) -> dict[torch.Tensor, Owned]:
+        """This rank's pieces of the agreed plan's parameters; the others whole."""
+        update = self.update
+        assert update is not None, "the plan is agreed before a per-rank checkpoint loads"
+        holders = self._holders()
+        out: dict[torch.Tensor, Owned] = {}
+        planned = {id(p) for p in update.plan.params}
+        for p in params:
+            if id(p) not in planned:
+                out[p] = Owned(0, p.numel())
+        for pieces in update.layout.pieces:
+            for piece in pieces:
+                p = update.plan.params[piece.member]
+                out[p] = Owned(piece.first, piece.numel, holders=holders[piece.member])
+        return out
+
+    def load_owned(self, owned: dict[torch.Tensor, Owned]) -> None:
+        """This rank's pieces go into the shards, the rest is parked (local)."""
+        update = self.update
+        assert update is not None
+        index = {id(p): i for i, p in enumerate(update.plan.params)}
+        mine: dict[int, tuple[dict[str, torch.Tensor], State]] = {}
+        parked: dict[int, tuple[torch.Tensor, State]] = {}
+        for p, o in owned.items():
+            if id(p) in index:
+                mine[index[id(p)]] = (o.elements, o.scalars)
+            else:
+                parked[id(p)] = (p, o.as_state(p))
+        update.load_owned(mine)
+        self.parked = parked

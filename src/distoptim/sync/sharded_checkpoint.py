@@ -1,0 +1,256 @@
+"""Per-rank optimizer checkpoints through ``torch.distributed.checkpoint`` (DCP).
+
+Owns the per-rank checkpoint format of ``CrossShardOptimizer`` -- each rank writes and reads
+only the optimizer state it holds (with ``shard_optimizer_state=True``, its ``1/n``), with no
+gather -- and the resharding on load to any number of ranks, sharded or not. (``state_dict()``
+keeps the gathered, unsharded format of the wrapped optimizer; this is the other path.)
+
+Format: a state dict DCP understands (:func:`state_dict_of`), saved by ``dcp.save`` alone or
+nested in a larger one (the model's next to it)::
+
+    {"distoptim": (FORMAT, iterations, param_groups),   # replicated: DCP writes it once
+     "state": {"<i>": {key: value}}}
+
+``i`` is the parameter's index in torch's optimizer state dict (the parameters of every param
+group, in order), ``param_groups`` torch's own (hyperparameters and those indices). Per-element
+state (Adam's moments, SGD's momentum) is a 1-D tensor of the parameter's ``numel`` elements in
+its flat (row-major) order: a ``ShardedTensor`` whose local shards are the pieces this rank
+holds (weight-update sharding: its pieces of the flat bucket layout, :mod:`distoptim.comm.shard`),
+or a plain tensor where every rank holds all of it (DCP then writes it once). Everything else
+(Adam's ``step``, ...) is stored as it is, by every rank that holds a piece (written once).
+
+Resharding. :func:`template_of` asks, for this rank, exactly what its current layout holds --
+its pieces of the agreed plan (any number of ranks ``m``), or whole tensors -- and DCP reads the
+overlapping parts of whatever chunks the checkpoint has (a run of ``n`` ranks, sharded or not).
+:func:`loaded_state` turns the filled template back into the strategy's
+:class:`~distoptim.sync.apply.Owned` pieces. Nothing is gathered on any rank.
+
+Checks, before any optimizer state changes (the same verdict on every rank: they read the same
+metadata and agreed on the same parameters): the checkpoint holds this format under the given
+prefix, and every saved per-element state has its parameter's number of elements.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed._shard.sharded_tensor.metadata import (
+    ShardedTensorMetadata,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    TensorStorageMetadata,
+)
+
+from distoptim.sync.apply import ApplyStrategy, Owned
+
+__all__ = [
+    "FORMAT",
+    "HEADER",
+    "dotted",
+    "loaded_state",
+    "nest",
+    "read",
+    "state_dict_of",
+    "template_of",
+    "unnest",
+]
+
+FORMAT = "distoptim.CrossShardOptimizer/per-rank-1"
+"""The format tag stored in the header (bumped if the layout above changes)."""
+HEADER = "distoptim"
+"""The header's key: ``(FORMAT, iterations, param_groups)``."""
+
+
+def _params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The parameters in torch's state-dict order (every param group, in order)."""
+    return [p for g in opt.param_groups for p in g["params"]]
+
+
+def _sharded(value: torch.Tensor, numel: int, owned: Owned, group: Any) -> ShardedTensor:
+    """A 1-D tensor of ``numel`` elements of which this rank holds ``value`` (its piece)."""
+    assert owned.holders is not None
+    device = str(value.device)
+    shards = [
+        ShardMetadata([first], [size], f"rank:{rank}/{device}")
+        for rank, first, size in owned.holders
+    ]
+    mine = ShardMetadata([owned.first], [owned.numel], f"rank:{dist.get_rank()}/{device}")
+    meta = ShardedTensorMetadata(shards, torch.Size([numel]), TensorProperties(dtype=value.dtype))
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        [Shard(value, mine)], meta, process_group=group
+    )
+
+
+def state_dict_of(
+    opt: torch.optim.Optimizer, apply: ApplyStrategy, iterations: int, group: Any
+) -> dict[str, Any]:
+    """This rank's per-rank state dict (the format above; local, no communication).
+
+    ``group``: the replicas' process group (None: the default one), in which the pieces of a
+    sharded entry live.
+    """
+    index = {id(p): i for i, p in enumerate(_params(opt))}
+    state: dict[str, dict[str, Any]] = {}
+    for p, owned in apply.owned().items():
+        entry: dict[str, Any] = dict(owned.scalars)
+        for key, value in owned.elements.items():
+            entry[key] = (
+                value if owned.holders is None else _sharded(value, p.numel(), owned, group)
+            )
+        state[str(index[id(p)])] = entry
+    return {HEADER: (FORMAT, iterations, _groups(opt)), "state": state}
+
+
+def _groups(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """torch's ``state_dict()["param_groups"]`` without packing the state."""
+    out, start = [], 0
+    for g in opt.param_groups:
+        saved = {k: v for k, v in g.items() if k != "params"}
+        saved["params"] = list(range(start, start + len(g["params"])))
+        start += len(g["params"])
+        out.append(saved)
+    return out
+
+
+def _entries(metadata: Metadata, prefix: str) -> dict[int, dict[str, Any]]:
+    """The saved state entries by parameter index: key -> storage metadata."""
+    head = f"{prefix}state."
+    out: dict[int, dict[str, Any]] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if not fqn.startswith(head):
+            continue
+        index, _, key = fqn[len(head) :].partition(".")
+        if not index.isdigit() or not key:
+            raise ValueError(f"per-rank optimizer checkpoint: unexpected entry {fqn!r}")
+        out.setdefault(int(index), {})[key] = md
+    return out
+
+
+def template_of(
+    opt: torch.optim.Optimizer, apply: ApplyStrategy, metadata: Metadata, prefix: str, group: Any
+) -> dict[str, Any]:
+    """What this rank asks DCP to load: its own pieces in its current layout (local).
+
+    ``prefix``: where the optimizer's entries sit in the checkpoint (``""`` at the top, or
+    ``"optim."`` for ``{"optim": opt.sharded_state_dict()}``). Raises ``ValueError`` if the
+    checkpoint is not one of these, or does not fit the optimizer's parameters.
+    """
+    if f"{prefix}{HEADER}" not in metadata.state_dict_metadata:
+        where = f" under {prefix[:-1]!r}" if prefix else ""
+        raise ValueError(
+            f"not a per-rank CrossShardOptimizer checkpoint{where}: no {HEADER!r} entry "
+            f"(saved keys start with {sorted(metadata.state_dict_metadata)[:3]}...)"
+        )
+    params = _params(opt)
+    entries = _entries(metadata, prefix)
+    if entries and max(entries) >= len(params):
+        raise ValueError(
+            f"per-rank optimizer checkpoint: state for parameter {max(entries)}, but the "
+            f"optimizer has {len(params)} parameters"
+        )
+    slots = apply.slots([params[i] for i in entries])
+    state: dict[str, dict[str, Any]] = {}
+    for i, keys in entries.items():
+        p = params[i]
+        owned = slots.get(p)
+        if owned is None:
+            continue  # this rank holds no piece of it
+        entry: dict[str, Any] = {}
+        for key, md in keys.items():
+            if isinstance(md, BytesStorageMetadata):
+                entry[key] = None  # a Python value: DCP puts it here
+                continue
+            assert isinstance(md, TensorStorageMetadata)
+            if _per_element(md.size, p):
+                piece = torch.empty(owned.numel, dtype=md.properties.dtype, device=p.device)
+                entry[key] = (
+                    piece if owned.holders is None else _sharded(piece, p.numel(), owned, group)
+                )
+            elif owned.holders is not None and len(md.size) > 0:
+                raise ValueError(
+                    f"per-rank optimizer checkpoint: state {key!r} of parameter {i} has shape "
+                    f"{tuple(md.size)}: neither one value per element of the parameter "
+                    f"({p.numel()} elements, shape {tuple(p.shape)}) nor a scalar, so it "
+                    "cannot be sharded -- a checkpoint of another model or optimizer?"
+                )
+            else:
+                entry[key] = torch.empty(md.size, dtype=md.properties.dtype, device=p.device)
+        state[str(i)] = entry
+    return {HEADER: None, "state": state}
+
+
+def _per_element(size: torch.Size, p: torch.Tensor) -> bool:
+    """Per-element state is saved as a 1-D tensor of ``p.numel()`` elements; scalars (torch's
+    are 0-dim) and any other state keep their shape."""
+    return len(size) == 1 and size[0] == p.numel()
+
+
+def loaded_state(
+    opt: torch.optim.Optimizer, loaded: dict[str, Any]
+) -> tuple[int, list[dict[str, Any]], dict[torch.Tensor, Owned]]:
+    """``(iterations, param_groups, owned pieces)`` from a template DCP filled (local)."""
+    header = loaded[HEADER]
+    if not (isinstance(header, tuple) and len(header) == 3 and header[0] == FORMAT):
+        raise ValueError(
+            f"per-rank optimizer checkpoint: header {str(header)[:80]!r} is not {FORMAT!r}"
+        )
+    _, iterations, groups = header
+    params = _params(opt)
+    out: dict[torch.Tensor, Owned] = {}
+    for index, entry in loaded["state"].items():
+        p = params[int(index)]
+        owned = Owned(0, p.numel())
+        for key, value in entry.items():
+            if isinstance(value, ShardedTensor):
+                (shard,) = value.local_shards()
+                owned.first, owned.numel = shard.metadata.shard_offsets[0], shard.tensor.numel()
+                owned.elements[key] = shard.tensor
+            elif isinstance(value, torch.Tensor) and _per_element(value.shape, p):
+                owned.elements[key] = value
+            else:
+                owned.scalars[key] = value
+        out[p] = owned
+    return iterations, groups, out
+
+
+def read(
+    opt: torch.optim.Optimizer, apply: ApplyStrategy, group: Any, checkpoint_id: Any, prefix: str
+) -> tuple[int, list[dict[str, Any]], dict[torch.Tensor, Owned]]:
+    """DCP-load this rank's part (:func:`template_of`) of the checkpoint at ``checkpoint_id``,
+    saved under ``prefix`` (``""`` or ``"optim"``, ...), as :func:`loaded_state` returns it.
+
+    Every rank calls it (DCP's collectives); nothing of the optimizer changes here.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    where = dotted(prefix)
+    metadata = dcp.FileSystemReader(checkpoint_id).read_metadata()
+    nested = nest(template_of(opt, apply, metadata, where, group), where)
+    dcp.load(nested, checkpoint_id=checkpoint_id)
+    return loaded_state(opt, unnest(nested, where))
+
+
+def nest(state: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """``state`` under the dotted ``prefix`` (``"a.b."`` -> ``{"a": {"b": state}}``)."""
+    for part in reversed([x for x in prefix.split(".") if x]):
+        state = {part: state}
+    return state
+
+
+def unnest(state: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """The inverse of :func:`nest`."""
+    for part in (x for x in prefix.split(".") if x):
+        state = state[part]
+    return state
+
+
+def dotted(prefix: str) -> str:
+    """``"optim"`` -> ``"optim."`` (``""`` stays ``""``): how DCP names nested entries."""
+    return f"{prefix.rstrip('.')}." if prefix else ""
