@@ -147,7 +147,10 @@ def serve(
                 f"replicas use lighthouse_addr={lighthouse.address!r} or "
                 f"TORCHFT_LIGHTHOUSE={lighthouse.address}. Ctrl-C stops it."
             )
-            done.wait()
+            # in slices: a signal that lands on one of the server's threads only flags the
+            # main thread's handler, which runs when the main thread next wakes up
+            while not done.wait(0.25):
+                pass
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
