@@ -417,7 +417,8 @@ class DiLoCo(DiLoCoState, WrappedOptimizer):
         exchange = self._exchanges[fragment.index]
         finite = True if rnd.healing else exchange.form()
         verdict = self._agree(kind, t, fragment, finite, healing=rnd.healing)
-        if rnd.healing:  # take the contributors' step, and so their fragment
+        if rnd.healing and not verdict.void:  # take the contributors' step and fragment
+            managed.adopted()
             self.iterations = verdict.step - 1  # step() counts this one afterwards
             t = verdict.step
             fragment = self._schedule.fragments[verdict.fragment or 0]
@@ -456,6 +457,8 @@ class DiLoCo(DiLoCoState, WrappedOptimizer):
         self._syncs = int(state["syncs"])
         self._refused_syncs = int(state["refused_syncs"])
         self._synced_at = list(state["synced_at"])
+        if self._managed is not None:
+            self._managed.loaded()
 
     def _refuse(self, fragment: Fragment, t: int, replicas: list[str]) -> None:
         """Every replica refuses the sync: no outer step, the fragment's local values reset to

@@ -59,6 +59,7 @@ class ManagedRound:
     channel: QuorumChannel | None  # None: the quorum failed (no collective this round)
     healing: bool
     residuals: list[dict[str, torch.Tensor]]  # saved before the payload (restored on failure)
+    adopted: bool = False  # a healing replica took the contributors' step from the header
 
 
 class ManagedSyncs:
@@ -69,6 +70,7 @@ class ManagedSyncs:
         self.owner = owner
         self.round: ManagedRound | None = None
         self._heals_at_start = 0
+        self.needs_step = False  # healed without the contributors' step: heal-flag the next sync
 
     def register(
         self, state_dict: Callable[[], dict[str, Any]], load: Callable[[dict[str, Any]], None]
@@ -84,6 +86,10 @@ class ManagedSyncs:
         # a synchronous-quorum manager heals inside start_quorum(): this replica's local
         # parameters are then the donor's, and its Δ would count the donor's twice
         healing = not quorum.contributes or self.replicas.stats.heals > heals
+        # a replica that loaded a donor's state in a sync whose header failed (the donor died
+        # mid-sync) holds the others' global copy but not their step: it says it is healing
+        # once more, contributes nothing, and adopts the contributors' step from the header
+        healing = healing or self.needs_step
         channel = None if quorum.failed else QuorumChannel(self.replicas, quorum)
         if channel is not None:
             for exchange in exchanges:
@@ -95,6 +101,18 @@ class ManagedSyncs:
     def healing(self) -> bool:
         """Whether this replica is healing in the round in progress."""
         return self.round is not None and self.round.healing
+
+    def loaded(self) -> None:
+        """A donor's state was loaded (inside the commit): unless this sync's header gave this
+        replica the contributors' step, the next sync must (see :meth:`begin`)."""
+        if self.round is None or not self.round.adopted:
+            self.needs_step = True
+
+    def adopted(self) -> None:
+        """This healing replica took the contributors' step from this sync's header."""
+        assert self.round is not None
+        self.round.adopted = True
+        self.needs_step = False
 
     def save_residuals(self, exchange: FragmentExchange) -> None:
         """Keep the fragment's residuals as they are before its payload is encoded."""
