@@ -40,7 +40,7 @@ import torch
 
 from distoptim.comm.averaging import Mean, MeanBuffers, Pending
 from distoptim.comm.channel import Channel, Handle
-from distoptim.comm.codecs import DenseCodec, ShardLayout
+from distoptim.comm.codecs import DenseCodec, ShardLayout, narrow, work_dtype
 from distoptim.comm.feedback import feedback_for
 from distoptim.comm.stats import CommStats
 
@@ -125,14 +125,13 @@ class QuantizedMean(Mean):
                 raise ValueError("this pending mean has neither a launched phase 1 nor a result")
             pending.work.wait()
             layout = pending.layout
-            acc = torch.promote_types(layout.dtype, torch.float32)
-            copies = self.codec.decode(pending.received, acc, layout)
+            copies = self.codec.decode(pending.received, work_dtype(layout.dtype), layout)
             # divide before summing: n finite copies of at most FLT_MAX / n each cannot
             # overflow, while their sum (divided afterwards) could
             mean = copies.div_(self.channel.contributors).sum(dim=0)
             if out is None:
                 out = torch.empty(layout.shard, dtype=layout.dtype, device=mean.device)
-            out.copy_(mean)
+            out.copy_(narrow(mean, layout.dtype))  # a 16-bit buffer's mean saturates
             pending.shard_mean = out
             pending.work = None
             pending.received = None
