@@ -41,12 +41,12 @@ def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.ldexp(torch.ldexp(y, -ulp).round(), ulp)  # power-of-two scalings: exact
 
 
-def cast(x: torch.Tensor, name: str) -> torch.Tensor:
-    """``D(Q(x))`` of a cast: rounded to the wire dtype, then into ``x``'s (both saturating)."""
-    dtype = CASTS[name]
-    if dtype is None:
-        return x.clone()
-    return round_to(round_to(x, dtype), x.dtype).to(x.dtype)
+def cast(x: torch.Tensor, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``D(Q(x))`` of a cast decoded into ``dtype`` (``x``'s by default): rounded to the wire
+    dtype (``fp32``: ``x``'s own), then into ``dtype`` (both saturating)."""
+    dtype = x.dtype if dtype is None else dtype
+    wire = CASTS[name] or x.dtype
+    return round_to(round_to(x, wire), dtype).to(dtype)
 
 
 def _next32(v: float, toward: float) -> float:
@@ -90,9 +90,9 @@ def absmax(x: torch.Tensor, name: str, dtype: torch.dtype | None = None) -> torc
     return round_to(codes(x, s, LEVELS[name]) * s, dtype).to(dtype)
 
 
-def values(x: torch.Tensor, name: str) -> torch.Tensor:
-    """``D(Q(x))`` of a group of values in format ``name``."""
-    return cast(x, name) if name in CASTS else absmax(x, name)
+def values(x: torch.Tensor, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``D(Q(x))`` of a group of values in format ``name``, decoded into ``dtype``."""
+    return cast(x, name, dtype) if name in CASTS else absmax(x, name, dtype)
 
 
 def dense_chunk(numel: int, shards: int) -> int:

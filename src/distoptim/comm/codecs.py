@@ -140,6 +140,8 @@ def narrow(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return x
     if (x.dtype, dtype) in _WIDENING or not dtype.is_floating_point:
         return x.to(dtype)
+    if x.dtype in _HALVES:  # float16 <-> bfloat16: clamp where 65504 is a value (float32)
+        x = x.to(torch.float32)
     x = _saturate(x, dtype)
     if x.dtype == torch.float64 and dtype in _HALVES:
         x = _to_odd_float32(x)
@@ -274,6 +276,11 @@ class Absmax(Values):
         # q·s is exact in float64 (at most 31 bits) and correctly rounded in float32
         work = torch.float32 if dtype == torch.float32 else torch.float64
         values = codes.to(work).sub_(self.levels).mul_(scales.to(work).unsqueeze(-1))
+        if work == torch.float32:  # L·s can pass FLT_MAX: saturate those chunks, not inf
+            over = torch.isfinite(scales) & (scales.to(torch.float64) * self.levels > _SCALE_MAX)
+            if bool(over.any()):
+                clamped = values.clamp(-_SCALE_MAX, _SCALE_MAX)
+                values = torch.where(over.unsqueeze(-1), clamped, values)
         return narrow(values, dtype)
 
     def _pack(self, codes: torch.Tensor) -> torch.Tensor:
