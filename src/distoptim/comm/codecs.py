@@ -3,20 +3,31 @@
 Every encoded block travels as bytes: rows of ``torch.uint8`` whose width is exactly what one
 row puts on the wire, so a byte count is a count of what is sent. Two layers:
 
-**Value coders** write ``G`` groups of ``m`` values per row:
+**Value coders** write ``G`` groups of ``m`` values per row. Nothing is computed in a 16-bit
+dtype: a codec works in float32, or float64 for float64 buffers (:func:`work_dtype`).
 
-* :class:`Cast` -- ``Q(x)`` = ``x`` rounded (to nearest, ties to even) to the wire dtype:
+* :class:`Cast` -- ``Q(x)`` = ``x`` rounded once (to nearest, ties to even) to the wire dtype:
   ``fp32`` keeps the buffer's own dtype (lossless: float64 stays float64), ``fp16`` / ``bf16``
-  round to 16 bits (relative error at most ``2^-11`` / ``2^-8``). A finite value beyond the
+  round to 16 bits: ``|x - Q(x)| <= max(2^-p·|x|, u/2)`` with ``p`` = 11 / 8 significant bits
+  and ``u`` the wire's smallest subnormal (``2^-24`` / ``2^-133``). A finite value beyond the
   wire dtype's range saturates to its largest finite value (65504 for fp16) instead of
   becoming ``inf``; NaN and ``±inf`` pass through. ``size(dtype)`` bytes per value.
-* :class:`Absmax` -- ``b``-bit symmetric integers with one absmax scale per group: a group with
-  largest magnitude ``a`` has the scale ``s = a / L`` (``L = 2^(b-1) - 1``: 127 for int8, 7 for
-  int4, 1 for int2; stored as float32) and codes ``q = round(x / s)`` in ``[-L, L]``, so
-  ``|x - q·s| <= s / 2`` and a group of zeros stays zero. ``int2`` is therefore ternary
-  (``q ∈ {-1, 0, 1}``; the fourth code is unused). Codes are stored offset (``q + L``), packed
-  ``8 / b`` to a byte, little end first. Row: ``[codes: ceil(G·m·b/8) bytes | G scales: 4 bytes
-  each]``.
+* :class:`Absmax` -- ``b``-bit symmetric integers with one float32 absmax scale per group
+  (``L = 2^(b-1) - 1``: 127 for int8, 7 for int4, 1 for int2). A group with largest magnitude
+  ``a`` has the scale ``s`` = ``a / L`` rounded *up* to float32 (:func:`absmax_scales`: the
+  smallest float32 with ``s·L >= a``, at most ``FLT_MAX``) and the codes ``q`` = the integer
+  nearest the exact ``x / s`` (ties to even), clamped to ``[-L, L]``. While ``a <= L·FLT_MAX``
+  (always for float16, bfloat16 and float32 buffers) no code is clamped and
+  ``|x - q·s| <= s / 2`` exactly, ``s > 0`` unless the group is all zeros, and the largest
+  value of a 16/32-bit group never decodes to 0. Beyond (float64 only) ``s = FLT_MAX`` and
+  values saturate at ``±L·FLT_MAX``. A non-finite ``a`` gives a non-finite ``s``, so the
+  group decodes to non-finite values. ``int2`` is therefore ternary (``q ∈ {-1, 0, 1}``; the
+  fourth code is unused). Codes are stored offset (``q + L``), packed ``8 / b`` to a byte,
+  little end first. Row: ``[codes: ceil(G·m·b/8) bytes | G scales: 4 bytes each]``.
+
+``D`` decodes into any dtype, rounding once (``q·s`` is exact in float64) and saturating at the
+dtype's largest finite value (:func:`narrow`): a bf16 wire of 65504 decoded into a float16
+buffer is 65504, not ``inf``.
 
 **Codecs** lay a flat buffer out and pick what travels:
 
@@ -34,7 +45,9 @@ row puts on the wire, so a byte count is a count of what is sent. Two layers:
   gather-and-sum (:mod:`distoptim.comm.gather`).
 
 Every codec offers :meth:`Codec.subtract_decoded` (``x ← x - D(wire)``), the step error feedback
-(:mod:`distoptim.comm.feedback`) needs.
+(:mod:`distoptim.comm.feedback`) needs. Zero-size buffers encode to rows of 0 bytes. What fails
+inside a codec is raised as :class:`CodecError`, a local error (not a ``RuntimeError``, which
+callers read as a failed collective).
 """
 
 from __future__ import annotations
