@@ -251,32 +251,42 @@ class Absmax(Values):
         rows, groups, size = values.shape
         code_bytes = self._code_bytes(groups * size)
         x = values.to(work_dtype(values.dtype))  # a copy only for 16-bit buffers
-        scales = absmax_scales(x.abs().amax(dim=-1), self.levels)
+        scratch = x.abs()
+        scales = absmax_scales(scratch.amax(dim=-1), self.levels)
         # the scale that travels (float32) is the one the codes are computed with
         scale = scales.to(x.dtype).unsqueeze(-1)
         quotient = x.div(torch.where(scale > 0, scale, torch.ones_like(scale)))
-        q = self._nearest(quotient, x, scale)
-        q.clamp_(-self.levels, self.levels).add_(self.levels)  # the clamp acts on saturated scales
-        out[:, :code_bytes].copy_(self._pack(q.to(_BYTE).reshape(rows, groups * size)))
+        q = self._nearest(quotient, x, scale, out=scratch)  # no new buffer-sized allocation
+        if bool((scales == _SCALE_MAX).any()):  # a saturated scale: codes past ±L (float64)
+            q.clamp_(-self.levels, self.levels)
+        # |q| <= L < 128: an int8, offset by L in its byte (cheaper than in float)
+        codes = q.to(torch.int8).view(_BYTE).add_(self.levels)
+        out[:, :code_bytes].copy_(self._pack(codes.reshape(rows, groups * size)))
         _write(out[:, code_bytes:], scales)
 
     @staticmethod
-    def _nearest(quotient: torch.Tensor, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    def _nearest(
+        quotient: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor
+    ) -> torch.Tensor:
         """The integer nearest the exact ``x / s`` (ties to even), from its rounded ``quotient``.
 
         Rounding the quotient moves it across no half-integer (they are representable), but it
         may land on one the exact quotient is not: only there (rare) is the choice redone from
         ``r = x - q·s`` in float64, exact for float32 scales (``q·s`` has at most 31 bits and
-        ``x`` is within ``s`` of it).
+        ``x`` is within ``s`` of it). ``q`` is written into ``out``; ``quotient`` is consumed.
         """
-        q = quotient.round()
-        ties = quotient.sub_(q).abs_() == 0.5
-        if bool(ties.any()):
-            where = ties.nonzero(as_tuple=True)
-            s = scale.expand_as(x)[where].to(torch.float64)
-            qs = q[where].to(torch.float64)
-            r = x[where].to(torch.float64) - qs * s
-            q[where] = (qs + torch.sign(r) * (r.abs() > s / 2)).to(q.dtype)
+        q = torch.round(quotient, out=out)
+        if quotient.numel() == 0:
+            return q
+        off = quotient.sub_(q).abs_()  # exact, <= 1/2: 1/2 only where the quotient is a tie
+        tied = off.amax(dim=-1) == 0.5  # per group: one pass, no buffer-sized index
+        if bool(tied.any()):
+            rows, groups = tied.nonzero(as_tuple=True)
+            s = scale[rows, groups].to(torch.float64)
+            qs = q[rows, groups].to(torch.float64)
+            r = x[rows, groups].to(torch.float64) - qs * s
+            step = torch.sign(r) * ((r.abs() > s / 2) & (off[rows, groups] == 0.5))
+            q[rows, groups] = (qs + step).to(q.dtype)
         return q
 
     def decode(
