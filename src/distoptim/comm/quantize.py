@@ -10,7 +10,8 @@ all-reduce is a reduce-scatter followed by an all-gather:
    ``all_to_all`` hands shard ``j`` of every rank to rank ``j``;
 2. rank ``j`` decodes the ``n`` copies of its shard, averages them in full precision (at least
    float32) -- ``m_j = Σ_r (D(Q(x_r))_j / c)``, each copy divided by ``c`` before the sum, so
-   finite copies give a finite mean -- and encodes ``m_j`` once more (``c`` is the channel's
+   finite copies give a finite mean, rounded once into the buffer's dtype (saturating: a
+   16-bit buffer's mean is never ``inf``) -- and encodes ``m_j`` once more (``c`` is the channel's
    ``contributors``: ``n`` on a plain group; :mod:`~distoptim.comm.channel`);
 3. *gather*: an ``all_gather`` gives every rank every encoded ``m_j``; all decode the same codes,
    so the result is bit-identical on every rank.
