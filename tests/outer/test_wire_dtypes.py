@@ -5,7 +5,8 @@ parameters under every wire (it syncs like ``fp32``, on every rank); float64 par
 finite pseudo-gradients pass float32's range under the absmax wires (the global copy stays
 finite, saturated at ``L · FLT_MAX``, and later syncs go on); float16 parameters with small
 pseudo-gradients under int8/int4 (they move the global copy as ``fp32`` does, within the
-quantization step). Every rank's result is checked.
+quantization step); an encoding that fails on a rank raises there as a local CodecError.
+Every rank's result is checked.
 """
 
 from __future__ import annotations
@@ -14,9 +15,14 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from distoptim import DiLoCo
+from distoptim.comm.channel import GroupChannel
+from distoptim.comm.stats import CommStats
+from distoptim.comm.wire import parse_wire
 from distoptim.launch import spawn
+from distoptim.outer.exchange import FragmentExchange
 
 WIRES = ["fp32", "fp16", "bf16", "int8", "int4", "int2", "topk:0.5", "topk:0.5+int2"]
 STREAMING = {"delay0": (0, 0.0), "delay1": (1, 0.5)}  # fragment_sync_delay, update alpha
@@ -89,8 +95,24 @@ def _small_float16(rank: int, wire: str) -> torch.Tensor:
     return opt.global_parameters[0].detach().clone()
 
 
+def _local_codec_failure() -> str:
+    """A sync whose encoding fails on this rank (no absmax integers of complex values)."""
+    local = [torch.ones(8, dtype=torch.complex64)]
+    global_ = [torch.zeros(8, dtype=torch.complex64)]
+    channel = GroupChannel(None, 2)
+    exchange = FragmentExchange(
+        local, global_, parse_wire("int8"), channel, CommStats(), True, 1 << 20, False
+    )
+    try:
+        exchange.launch()
+    except Exception as exc:  # (the parent shows it)
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
 def _child(rank: int, world: int) -> dict[Any, Any]:
-    out: dict[Any, Any] = {}
+    out: dict[Any, Any] = {"local_failure": _local_codec_failure()}
+    dist.barrier()  # no collective was left half-issued: the group still works
     for wire in WIRES:
         for name, (delay, alpha) in STREAMING.items():
             out["zero", wire, name] = _zero_size_fragment(rank, wire, delay, alpha)
@@ -152,3 +174,10 @@ def test_small_float16_pseudo_gradients_move_the_global_copy(ranks, wire):
         assert torch.equal(got, ranks[0]["small", wire])
         assert (got != 0).sum() > 0.9 * got.numel()
         assert (got.double() - fp32.double()).abs().max() <= 2 * step
+
+
+def test_a_local_encoding_failure_is_reported_as_itself_on_every_rank(ranks):
+    for rank in range(2):
+        text = ranks[rank]["local_failure"]
+        assert text.startswith("CodecError: wire 'int8': encode of a (2, 4) torch.complex64"), text
+        assert "no peer is involved" in text and "stopped taking part" not in text
