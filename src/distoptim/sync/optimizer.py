@@ -142,9 +142,10 @@ class CrossShardOptimizer(CrossShardTFPath, CrossShardState, WrappedOptimizer):
             element-wise (SGD, Adam, AdamW, ... or a class marked with
             :func:`~distoptim.elementwise_rule.elementwise`); ``.grad`` keeps the local
             gradient (also with bucket views). The parameters' storage moves into flat
-            buffers at the first step. ``state_dict()``, ``get_slot()``, ``get_slot_names()``
-            and ``variables()`` gather the full per-parameter state: collectives, call them
-            on every rank (a call on some ranks only is a ``DesyncError`` on every rank
+            buffers at the first step. ``consolidate_state_dict()`` (then ``state_dict()``,
+            local, on the rank it consolidated to), ``get_slot()``, ``get_slot_names()`` and
+            ``variables()`` gather the full per-parameter state: collectives, call them on
+            every rank (a call on some ranks only is a ``DesyncError`` on every rank
             involved). The state dict has the unsharded format (either loads into either);
             :meth:`save_sharded` / :meth:`load_sharded` write and read each rank's own part
             instead, through ``torch.distributed.checkpoint``, resharding on load.
@@ -208,6 +209,7 @@ class CrossShardOptimizer(CrossShardTFPath, CrossShardState, WrappedOptimizer):
         comm = Collectives(replicas, options.wire, CommStats())
         self._apply = _choose_apply(options, opt, self._all_params, comm)
         self._applying_pairs = False
+        self._consolidated = None  # consolidate_state_dict()'s state, until the next step
         self._rounds = RoundDriver(
             self._all_params,
             lambda: self.iterations,
@@ -328,6 +330,7 @@ class CrossShardOptimizer(CrossShardTFPath, CrossShardState, WrappedOptimizer):
         """
         if self._applying_pairs:  # TF path: the swapped-in grads are already reduced
             return super().step(closure)
+        self._consolidated = None  # the state it gathered is about to change
         loss = run_closure(closure)
         if self._replicated is not None:
             self._managed_step()
