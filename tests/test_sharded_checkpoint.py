@@ -23,6 +23,7 @@ from torch import nn
 
 from distoptim import CrossShardOptimizer
 from distoptim.launch import spawn
+from distoptim.sync.sharded_checkpoint import CheckpointError
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:.*behaving as one shard", "ignore:torch.distributed is disabled"
@@ -280,3 +281,43 @@ def test_other_hyperparameter_or_state_keys_are_refused(tmp_path: Path, shard: b
         warnings.simplefilter("ignore")
         fresh.load_sharded(tmp_path / "amsgrad")
     assert fresh.param_groups[0]["amsgrad"] and fresh.iterations == 2
+
+
+# ---- DCP's errors (BaseException) arrive as an Exception naming the checkpoint and file ------
+@pytest.mark.parametrize("damage", ["truncated", "missing", "no_checkpoint"])
+def test_a_damaged_checkpoint_is_an_exception_naming_the_file(tmp_path: Path, damage: str) -> None:
+    model = nn.Linear(6, 4)
+    _trained(model, torch.optim.Adam(model.parameters()), True).save_sharded(tmp_path / "c")
+    (data,) = (tmp_path / "c").glob("*.distcp")
+    half = data.stat().st_size // 2
+    if damage == "truncated":
+        data.write_bytes(data.read_bytes()[:half])
+    elif damage == "missing":
+        data.unlink()
+    else:
+        (tmp_path / "c" / ".metadata").unlink()
+    opt = _trained(model, torch.optim.Adam(model.parameters()), True)
+    before = _state_of(opt)
+    with pytest.raises(Exception) as info:  # the point: an Exception at all
+        opt.load_sharded(tmp_path / "c")
+    assert isinstance(info.value, CheckpointError), type(info.value).__mro__
+    message = str(info.value)
+    assert f"could not load the per-rank optimizer checkpoint {str(tmp_path / 'c')!r}" in message
+    expected = {
+        "truncated": f"file {data} has {half} bytes, its metadata needs at least",
+        "missing": f"file {data} is missing",
+        "no_checkpoint": f"{tmp_path / 'c' / '.metadata'} does not exist",
+    }[damage]
+    assert expected in message
+    assert _same(_state_of(opt), before)  # nothing changed
+
+
+def test_a_checkpoint_that_cannot_be_written_is_an_exception_naming_it(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    model = nn.Linear(6, 4)
+    opt = _trained(model, torch.optim.Adam(model.parameters()), True)
+    with pytest.raises(CheckpointError) as info:
+        opt.save_sharded(tmp_path / "file" / "c")
+    assert f"could not save the per-rank optimizer checkpoint {str(tmp_path / 'file' / 'c')!r}" in (
+        str(info.value)
+    )

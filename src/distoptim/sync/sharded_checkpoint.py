@@ -34,10 +34,18 @@ every param group has the same hyperparameter keys and number of parameters; eve
 has the saved shape (not only its number of elements); the state keys of every parameter this
 optimizer already holds state for are the saved ones; and every saved per-element state has
 its parameter's number of elements. Each refusal is a ``ValueError`` naming what differs.
+
+Errors of DCP itself (a missing or truncated file, a directory that cannot be written) arrive as
+its ``CheckpointException``, a ``BaseException`` that ``except Exception`` does not catch; they
+leave here as :class:`CheckpointError` (a ``RuntimeError``) naming the checkpoint, the file
+(missing, or shorter than the metadata says), and every rank's cause (:func:`dcp_errors`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -58,8 +66,10 @@ from distoptim.sync.apply import ApplyStrategy, Owned
 
 __all__ = [
     "FORMAT",
+    "CheckpointError",
     "HEADER",
     "check_fit",
+    "dcp_errors",
     "dotted",
     "loaded_state",
     "nest",
@@ -75,6 +85,60 @@ _FORMAT_1 = "distoptim.CrossShardOptimizer/per-rank-1"
 """The earlier format (a header without the layout): still loaded, without the layout checks."""
 HEADER = "distoptim"
 """The header's key: ``(FORMAT, iterations, param_groups)``."""
+
+
+class CheckpointError(RuntimeError):
+    """A per-rank checkpoint that could not be read or written: DCP's ``CheckpointException``
+    (a ``BaseException``) as an ``Exception`` naming the checkpoint, the file and the cause."""
+
+
+@contextlib.contextmanager
+def dcp_errors(action: str, checkpoint_id: Any, metadata: Metadata | None = None) -> Iterator[None]:
+    """Turn DCP's ``CheckpointException`` (and a missing checkpoint) into :class:`CheckpointError`.
+
+    ``action``: ``"save"`` or ``"load"``; ``metadata``: the checkpoint's (on load), to name the
+    file that is missing or shorter than the metadata says.
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    where = os.fspath(checkpoint_id)
+    try:
+        yield
+    except CheckpointException as exc:
+        causes = "; ".join(
+            f"rank {rank}: {type(e).__name__}: {e}" for rank, (e, _) in exc.failures.items()
+        )
+        found = _bad_files(where, metadata) if metadata is not None else ""
+        raise CheckpointError(
+            f"could not {action} the per-rank optimizer checkpoint {where!r}{found} ({causes})"
+        ) from exc
+    except FileNotFoundError as exc:
+        if action != "load":
+            raise
+        raise CheckpointError(
+            f"could not load the per-rank optimizer checkpoint {where!r}: "
+            f"{exc.filename or where} does not exist (no checkpoint saved there?)"
+        ) from exc
+
+
+def _bad_files(where: str, metadata: Metadata) -> str:
+    """``": file X is missing"`` / ``"...truncated..."`` for the files the metadata names."""
+    need: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        path = getattr(info, "relative_path", None)
+        if isinstance(path, str):
+            need[path] = max(need.get(path, 0), int(info.offset) + int(info.length))
+    bad = []
+    for name, size in sorted(need.items()):
+        path = os.path.join(where, name)
+        if not os.path.exists(path):
+            bad.append(f"file {path} is missing")
+        elif os.path.getsize(path) < size:
+            bad.append(
+                f"file {path} has {os.path.getsize(path)} bytes, its metadata needs at least "
+                f"{size} (truncated)"
+            )
+    return f": {'; '.join(bad)}" if bad else ""
 
 
 def _params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -316,9 +380,11 @@ def read(
     import torch.distributed.checkpoint as dcp
 
     where = dotted(prefix)
-    metadata = dcp.FileSystemReader(checkpoint_id).read_metadata()
+    with dcp_errors("load", checkpoint_id):
+        metadata = dcp.FileSystemReader(checkpoint_id).read_metadata()
     nested = nest(template_of(opt, apply, metadata, where, group), where)
-    dcp.load(nested, checkpoint_id=checkpoint_id)
+    with dcp_errors("load", checkpoint_id, metadata):
+        dcp.load(nested, checkpoint_id=checkpoint_id)
     loaded = unnest(nested, where)
     saved_keys = {i: set(keys) for i, keys in _entries(metadata, where).items()}
     held = {p: set(o.elements) | set(o.scalars) for p, o in apply.owned().items()}

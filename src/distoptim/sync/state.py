@@ -181,8 +181,11 @@ class CrossShardState:
         import torch.distributed.checkpoint as dcp
 
         checks.check_type("checkpoint_id", checkpoint_id, (str, os.PathLike), "a path")
+        from distoptim.sync.sharded_checkpoint import dcp_errors
+
         self._announce_checkpoint()
-        dcp.save(self.sharded_state_dict(), checkpoint_id=checkpoint_id)
+        with dcp_errors("save", checkpoint_id):
+            dcp.save(self.sharded_state_dict(), checkpoint_id=checkpoint_id)
 
     def _announce_checkpoint(self) -> None:
         """Before DCP's collectives: every rank in the same call, the parameter list agreed."""
