@@ -321,3 +321,39 @@ def test_a_checkpoint_that_cannot_be_written_is_an_exception_naming_it(tmp_path:
     assert f"could not save the per-rank optimizer checkpoint {str(tmp_path / 'file' / 'c')!r}" in (
         str(info.value)
     )
+
+
+def _small(rank: int) -> tuple[nn.Module, CrossShardOptimizer]:
+    model = nn.Linear(6, 64).double()
+    opt = CrossShardOptimizer(torch.optim.Adam(model.parameters()), shard_optimizer_state=True)
+    g = torch.Generator().manual_seed(rank)
+    opt.zero_grad()
+    model(torch.randn(4, 6, generator=g).double()).square().mean().backward()
+    opt.step()
+    return model, opt
+
+
+def _save_small(rank: int, world: int, root: str) -> None:
+    _small(rank)[1].save_sharded(Path(root) / "c")
+
+
+def _load_damaged(rank: int, world: int, root: str) -> dict[str, Any]:
+    _, opt = _small(rank)
+    try:
+        opt.load_sharded(Path(root) / "c")
+    except Exception as exc:  # CheckpointError expected; anything else recorded
+        return {"error": type(exc).__name__, "message": str(exc)}
+    return {"error": None}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_truncated_shard_file_is_a_checkpoint_error_on_every_rank(tmp_path: Path) -> None:
+    spawn(_save_small, 2, args=(str(tmp_path),), timeout=120)
+    files = sorted((tmp_path / "c").glob("*.distcp"))
+    assert len(files) == 2
+    damaged = files[0]
+    damaged.write_bytes(damaged.read_bytes()[:100])
+    for rank, out in enumerate(spawn(_load_damaged, 2, args=(str(tmp_path),), timeout=120)):
+        assert out["error"] == "CheckpointError", (rank, out)
+        assert f"file {damaged} has 100 bytes, its metadata needs at least" in out["message"]
