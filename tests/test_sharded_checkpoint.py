@@ -5,7 +5,11 @@ and nested next to the model with ``dcp.save``); each rank's file holds only its
 state. One and three ranks then load them (``load_sharded``): the gathered state equals the
 state the two ranks held, bitwise, and training goes on exactly as after loading the gathered
 ``state_dict()``. An unsharded run's per-rank checkpoint loads into a sharded optimizer too, and
-a checkpoint of something else is refused before anything changes. Real files in ``tmp_path``.
+a checkpoint of something else is refused before anything changes: another format, another
+optimizer type (SGD into Adam), other parameter shapes of the same sizes (``Linear(6, 4)`` into
+``Linear(4, 6)``), other hyperparameter or state keys. A missing or truncated file, or a
+directory that cannot be written, is a ``CheckpointError`` (an ``Exception``, not DCP's
+``BaseException``) naming it, on every rank. Real files in ``tmp_path``.
 """
 
 from __future__ import annotations
