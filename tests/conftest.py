@@ -6,8 +6,9 @@ setup, call and teardown, so the fixtures it sets up (a module-scoped process gr
 the first test that asks for it) and every child process the test waited for (the ranks of a
 ``distoptim.launch.spawn``) are counted; threads of the test process count as the process. The
 figures ride on each test's teardown report (``user_properties``), so under pytest-xdist the
-controller sees every worker's tests. At the end the controller writes ``{nodeid: seconds}`` to
-PATH as JSON and prints the total and the 25 largest in the terminal summary.
+controller sees every worker's tests. The controller keeps ``{nodeid: seconds}`` in PATH as JSON
+(rewritten after every test, so a run stopped early keeps its figures) and prints the total and
+the 25 largest in the terminal summary.
 
 Wall time is not measured: on a shared machine it says how busy the machine was, not what the
 test costs.
@@ -26,6 +27,13 @@ _ENV = "DISTOPTIM_TEST_CPU"
 _KEY = "cpu_seconds"
 _TOP = 25
 _SECONDS: dict[str, float] = {}
+_OUT: list[str] = []  # the JSON path, in the process that writes it (not an xdist worker)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    path = os.environ.get(_ENV)
+    if path and not hasattr(config, "workerinput"):
+        _OUT[:] = [path]
 
 
 def _cpu_now() -> float:
@@ -76,20 +84,27 @@ def pytest_runtest_makereport(
     return report
 
 
+def _write(path: str) -> None:
+    with open(path + ".part", "w") as out:
+        json.dump(dict(sorted(_SECONDS.items(), key=lambda kv: -kv[1])), out, indent=1)
+    os.replace(path + ".part", path)
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if report.when != "teardown":
         return
     for key, value in report.user_properties:
         if key == _KEY:
             _SECONDS[report.nodeid] = float(value)
+            if _OUT:  # as it goes: a run stopped early keeps what it measured
+                _write(_OUT[0])
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    path = os.environ.get(_ENV)
-    if not path or hasattr(terminalreporter.config, "workerinput") or not _SECONDS:
+    if not _OUT or not _SECONDS:
         return
-    with open(path, "w") as out:
-        json.dump(dict(sorted(_SECONDS.items(), key=lambda kv: -kv[1])), out, indent=1)
+    path = _OUT[0]
+    _write(path)
     total = sum(_SECONDS.values())
     terminalreporter.write_sep(
         "-", f"CPU seconds: {total:.0f} over {len(_SECONDS)} tests (written to {path})"
