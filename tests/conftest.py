@@ -12,6 +12,10 @@ the 25 largest in the terminal summary.
 
 Wall time is not measured: on a shared machine it says how busy the machine was, not what the
 test costs.
+
+It also owns the suite's grouping under pytest-xdist (``--dist loadgroup``): the tests of a module
+that share a module-scoped fixture of the suite (a bundle of cases run in one spawn) go to one
+worker, so the bundle runs once, not once per worker; different modules spread over the workers.
 """
 
 from __future__ import annotations
@@ -45,6 +49,30 @@ def _cpu_now() -> float:
 
 def _metering(config: pytest.Config) -> bool:
     return bool(os.environ.get(_ENV))
+
+
+def _shares_a_module_fixture(item: pytest.Item) -> bool:
+    """Whether ``item`` asks for a fixture of the suite (not of a plugin) wider than a test.
+
+    (pytest has no public way to ask for a test's fixture definitions: ``_fixtureinfo`` is
+    read here only.)"""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    for defs in info.name2fixturedefs.values():
+        for fixturedef in defs:
+            if fixturedef.scope != "function" and fixturedef.baseid.startswith("tests"):
+                return True
+    return False
+
+
+@pytest.hookimpl(trylast=True)  # after the groups a conftest below gives (the multi-host one)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Put the tests of a module that share a module-scoped fixture in one xdist group (named by
+    the module) unless they already have one (the multi-host tests: one group of their own)."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None and _shares_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
 
 
 def _metered_phase(item: pytest.Item) -> Iterator[None]:
