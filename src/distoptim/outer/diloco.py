@@ -42,8 +42,6 @@ parameters, and ``outer`` can be stepped by the user's own scheduler or inspecte
 from __future__ import annotations
 
 import contextlib
-import math
-import numbers
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -58,7 +56,7 @@ from distoptim.checks import (
     type_name,
 )
 from distoptim.comm.channel import Channel, GroupChannel
-from distoptim.comm.groups import check_group_assignment, comm_device
+from distoptim.comm.groups import comm_device
 from distoptim.comm.guard import DesyncError, RoundKind
 from distoptim.comm.stats import CommStats
 from distoptim.comm.wire import parse_wire
@@ -68,6 +66,7 @@ from distoptim.outer.agreement import (
     ReplicaIdentity,
     SyncAgreement,
 )
+from distoptim.outer.arguments import check_alpha, check_group, check_managed, check_same_parameters
 from distoptim.outer.exchange import FragmentExchange
 from distoptim.outer.fragments import Fragment, FragmentSchedule
 from distoptim.outer.managed import ManagedSyncs
@@ -162,7 +161,7 @@ class DiLoCo(DiLoCoState, WrappedOptimizer):
         # -- validate everything before any side effect (subgroup creation is collective) --
         owner = name if isinstance(name, str) else type(self).__name__
         if manager is not None:
-            _check_managed(owner, manager, group)
+            check_managed(owner, manager, group)
         for arg, value in (("inner", inner), ("outer", outer)):
             if not isinstance(value, torch.optim.Optimizer):
                 raise TypeError(
@@ -178,12 +177,12 @@ class DiLoCo(DiLoCoState, WrappedOptimizer):
         sync_every = check_int("sync_every", sync_every, 1)
         fragments = check_int("fragments", fragments, 1)
         delay = check_int("fragment_sync_delay", fragment_sync_delay, 0)
-        alpha = _check_alpha(fragment_update_alpha)
+        alpha = check_alpha(fragment_update_alpha)
         wire_format = parse_wire(wire)
         error_feedback = check_bool("error_feedback", error_feedback)
         cap = check_positive("bucket_cap_mb", bucket_cap_mb, "MiB")
         params = [p for g in inner.param_groups for p in g["params"]]
-        _check_same_parameters(owner, params, outer)
+        check_same_parameters(owner, params, outer)
         if fragments > len(params):
             raise ValueError(
                 f"fragments={fragments} is more than the {len(params)} parameters of the inner "
@@ -202,7 +201,7 @@ class DiLoCo(DiLoCoState, WrappedOptimizer):
             )
         check_finite_hyperparameters(inner, owner)
         check_finite_hyperparameters(outer, owner)
-        assignment, group_obj = _check_group(group)
+        assignment, group_obj = check_group(group)
 
         # -- side effects --
         group_size = 0 if manager is not None else 1  # 0: the quorum's, sync by sync
@@ -591,67 +590,3 @@ class DiLoCo(DiLoCoState, WrappedOptimizer):
             f"fragment_update_alpha={self.fragment_update_alpha}, wire={self.wire!r}, "
             f"num_replicas={self._group_size})"
         )
-
-
-# ---------------------------------------------------------------------------------------------
-# argument checks
-# ---------------------------------------------------------------------------------------------
-def _check_alpha(value: Any) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Real)
-        or not math.isfinite(float(value))
-        or not 0.0 <= float(value) <= 1.0
-    ):
-        raise ValueError(f"fragment_update_alpha must be a number in [0, 1], got {value!r}")
-    return float(value)
-
-
-def _check_same_parameters(
-    owner: str, params: list[torch.Tensor], outer: torch.optim.Optimizer
-) -> None:
-    """``outer`` must hold exactly the parameter objects of ``inner`` (any grouping, any order)."""
-    outer_params = [p for g in outer.param_groups for p in g["params"]]
-    mine = {id(p) for p in params}
-    theirs = {id(p) for p in outer_params}
-    if mine == theirs:
-        return
-    missing = [tuple(p.shape) for p in params if id(p) not in theirs]
-    extra = [tuple(p.shape) for p in outer_params if id(p) not in mine]
-    raise ValueError(
-        f"{owner}: outer must be built over exactly the inner optimizer's parameters (the same "
-        f"tensor objects, e.g. both from model.parameters()); outer lacks {len(missing)} "
-        f"of them (shapes {missing[:5]}) and has {len(extra)} others (shapes {extra[:5]})"
-    )
-
-
-def _check_managed(owner: str, manager: Any, group: Any) -> None:
-    """A torchft manager replaces ``group`` (the replicas are its quorum's)."""
-    from distoptim.ft.replicas import check_manager
-
-    check_manager(manager, owner)
-    if group is not None:
-        raise ValueError(
-            f"{owner}: with a torchft manager the replicas are the manager's quorum, so group "
-            f"must be None (got {type_name(group)}); a manager's process group must not also "
-            "be given as group="
-        )
-
-
-def _check_group(
-    group: Any,
-) -> tuple[list[list[int]] | None, dist.ProcessGroup | None]:
-    """``(group_assignment, None)``, ``(None, process_group)`` or ``(None, None)``."""
-    if group is None:
-        return None, None
-    distributed = dist.is_available() and dist.is_initialized()
-    if isinstance(group, dist.ProcessGroup):
-        if not distributed:
-            raise ValueError("group is a ProcessGroup but torch.distributed is not initialized")
-        return None, group
-    if not distributed:
-        raise ValueError(
-            "group is a group_assignment, which needs an initialized torch.distributed default "
-            "group (init_process_group, torchrun or distoptim.launch.spawn)"
-        )
-    return check_group_assignment(group, dist.get_world_size()), None
