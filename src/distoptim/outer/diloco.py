@@ -49,26 +49,22 @@ import torch
 import torch.distributed as dist
 
 from distoptim.checks import (
-    check_bool,
-    check_finite_hyperparameters,
-    check_int,
-    check_positive,
     type_name,
 )
 from distoptim.comm.channel import Channel, GroupChannel
 from distoptim.comm.groups import comm_device
 from distoptim.comm.guard import DesyncError, RoundKind
 from distoptim.comm.stats import CommStats
-from distoptim.comm.wire import parse_wire
 from distoptim.outer.agreement import (
     HeaderVerdict,
     NonFiniteSyncError,
     ReplicaIdentity,
     SyncAgreement,
 )
-from distoptim.outer.arguments import check_alpha, check_group, check_managed, check_same_parameters
+from distoptim.outer.arguments import DiLoCoArguments, check_arguments
 from distoptim.outer.exchange import FragmentExchange
 from distoptim.outer.fragments import Fragment, FragmentSchedule
+from distoptim.outer.groups import like_param, local_view
 from distoptim.outer.managed import ManagedSyncs
 from distoptim.outer.state import DiLoCoState, PendingSync
 from distoptim.protocol import WrappedOptimizer, swapped_grads
@@ -151,109 +147,93 @@ class DiLoCo(DiLoCoState, WrappedOptimizer):
         fragment_sync_delay: int = 0,
         fragment_update_alpha: float = 0.0,
         wire: str = "fp32",
-        group: Sequence[Sequence[int]] | dist.ProcessGroup | None = None,
+        group: Sequence[Sequence[int]] | dist.ProcessGroup | Any | None = None,
         name: str = "DiLoCo",
         *,
         error_feedback: bool = True,
         bucket_cap_mb: float = 25,
         manager: Any = None,
+        model: torch.nn.Module | None = None,
     ) -> None:
         # -- validate everything before any side effect (subgroup creation is collective) --
         owner = name if isinstance(name, str) else type(self).__name__
-        if manager is not None:
-            check_managed(owner, manager, group)
-        for arg, value in (("inner", inner), ("outer", outer)):
-            if not isinstance(value, torch.optim.Optimizer):
-                raise TypeError(
-                    f"{owner}: {arg} must be a torch.optim.Optimizer, got {type_name(value)}"
-                )
-        if outer is inner:
-            raise ValueError(
-                f"{owner}: outer must be a separate optimizer over the same parameters as "
-                "inner (its state is the global copy's), not the inner optimizer itself"
-            )
         if not isinstance(name, str):
             raise TypeError(f"name must be a str, got {type_name(name)}")
-        sync_every = check_int("sync_every", sync_every, 1)
-        fragments = check_int("fragments", fragments, 1)
-        delay = check_int("fragment_sync_delay", fragment_sync_delay, 0)
-        alpha = check_alpha(fragment_update_alpha)
-        wire_format = parse_wire(wire)
-        error_feedback = check_bool("error_feedback", error_feedback)
-        cap = check_positive("bucket_cap_mb", bucket_cap_mb, "MiB")
-        params = [p for g in inner.param_groups for p in g["params"]]
-        check_same_parameters(owner, params, outer)
-        if fragments > len(params):
-            raise ValueError(
-                f"fragments={fragments} is more than the {len(params)} parameters of the inner "
-                "optimizer: every fragment needs at least one parameter"
-            )
-        if sync_every % fragments:
-            raise ValueError(
-                f"sync_every={sync_every} must be divisible by fragments={fragments} (fragments "
-                "sync in turn, one every sync_every/fragments inner steps)"
-            )
-        if delay >= sync_every // fragments:
-            raise ValueError(
-                f"fragment_sync_delay={delay} must be < sync_every/fragments = "
-                f"{sync_every // fragments}: a fragment's sync must be applied before the next "
-                "fragment's starts"
-            )
-        check_finite_hyperparameters(inner, owner)
-        check_finite_hyperparameters(outer, owner)
-        assignment, group_obj = check_group(group)
+        options = {
+            "sync_every": sync_every,
+            "fragments": fragments,
+            "fragment_sync_delay": fragment_sync_delay,
+            "fragment_update_alpha": fragment_update_alpha,
+            "wire": wire,
+            "error_feedback": error_feedback,
+            "bucket_cap_mb": bucket_cap_mb,
+        }
+        args = check_arguments(owner, inner, outer, options, group, manager, model)
 
         # -- side effects --
-        group_size = 0 if manager is not None else 1  # 0: the quorum's, sync by sync
-        if assignment is not None:
-            group_obj, _ = dist.new_subgroups_by_enumeration(assignment)
+        group_obj, group_size = args.group, 0 if manager is not None else 1  # 0: the quorum's
+        if args.assignment is not None:
+            group_obj, _ = dist.new_subgroups_by_enumeration(args.assignment)
         if group_obj is not None:
             group_size = dist.get_world_size(group_obj)
         elif manager is None and dist.is_available() and dist.is_initialized():
             group_size = dist.get_world_size()
         super().__init__(inner, name=name)
         self._outer = outer
-        self.sync_every = sync_every
-        self.fragments = fragments
-        self.fragment_sync_delay = delay
-        self.fragment_update_alpha = alpha
-        self.wire = wire_format.name
-        self.error_feedback = error_feedback
-        self.bucket_cap_mb = cap
-        self.group_assignment = assignment
+        self.sync_every = args.sync_every
+        self.fragments = args.fragments
+        self.fragment_sync_delay = args.delay
+        self.fragment_update_alpha = args.alpha
+        self.wire = args.wire.name
+        self.error_feedback = args.error_feedback
+        self.bucket_cap_mb = args.cap_mb
+        self.group_assignment = args.assignment
+        self.layout = args.layout
         self._group = group_obj
         self._group_size = group_size
         self._channel: Channel = GroupChannel(group_obj, max(group_size, 1))
-        self._params = params
+        self._params = args.params
         self._stats = CommStats()
+        self._build(args, manager)
+
+    def _build(self, args: DiLoCoArguments, manager: Any) -> None:
+        """The global copy (local shards), the fragments, their exchanges, header and torchft
+        side, and the counters."""
+        params, name = self._params, self._name
         with torch.no_grad():
-            self._global = [p.detach().clone() for p in params]
+            self._global = [local_view(p).detach().clone() for p in params]
+        # fragments by the parameters' global sizes: the same on every process of every group
         self._schedule = FragmentSchedule(
-            [p.numel() * p.element_size() for p in params], fragments, sync_every, delay
+            [p.numel() * p.element_size() for p in params],
+            args.fragments,
+            args.sync_every,
+            args.delay,
         )
         self._exchanges = [
             FragmentExchange(
                 params[f.start : f.stop],
                 self._global[f.start : f.stop],
-                wire_format,
+                args.wire,
                 self._channel,
                 self._stats,
-                error_feedback,
-                cap_bytes=max(1, int(cap * _MIB)),
-                keep_payload=delay > 0,
+                args.error_feedback,
+                cap_bytes=max(1, int(args.cap_mb * _MIB)),
+                keep_payload=args.delay > 0,
             )
             for f in self._schedule.fragments
         ]
         self._agreement: SyncAgreement | None = None
-        if group_size > 1 or manager is not None:
-            device = comm_device(group_obj) if manager is None else torch.device("cpu")
+        if self._group_size > 1 or manager is not None:
+            device = comm_device(self._group) if manager is None else torch.device("cpu")
             self._agreement = SyncAgreement(self._channel, self._stats, device, name)
         self._managed: ManagedSyncs | None = None
         if manager is not None:
             self._managed = ManagedSyncs(manager, name)
             self._managed.register(self._heal_state, self._load_heal_state)
         # what every header says about this replica: parameters, options, optimizers
-        self._identity = ReplicaIdentity(type(self).__name__, params, self._config(), inner, outer)
+        self._identity = ReplicaIdentity(
+            type(self).__name__, params, self._config(), self.wrapped, self._outer
+        )
         self._in_flight: PendingSync | None = None
         self._syncs = 0
         self._refused_syncs = 0
@@ -303,9 +283,11 @@ class DiLoCo(DiLoCoState, WrappedOptimizer):
         One live tensor per parameter, in the inner optimizer's order (do not modify them);
         each fragment's values are those of its last sync. After :meth:`finish` the model's own
         parameters equal it on every replica. No communication. ``opt.global_parameters()``
-        works too (see :class:`GlobalParameters`).
+        works too (see :class:`GlobalParameters`). A ``DTensor`` parameter's entry is a
+        ``DTensor`` of the same mesh and placements around this process's local global copy
+        (what it holds of ``θ_g``; ``full_tensor()`` gathers it).
         """
-        return GlobalParameters(self._global)
+        return GlobalParameters([like_param(g, p) for g, p in zip(self._global, self._params)])
 
     @property
     def syncs(self) -> int:
@@ -527,7 +509,9 @@ class DiLoCo(DiLoCoState, WrappedOptimizer):
         with torch.no_grad():
             kept = [p.detach().clone() for p in local] if alpha > 0 else None
             torch._foreach_copy_(local, global_)
-            with swapped_grads(self._params, list(zip(mean, local))):
+            params = self._fragment_params(sync.fragment)
+            grads = [like_param(m, p) for m, p in zip(mean, params)]  # DTensor: its local mean
+            with swapped_grads(self._params, list(zip(grads, params))):
                 self._outer.step()
             torch._foreach_copy_(global_, local)
             if kept is not None:
