@@ -105,9 +105,10 @@ def resolve_group(owner: str, group: Any) -> Any:
     if len(found) != 1:
         raise ValueError(
             f"{owner}: group is a {group.ndim}-D DeviceMesh with dimensions {names or 'unnamed'}; "
-            f"say which dimension runs across the replica groups: name exactly one of them one of "
-            f"{list(REPLICATE_DIMS)} (init_device_mesh(..., mesh_dim_names=('replicate', "
-            "'shard'))), or pass that dimension's 1-D mesh, group=mesh['<name>']"
+            "say which dimension runs across the replica groups: name exactly one dimension "
+            f"{' or '.join(map(repr, REPLICATE_DIMS))} (init_device_mesh(..., "
+            "mesh_dim_names=('replicate', 'shard'))), or pass that dimension's 1-D mesh, "
+            "group=mesh['<name>']"
         )
     return group.get_group(found[0])
 
