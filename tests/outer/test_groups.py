@@ -2,8 +2,9 @@
 
 One 4-rank spawn (gloo, CPU) runs every multi-process case: FSDP2 (``fully_shard`` over the
 group's 1-D mesh, ``group=`` the 2-D mesh), tensor parallelism on a 2-D mesh, plain DDP inside
-the groups, one sync of every wire format on FSDP2 shards, and the construction errors; one
-2-rank spawn runs the references (each group one process on the group's concatenated batch).
+the groups, one sync of every wire format on FSDP2 shards, the construction errors, and the
+references (each group one process on the group's concatenated batch, plain models: ranks 0
+and 2, and again ranks 1 and 3).
 The parent checks every rank: every process of every group ends with one model, bitwise, equal
 within a derived tolerance to the reference run, and each wire's sync equal to its
 single-process reference applied to the shards.
@@ -212,18 +213,23 @@ def _groups(rank: int, world: int) -> dict[Any, Any]:
         sync["bytes"] = sync["bytes"].bytes_sent
         out["wire", wire] = sync
     out["errors"] = _errors()
+    out["reference"] = _reference(rank)
     return out
 
 
-def _reference(rank: int, world: int) -> dict[Any, Any]:
-    """Each group one process, on the group's whole batch (group=None: the 2 ranks)."""
-    out: dict[Any, Any] = {}
+def _reference(rank: int) -> dict[str, torch.Tensor]:
+    """Each group one process on the group's whole batch: ranks 0 and 2 (and again 1 and 3)."""
+    if "across" not in _MESHES:
+        _MESHES["across"] = dist.new_subgroups_by_enumeration([[0, 2], [1, 3]])[0]
+    out: dict[str, torch.Tensor] = {}
     for name in CONFIGS:
         model = _model()
-        _train(model, _optimizers(model, name, "diloco"), rank, slice(None))
+        opt = _optimizers(model, name, "diloco", group=_MESHES["across"])
+        _train(model, opt, rank // PER_GROUP, slice(None))
         out[name] = _full(model)
     model = _model()
-    _train(model, _optimizers(model, "diloco", "localsgd"), rank, slice(None))
+    opt = _optimizers(model, "diloco", "localsgd", group=_MESHES["across"])
+    _train(model, opt, rank // PER_GROUP, slice(None))
     out["localsgd"] = _full(model)
     return out
 
@@ -234,8 +240,8 @@ def groups() -> list[dict[Any, Any]]:
 
 
 @pytest.fixture(scope="module")
-def reference() -> list[dict[Any, Any]]:
-    return spawn(_reference, GROUPS, timeout=120)
+def reference(groups) -> list[dict[Any, Any]]:
+    return [out["reference"] for out in groups]
 
 
 @pytest.mark.parametrize("layout", ["fsdp", "tp", "ddp"])
@@ -250,7 +256,8 @@ def test_every_process_of_every_group_ends_with_one_model(groups, layout, name):
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_a_group_of_two_is_the_one_process_group_on_its_batch(groups, reference, layout, name):
     want = reference[0][name]
-    assert torch.equal(reference[1][name], want)  # the reference itself ends with one model
+    for out in reference:  # the reference itself ends with one model
+        assert torch.equal(out[name], want)
     moved = (want - _full(_model())).abs().max()
     assert moved > 100 * ATOL  # training moved the model far beyond the tolerance
     for rank in range(GROUPS * PER_GROUP):
@@ -300,3 +307,112 @@ def test_each_wire_on_shards_is_its_reference_on_each_shard(groups, wire):
 def test_configurations_that_are_not_one_model_fail_at_construction(groups, case, says):
     for rank in range(GROUPS * PER_GROUP):
         assert says in groups[rank]["errors"][case], (rank, groups[rank]["errors"][case])
+
+
+# ---- torchft: 2 replica groups of 2 processes, one manager per process -------------------------
+def _fsdp_model(mesh: Any) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model()
+    fully_shard(model, mesh=mesh["shard"])
+    return model
+
+
+def _managed(rank: int, world: int, lighthouse: str) -> dict[str, Any]:
+    """Each group's 2 processes have managers of one replica group (their own store); DiLoCo
+    against torchft's own DiLoCo on the same FSDP2 model and data; a group whose processes
+    differ; a plain model over a 2-process replica group."""
+    from torchft.local_sgd import DiLoCo as TorchftDiLoCo
+
+    from distoptim.comm.guard import DesyncError
+    from distoptim.ft import make_manager
+
+    group, j = rank // PER_GROUP, rank % PER_GROUP
+    store = (
+        dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if j == 0 else None
+    )
+    ports: list[Any] = [None] * world
+    dist.all_gather_object(ports, store.port if store is not None else None)
+    manager = make_manager(
+        lighthouse,
+        replica_id=f"group{group}",
+        state_dict=lambda: {},
+        load_state_dict=lambda _: None,
+        min_replica_size=GROUPS,
+        rank=j,
+        world_size=PER_GROUP,
+        store_addr="127.0.0.1",
+        store_port=ports[group * PER_GROUP],
+        use_async_quorum=False,  # torchft's DiLoCo requires it
+        init_sync=False,
+        timeout=60.0,
+        quorum_timeout=120.0,
+    )
+    out: dict[str, Any] = {}
+    try:
+        plain = _model()
+        try:
+            _optimizers(plain, "diloco", "diloco", manager=manager)
+            out["plain"] = "no error"
+        except ValueError as exc:
+            out["plain"] = str(exc)
+        mesh = _mesh("shard")
+        rows = slice(j * ROWS // 2, (j + 1) * ROWS // 2)
+        ours = _fsdp_model(mesh)
+        opt = _optimizers(ours, "diloco", "diloco", manager=manager)
+        _train(ours, opt, group, rows)
+        out["ours"] = _full(ours)
+        theirs = _fsdp_model(mesh)
+        inner = torch.optim.SGD(theirs.parameters(), lr=0.1)
+        outer = torch.optim.SGD(theirs.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+        with TorchftDiLoCo(manager, [theirs], inner, outer, sync_every=H):
+            for t in range(STEPS):
+                x, y = _batch(group, t)
+                inner.zero_grad()
+                F.mse_loss(theirs(x[rows]), y[rows]).backward()
+                inner.step()
+        out["torchft"] = _full(theirs)
+        # a group whose two processes hold different states: rank 3's copy of its shard is
+        # off (the fault), and the next sync's header refuses both groups
+        if rank == 3:
+            with torch.no_grad():
+                opt._global[0].add_(1e-3)
+        try:
+            _train(ours, opt, group, rows)
+            out["differs"] = "no error"
+        except DesyncError as exc:
+            out["differs"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        manager.shutdown(wait=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def managed() -> list[dict[str, Any]]:
+    from distoptim.ft import Lighthouse
+
+    with Lighthouse(min_replicas=GROUPS) as lighthouse:
+        return spawn(_managed, GROUPS * PER_GROUP, args=(lighthouse.address,), timeout=300)
+
+
+def test_managed_groups_end_with_one_model_equal_to_torchfts_diloco(managed, reference):
+    want = managed[0]["torchft"]
+    for rank in range(GROUPS * PER_GROUP):
+        assert torch.equal(managed[rank]["ours"], managed[0]["ours"]), f"rank {rank}"
+        assert torch.equal(managed[rank]["torchft"], want), f"rank {rank}"
+        torch.testing.assert_close(managed[rank]["ours"], want, rtol=0, atol=ATOL)
+        torch.testing.assert_close(managed[rank]["ours"], reference[0]["diloco"], rtol=0, atol=ATOL)
+
+
+def test_a_plain_model_over_a_two_process_replica_group_fails_at_construction(managed):
+    for rank in range(GROUPS * PER_GROUP):
+        says = managed[rank]["plain"]
+        assert "this torchft replica group has 2 processes" in says, (rank, says)
+        assert "would end with 2 different models" in says, (rank, says)
+
+
+def test_a_group_whose_processes_differ_is_refused_on_every_rank(managed):
+    for rank in range(GROUPS * PER_GROUP):
+        says = managed[rank]["differs"]
+        assert says.startswith("ParameterMismatchError"), (rank, says)
+        assert "state checksum" in says, (rank, says)

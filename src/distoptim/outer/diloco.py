@@ -64,7 +64,7 @@ from distoptim.outer.agreement import (
 from distoptim.outer.arguments import DiLoCoArguments, check_arguments
 from distoptim.outer.exchange import FragmentExchange
 from distoptim.outer.fragments import Fragment, FragmentSchedule
-from distoptim.outer.groups import like_param, local_view
+from distoptim.outer.groups import combine_checksums, like_param, local_view, within_group
 from distoptim.outer.managed import ManagedSyncs
 from distoptim.outer.state import DiLoCoState, PendingSync
 from distoptim.protocol import WrappedOptimizer, swapped_grads
@@ -227,6 +227,9 @@ class DiLoCo(DiLoCoState, WrappedOptimizer):
             device = comm_device(self._group) if manager is None else torch.device("cpu")
             self._agreement = SyncAgreement(self._channel, self._stats, device, name)
         self._managed: ManagedSyncs | None = None
+        # a torchft replica group of several processes: its header's state checksum combines
+        # every process's (a group whose processes differ is refused as a whole)
+        self._within = within_group(args.layout) if manager is not None else None
         if manager is not None:
             self._managed = ManagedSyncs(manager, name)
             self._managed.register(self._heal_state, self._load_heal_state)
@@ -543,8 +546,14 @@ class DiLoCo(DiLoCoState, WrappedOptimizer):
         copy = self._global if fragment is None else self._exchanges[fragment.index].global_
         state = 0
         if self._managed is not None:
-            outer_state = [self._outer.state.get(p, {}) for p in self._fragment_params(fragment)]
+            outer_state = [
+                {k: local_view(v) for k, v in self._outer.state.get(p, {}).items()}
+                for p in self._fragment_params(fragment)
+            ]
             state = self._managed.checksum(copy, outer_state)
+            if self._within is not None:  # the group's: every process's checksum, in order
+                with self._peer_guard("the group's state checksum", t):
+                    state = combine_checksums(state, self._within)
         header = self._identity.header(kind, t, index, finite, healing, state)
         with self._peer_guard("the sync header", t):
             return self._agreement.check(header, copy, self._identity.describe)

@@ -44,12 +44,14 @@ __all__ = [
     "REPLICATE_DIMS",
     "GroupLayout",
     "check_disjoint",
+    "combine_checksums",
     "group_layout",
     "is_dtensor",
     "like_param",
     "local_view",
     "manager_group_size",
     "resolve_group",
+    "within_group",
 ]
 
 REPLICATE_DIMS = ("replicate", "dp_replicate")
@@ -260,3 +262,32 @@ def check_disjoint(owner: str, layout: GroupLayout, replicas: Sequence[int] | No
         "sharded over mesh['shard'], or a group_assignment like [[0, 2], [1, 3]] for 2 groups "
         "of 2 processes"
     )
+
+
+def within_group(layout: GroupLayout) -> Any:
+    """The process group of the replica group's own processes (``None`` for ``k = 1``).
+
+    Made by those processes only (``use_local_synchronization``): it is collective over the
+    group, as DiLoCo's construction is. The default group when the group is the whole world
+    (one torchrun job per replica group, as torchft runs them).
+    """
+    if layout.size == 1 or layout.ranks is None:
+        return None
+    if len(layout.ranks) == dist.get_world_size():
+        return dist.group.WORLD
+    return dist.new_group(ranks=list(layout.ranks), use_local_synchronization=True)
+
+
+def combine_checksums(state: int, group: Any) -> int:
+    """The replica group's state checksum: the 64-bit checksum of its processes' checksums in
+    group-rank order (all-gathered over ``group``, bounded by its timeout). Equal in two groups
+    iff every process equals its counterpart (up to checksum collisions); the same on every
+    process of a group."""
+    from distoptim.comm.checksum import state_checksum
+    from distoptim.comm.groups import comm_device
+
+    words = torch.tensor([state >> 32, state & 0xFFFFFFFF], dtype=torch.int64)
+    words = words.to(comm_device(group))
+    table = words.new_empty(2 * dist.get_world_size(group))
+    dist.all_gather_single(table, words, group=group)
+    return state_checksum([table.cpu()])
