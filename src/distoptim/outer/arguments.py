@@ -63,10 +63,10 @@ def check_arguments(
     owner: str,
     inner: Any,
     outer: Any,
-    options: dict[str, Any],
     group: Any,
     manager: Any,
     model: Any,
+    **options: Any,
 ) -> DiLoCoArguments:
     """Every argument of ``DiLoCo`` checked, before any side effect (subgroup creation is
     collective). ``options``: ``sync_every``, ``fragments``, ``fragment_sync_delay``,

@@ -159,16 +159,12 @@ class DiLoCo(DiLoCoState, WrappedOptimizer):
         owner = name if isinstance(name, str) else type(self).__name__
         if not isinstance(name, str):
             raise TypeError(f"name must be a str, got {type_name(name)}")
-        options = {
-            "sync_every": sync_every,
-            "fragments": fragments,
-            "fragment_sync_delay": fragment_sync_delay,
-            "fragment_update_alpha": fragment_update_alpha,
-            "wire": wire,
-            "error_feedback": error_feedback,
-            "bucket_cap_mb": bucket_cap_mb,
-        }
-        args = check_arguments(owner, inner, outer, options, group, manager, model)
+        args = check_arguments(
+            owner, inner, outer, group, manager, model, sync_every=sync_every,
+            fragments=fragments, fragment_sync_delay=fragment_sync_delay,
+            fragment_update_alpha=fragment_update_alpha, wire=wire,
+            error_feedback=error_feedback, bucket_cap_mb=bucket_cap_mb,
+        )  # fmt: skip
 
         # -- side effects --
         group_obj, group_size = args.group, 0 if manager is not None else 1  # 0: the quorum's
@@ -458,35 +454,13 @@ class DiLoCo(DiLoCoState, WrappedOptimizer):
         )
 
     def _raise_refused(self) -> None:
-        if not self._refused:
-            return
-        what, self._refused = "; ".join(self._refused), []
-        raise NonFiniteSyncError(
-            f"{self._name}: refused on every replica: {what}. No outer step was taken: the "
-            "global copy is unchanged and every replica's parameters of the fragment were reset "
-            "to it (the inner optimizers' states were not). The replicas are still in step and "
-            "training can go on (catch NonFiniteSyncError), but look for the cause first: a "
-            "learning rate too large, an fp16/bf16 overflow, a NaN loss on that replica's data."
-        )
+        if self._refused:
+            what, self._refused = "; ".join(self._refused), []
+            raise _refused_error(self._name, what)
 
-    @contextlib.contextmanager
-    def _peer_guard(self, what: str, t: int) -> Iterator[None]:
+    def _peer_guard(self, what: str, t: int) -> contextlib.AbstractContextManager[None]:
         """A collective that fails because a peer left becomes a ``DesyncError`` saying so."""
-        try:
-            yield
-        except (DesyncError, torch.OutOfMemoryError):
-            raise
-        except RuntimeError as exc:
-            rank = self._channel.ranks[self._channel.rank]
-            raise DesyncError(
-                f"{self._name}: rank {rank}: {what} of step {t} failed while waiting for the "
-                "other replicas: a replica stopped taking part in this group's syncs. Its "
-                "training loop ended before this sync without finish() -- call opt.finish() on "
-                "every replica when training ends, so that a replica that stops early fails the "
-                "others at once, by name -- or it took fewer step() calls, raised (its own error "
-                f"is the real cause) or crashed.\n(the collective said: {type(exc).__name__}: "
-                f"{str(exc).strip()})"
-            ) from exc
+        return _peer_guard(self._name, self._channel, what, t)
 
     def _apply(self, sync: PendingSync, t: int, alpha: float, header: bool = True) -> None:
         """The outer step of one fragment on the global copy, then the local mix (see module).
@@ -583,3 +557,34 @@ class DiLoCo(DiLoCoState, WrappedOptimizer):
             f"fragment_update_alpha={self.fragment_update_alpha}, wire={self.wire!r}, "
             f"num_replicas={self._group_size})"
         )
+
+
+def _refused_error(name: str, what: str) -> NonFiniteSyncError:
+    return NonFiniteSyncError(
+        f"{name}: refused on every replica: {what}. No outer step was taken: the "
+        "global copy is unchanged and every replica's parameters of the fragment were reset "
+        "to it (the inner optimizers' states were not). The replicas are still in step and "
+        "training can go on (catch NonFiniteSyncError), but look for the cause first: a "
+        "learning rate too large, an fp16/bf16 overflow, a NaN loss on that replica's data."
+    )
+
+
+@contextlib.contextmanager
+def _peer_guard(name: str, channel: Channel, what: str, t: int) -> Iterator[None]:
+    """A collective over ``channel`` that fails because a peer left: a ``DesyncError`` naming
+    this rank, what failed at which step, and the likely causes."""
+    try:
+        yield
+    except (DesyncError, torch.OutOfMemoryError):
+        raise
+    except RuntimeError as exc:
+        rank = channel.ranks[channel.rank]
+        raise DesyncError(
+            f"{name}: rank {rank}: {what} of step {t} failed while waiting for the "
+            "other replicas: a replica stopped taking part in this group's syncs. Its "
+            "training loop ended before this sync without finish() -- call opt.finish() on "
+            "every replica when training ends, so that a replica that stops early fails the "
+            "others at once, by name -- or it took fewer step() calls, raised (its own error "
+            f"is the real cause) or crashed.\n(the collective said: {type(exc).__name__}: "
+            f"{str(exc).strip()})"
+        ) from exc
