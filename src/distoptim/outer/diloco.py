@@ -8,7 +8,11 @@ fragment), what every replica does with a sync refused for a non-finite pseudo-g
 collective that fails because a peer left, and checkpoints. What travels, and in which wire
 format, is :mod:`distoptim.outer.exchange`; which parameters sync when is
 :mod:`distoptim.outer.fragments`; what the replicas agree on before a sync is
-:mod:`distoptim.outer.agreement`; what a checkpoint must hold is :mod:`distoptim.outer.checkpoint`.
+:mod:`distoptim.outer.agreement`; what a checkpoint must hold is :mod:`distoptim.outer.checkpoint`;
+the argument checks are :mod:`distoptim.outer.arguments`; replica groups of several processes
+(DTensor parameters averaged by local shard, ``model=``, a ``DeviceMesh`` as ``group=``) are
+:mod:`distoptim.outer.groups` (``docs/groups.md``); the read-only properties
+:mod:`distoptim.outer.facts`.
 
 The algorithm (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of
 Language Models", arXiv 2311.08105, Algorithm 1; fragments, delay and mixing from Douillard et
@@ -99,7 +103,10 @@ class DiLoCo(DiLoCoFacts, DiLoCoState, WrappedOptimizer):
             See ``docs/compression.md``.
         group: ``None`` (all ranks form one group of replicas), a ``group_assignment``
             (equal-size lists of ranks partitioning the world, as CrossShardOptimizer's; each
-            subgroup runs its own DiLoCo), or an existing ``ProcessGroup``.
+            subgroup runs its own DiLoCo), an existing ``ProcessGroup``, or a ``DeviceMesh``
+            (a 1-D mesh, or the dimension named ``"replicate"`` / ``"dp_replicate"`` of a mesh
+            of several). With replica groups of several processes it is the cross-group
+            channel: this process and its counterparts in the other groups (``docs/groups.md``).
         name: returned by ``get_name()``.
         error_feedback: with a lossy wire, add what the encoding dropped to the next
             pseudo-gradient encoded at the same place (per replica, kept in ``state_dict``;
@@ -110,6 +117,11 @@ class DiLoCo(DiLoCoFacts, DiLoCoState, WrappedOptimizer):
             ``should_commit()`` says so, a failed sync resets the fragment to its global copy,
             and a joiner is healed from a peer (see :mod:`distoptim.outer.managed` and
             ``docs/fault_tolerance.md``). ``group`` must then be None.
+        model: (keyword only) the ``DistributedDataParallel`` module that keeps a replica group
+            of several processes one model (FSDP2 / tensor-parallel models say so through their
+            DTensor parameters, a ``CrossShardOptimizer`` inner through itself). A group that
+            cannot be one model fails here (:mod:`distoptim.outer.groups`). DTensor parameters
+            average their local shards: the global copy, outer state and residuals are shards.
 
     Outside an initialized process group (or on a group of one) the optimizer runs as one
     replica: ``Δ`` is the replica's own and nothing is sent. Every sync starts with a small
