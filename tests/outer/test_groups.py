@@ -1,8 +1,8 @@
 """Replica groups of many processes: DiLoCo / LocalSGD / Streaming DiLoCo across 2 groups x 2.
 
 One 4-rank spawn (gloo, CPU) runs every multi-process case: FSDP2 (``fully_shard`` over the
-group's 1-D mesh, ``group=`` the 2-D mesh), tensor parallelism on a 2-D mesh, plain DDP inside
-the groups, one sync of every wire format on FSDP2 shards, the construction errors, and the
+group's 1-D mesh, ``group=`` the 2-D mesh), tensor parallelism on a 2-D mesh, plain DDP and a
+CrossShardOptimizer inside the groups, one sync of every wire format on FSDP2 shards, the construction errors, and the
 references (each group one process on the group's concatenated batch, plain models: ranks 0
 and 2, and again ranks 1 and 3).
 The parent checks every rank: every process of every group ends with one model, bitwise, equal
@@ -39,6 +39,7 @@ GROUPS, PER_GROUP = 2, 2
 ROWS = 8  # a group's batch per inner step (each of its 2 processes takes 4 rows)
 STEPS, H = 12, 4
 WIRES = ["fp32", "bf16", "int8", "topk:0.25"]
+LAYOUTS = ["fsdp", "tp", "ddp", "cross_shard"]
 CONFIGS = {  # name: (fragments, fragment_sync_delay, fragment_update_alpha)
     "diloco": (1, 0, 0.0),
     "streaming": (2, 1, 0.5),
@@ -141,6 +142,22 @@ def _ddp(name: str) -> torch.Tensor:
     return _full(model.module)
 
 
+def _cross_shard(name: str) -> torch.Tensor:
+    """A CrossShardOptimizer over each group (ranks 0-1, 2-3) as DiLoCo's inner optimizer."""
+    from distoptim import CrossShardOptimizer
+
+    rank = dist.get_rank()
+    model = _model()
+    fragments, delay, alpha = CONFIGS[name]
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    inner = CrossShardOptimizer(sgd, group_assignment=[[0, 1], [2, 3]])
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    opt = DiLoCo(inner, outer, H, fragments, delay, alpha, group=[[0, 2], [1, 3]])
+    j = rank % PER_GROUP
+    _train(model, opt, rank // PER_GROUP, slice(j * ROWS // 2, (j + 1) * ROWS // 2))
+    return _full(model)
+
+
 def _one_sync(wire: str) -> dict[str, torch.Tensor]:
     """One sync of ``wire`` on FSDP2 shards; its Δ and what the global copy became."""
     from torch.distributed.fsdp import fully_shard
@@ -207,6 +224,7 @@ def _groups(rank: int, world: int) -> dict[Any, Any]:
         out["fsdp", name] = _fsdp(name, "diloco")
         out["tp", name] = _tp(name)
         out["ddp", name] = _ddp(name)
+        out["cross_shard", name] = _cross_shard(name)
     out["fsdp", "localsgd"] = _fsdp("diloco", "localsgd")
     for wire in WIRES:
         sync = _one_sync(wire)
@@ -244,7 +262,7 @@ def reference(groups) -> list[dict[Any, Any]]:
     return [out["reference"] for out in groups]
 
 
-@pytest.mark.parametrize("layout", ["fsdp", "tp", "ddp"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_every_process_of_every_group_ends_with_one_model(groups, layout, name):
     first = groups[0][layout, name]
@@ -252,7 +270,7 @@ def test_every_process_of_every_group_ends_with_one_model(groups, layout, name):
         assert torch.equal(groups[rank][layout, name], first), f"rank {rank}"
 
 
-@pytest.mark.parametrize("layout", ["fsdp", "tp", "ddp"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_a_group_of_two_is_the_one_process_group_on_its_batch(groups, reference, layout, name):
     want = reference[0][name]
