@@ -1,10 +1,11 @@
 """Replica groups of many processes: DiLoCo / LocalSGD / Streaming DiLoCo across 2 groups x 2.
 
-One 4-rank spawn (gloo, CPU) runs every multi-process case: FSDP2 (``fully_shard`` over the
+One 4-rank spawn (gloo, CPU) runs every case without torchft: FSDP2 (``fully_shard`` over the
 group's 1-D mesh, ``group=`` the 2-D mesh), tensor parallelism on a 2-D mesh, plain DDP and a
-CrossShardOptimizer inside the groups, one sync of every wire format on FSDP2 shards, the construction errors, and the
-references (each group one process on the group's concatenated batch, plain models: ranks 0
-and 2, and again ranks 1 and 3).
+CrossShardOptimizer inside the groups, one sync of every wire format on FSDP2 shards, the
+construction errors, and the references (each group one process on the group's concatenated
+batch, plain models: ranks 0 and 2, and again ranks 1 and 3). A second 4-rank spawn runs the
+torchft cases (a real lighthouse, one manager per process).
 The parent checks every rank: every process of every group ends with one model, bitwise, equal
 within a derived tolerance to the reference run, and each wire's sync equal to its
 single-process reference applied to the shards.
@@ -33,6 +34,8 @@ from torch import nn
 from distoptim import DiLoCo, LocalSGD
 from distoptim.launch import spawn
 from tests.comm import reference as wire_ref
+
+pytestmark = pytest.mark.slow  # two 4-rank spawns (about 1-3 min each on 2 loaded cores)
 
 ATOL = 1e-5
 GROUPS, PER_GROUP = 2, 2
