@@ -221,6 +221,35 @@ def _errors() -> dict[str, str]:
     return out
 
 
+def _mismatched_layouts() -> str:
+    """Group 0 shards with FSDP2, group 1 with TP: counterparts hold pieces of other shapes."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from distoptim.comm.guard import DesyncError
+
+    mesh = _mesh("shard")
+    model = _model()
+    if dist.get_rank() < PER_GROUP:
+        fully_shard(model, mesh=mesh["shard"])
+    else:
+        plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+        model = parallelize_module(model, mesh["shard"], plan)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = DiLoCo(inner, torch.optim.SGD(model.parameters(), lr=0.7), 1, group=mesh)
+    x, y = _batch(0, 0)
+    F.mse_loss(model(x), y).backward()
+    try:
+        opt.step()  # the first sync: its header
+    except DesyncError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
 def _groups(rank: int, world: int) -> dict[Any, Any]:
     out: dict[Any, Any] = {}
     for name in CONFIGS:
@@ -234,6 +263,7 @@ def _groups(rank: int, world: int) -> dict[Any, Any]:
         sync["bytes"] = sync["bytes"].bytes_sent
         out["wire", wire] = sync
     out["errors"] = _errors()
+    out["mismatched_layouts"] = _mismatched_layouts()
     out["reference"] = _reference(rank)
     return out
 
@@ -439,3 +469,10 @@ def test_a_group_whose_processes_differ_is_refused_on_every_rank(managed):
         says = managed[rank]["differs"]
         assert says.startswith("ParameterMismatchError"), (rank, says)
         assert "state checksum" in says, (rank, says)
+
+
+def test_counterparts_laid_out_differently_fail_the_first_header(groups):
+    for rank in range(GROUPS * PER_GROUP):
+        says = groups[rank]["mismatched_layouts"]
+        assert says.startswith("ParameterMismatchError"), (rank, says)
+        assert "group_layout" in says, (rank, says)

@@ -496,7 +496,7 @@ class DiLoCo(DiLoCoFacts, DiLoCoState, WrappedOptimizer):
             "error_feedback": self.error_feedback,
             "bucket_cap_mb": self.bucket_cap_mb,
             "num_replicas": self._group_size,
-        }
+        } | self.layout.options(self._global)
 
     def __repr__(self) -> str:
         return (

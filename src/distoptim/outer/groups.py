@@ -31,6 +31,7 @@ Owns the layout side of DiLoCo / LocalSGD / Streaming DiLoCo (``docs/groups.md``
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -134,6 +135,16 @@ class GroupLayout:
     def sharded(self) -> bool:
         """Whether processes of the group hold different pieces of each parameter."""
         return self.kind == "sharded"
+
+    def options(self, local: Sequence[torch.Tensor]) -> dict[str, str]:
+        """What the sync header's plan fingerprint adds for a group of several processes: the
+        layout and a digest of this process's local shapes, so counterparts laid out
+        differently (their payloads would not pair) fail the header by name. Nothing for
+        ``k = 1`` (a one-process replica's fingerprint is unchanged)."""
+        if self.size == 1:
+            return {}
+        shapes = hashlib.blake2b(repr([tuple(t.shape) for t in local]).encode(), digest_size=8)
+        return {"group_layout": f"{self.kind} over {self.size}, local {shapes.hexdigest()}"}
 
 
 def manager_group_size(manager: Any) -> int:
