@@ -8,14 +8,15 @@ and ``fp32``) runs across the groups over ``group=mesh``. Per process it records
   optimizer's state and the error-feedback residuals (bytes, each storage once);
 * the **bytes sent per sync** (``comm_stats.bytes_sent`` over one sync, headers included).
 
-``k = 1`` (each group one process holding the whole model) is the unsharded baseline; the
+``k = 1`` (each group one process holding the whole model, over the same cross-group pairs of
+the 4-process run, interleaved with ``k = 2`` wire by wire) is the unsharded baseline; the
 printed ratios are ``k``'s figure over the baseline's (expected ``1/k``). These are counts,
 not timings, so they do not depend on load; the load is recorded anyway.
 
 Usage::
 
-    python benchmarks/groups.py            # k = 1, 2, 4 (8 processes), a 1.1 M-parameter MLP
-    python benchmarks/groups.py --quick    # k = 1, 2, a tiny MLP
+    python benchmarks/groups.py            # k = 1, 2 (4 processes), 4 (8), a 1.1 M-param MLP
+    python benchmarks/groups.py --quick    # k = 1, 2 in one 4-process spawn, a tiny MLP
 
 Writes ``benchmarks/results/groups.json`` (``results/quick/groups.json`` with ``--quick``).
 """
@@ -29,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -41,6 +41,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "groups.json"
 QUICK_RESULTS = RESULTS.parent / "quick" / RESULTS.name
 GROUPS = 2
 H = 2
+WIRES = ("fp32", "int8")
 
 
 def _storage_bytes(tensors: list[torch.Tensor]) -> int:
@@ -51,12 +52,11 @@ def _storage_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-def _measure(rank: int, world: int, width: int, wire: str) -> dict[str, int]:
-    from torch.distributed.device_mesh import init_device_mesh
+def _one(mesh: Any, k: int, width: int, wire: str, rank: int) -> dict[str, int]:
+    """One DiLoCo over the model, sharded over ``mesh["shard"]`` when ``k > 1`` (``k = 1``:
+    plain, each process a one-process group averaging with its counterpart)."""
     from torch.distributed.fsdp import fully_shard
 
-    k = world // GROUPS
-    mesh = init_device_mesh("cpu", (GROUPS, k), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width))
     if k > 1:
@@ -83,8 +83,21 @@ def _measure(rank: int, world: int, width: int, wire: str) -> dict[str, int]:
         "outer_state": _storage_bytes(outer_state),
         "residuals": _storage_bytes(residuals),
         "bytes_per_sync": opt.comm_stats.bytes_sent - before,
-        "world": dist.get_world_size(),
     }
+
+
+def _measure(rank: int, world: int, width: int, base: bool) -> dict[Any, dict[str, int]]:
+    """Every wire at this world's ``k`` (and, with ``base``, at ``k = 1``, unsharded models
+    over the same cross-group pairs), interleaved wire by wire."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    k = world // GROUPS
+    mesh = init_device_mesh("cpu", (GROUPS, k), mesh_dim_names=("replicate", "shard"))
+    out: dict[Any, dict[str, int]] = {}
+    for wire in WIRES:
+        for run_k in ([1] if base else []) + [k]:
+            out[wire, run_k] = _one(mesh, run_k, width, wire, rank)
+    return out
 
 
 def main() -> None:
@@ -92,23 +105,23 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="k = 1, 2 and a tiny model")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    ks = [1, 2] if args.quick else [1, 2, 4]
+    ks = [2] if args.quick else [2, 4]
     width = 64 if args.quick else 736  # 736: 2 x (736^2 + 736) ≈ 1.08 M parameters
     load = os.getloadavg()
     runs: dict[str, Any] = {"load_before": load, "width": width, "rows": []}
-    for wire in ("fp32", "int8"):
-        base: dict[str, int] | None = None
-        for k in ks:  # every k of a wire in one run, one after the other
-            outs = spawn(_measure, GROUPS * k, args=(width, wire), timeout=600)
-            rows = outs  # every rank's own figures (the spread over ranks is recorded)
+    measured: dict[Any, list[dict[str, int]]] = {}
+    for k in ks:  # one spawn per world size; k = 1 inside the first
+        outs = spawn(_measure, GROUPS * k, args=(width, k == ks[0]), timeout=900)
+        for key in outs[0]:
+            measured[key] = [o[key] for o in outs]  # every rank's own figures
+    for wire in WIRES:
+        base = measured[wire, 1][0]
+        base_state = base["global_copy"] + base["outer_state"] + base["residuals"]
+        for k in [1, *ks]:
+            rows = measured[wire, k]
             mine = rows[0]
-            if k == 1:
-                base = mine
-            assert base is not None
             state = mine["global_copy"] + mine["outer_state"] + mine["residuals"]
-            base_state = base["global_copy"] + base["outer_state"] + base["residuals"]
             keys = ("outer_state", "bytes_per_sync")
-            spread = {key: sorted({r[key] for r in rows}) for key in keys}
             row = {
                 "wire": wire,
                 "k": k,
@@ -116,7 +129,7 @@ def main() -> None:
                 "outer_total": state,
                 "state_ratio": state / base_state,
                 "bytes_ratio": mine["bytes_per_sync"] / base["bytes_per_sync"],
-                "spread_over_ranks": spread,
+                "spread_over_ranks": {key: sorted({r[key] for r in rows}) for key in keys},
             }
             runs["rows"].append(row)
             print(
@@ -127,6 +140,9 @@ def main() -> None:
                 flush=True,
             )
     runs["load_after"] = os.getloadavg()
+    runs["command"] = " ".join(
+        ["python benchmarks/groups.py", *(["--quick"] if args.quick else [])]
+    )
     print(f"load average before {load}, after {runs['load_after']}")
     out = args.out or (QUICK_RESULTS if args.quick else RESULTS)
     out.parent.mkdir(parents=True, exist_ok=True)
