@@ -1,11 +1,12 @@
 """Fault-tolerant training on torchft: replica groups that die and join while the job goes on.
 
 A *replica group* is one torchrun job (here 2 processes: CrossShardOptimizer's group within the
-replica, or DDP's with ``--algo diloco``); replica groups find each other through a torchft lighthouse and average across
-groups through a ``torchft.Manager``, step by step (``--algo sync``) or sync by sync
-(``--algo diloco``). Kill a replica group and start it again: the others go on, and the new one
-heals from a peer and joins them. Every process prints its committed steps, and at the end the
-bitwise checksum of the model, which is the same in every replica group that finished.
+replica, or DDP's with ``--algo diloco``); replica groups find each other through a torchft
+lighthouse and average across groups through a ``torchft.Manager``, step by step
+(``--algo sync``) or sync by sync (``--algo diloco``). Kill a replica group and start it again:
+the others go on, and the new one heals from a peer and joins them. Every process prints its
+committed steps, and at the end the bitwise checksum of the model, which is the same in every
+replica group that finished.
 
 On one machine (three terminals)::
 

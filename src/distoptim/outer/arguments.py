@@ -17,9 +17,9 @@ import torch.distributed as dist
 
 from distoptim.checks import (
     check_bool,
+    check_bucket_cap_mb,
     check_finite_hyperparameters,
     check_int,
-    check_positive,
     type_name,
 )
 from distoptim.comm.groups import check_group_assignment
@@ -89,7 +89,7 @@ def check_arguments(
     alpha = check_alpha(options["fragment_update_alpha"])
     wire_format = parse_wire(options["wire"])
     error_feedback = check_bool("error_feedback", options["error_feedback"])
-    cap = check_positive("bucket_cap_mb", options["bucket_cap_mb"], "MiB")
+    cap = check_bucket_cap_mb(options["bucket_cap_mb"])
     params = [p for g in inner.param_groups for p in g["params"]]
     check_same_parameters(owner, params, outer)
     if fragments > len(params):
