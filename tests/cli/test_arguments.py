@@ -185,7 +185,7 @@ def test_help_and_version_exit_0(capsys):
 def test_default_out_never_overwrites_and_out_refuses_old_results(tmp_path, monkeypatch, capsys):
     import datetime
 
-    from distoptim.cli import arguments
+    from distoptim.cli import plan
     from distoptim.cli.arguments import build_parser, make_plan
 
     class _SameSecond(datetime.datetime):  # both commands start in the same second
@@ -193,7 +193,7 @@ def test_default_out_never_overwrites_and_out_refuses_old_results(tmp_path, monk
         def now(cls, tz=None):
             return cls(2024, 5, 1, 12, 0, 0)
 
-    monkeypatch.setattr(arguments._dt, "datetime", _SameSecond)
+    monkeypatch.setattr(plan._dt, "datetime", _SameSecond)
     monkeypatch.chdir(tmp_path)
     args = build_parser().parse_args(["compare", "--algos", "sync"])
     first, second = make_plan(args).out, make_plan(args).out
