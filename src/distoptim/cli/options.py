@@ -19,24 +19,9 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from distoptim._version import __version__
+from distoptim.cli import optionvalues as values
 from distoptim.cli.algorithms import ALGORITHMS
 from distoptim.cli.datasets import DIGITS
-from distoptim.cli.optionvalues import (
-    _accuracy,
-    _algorithm_entries,
-    _chaos,
-    _choice_list,
-    _delayed_momentum,
-    _hidden,
-    _int_list,
-    _moving_rate,
-    _number,
-    _positive_int,
-    _positive_number,
-    _seed,
-    _straggler,
-    _wire,
-)
 from distoptim.cli.runconfig import (
     AGN_RULES,
     DEFAULT_LR,
@@ -48,7 +33,15 @@ from distoptim.cli.runconfig import (
     TRANSPORTS,
 )
 
-__all__ = ["COMMANDS", "OPTIONS", "Command", "Option", "Sweep", "build_parser"]
+__all__ = [
+    "COMMANDS",
+    "FAULT_TOLERANT_OPTIONS",
+    "OPTIONS",
+    "Command",
+    "Option",
+    "Sweep",
+    "build_parser",
+]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -156,11 +149,11 @@ class Option:
 
 _ALGORITHM_NAMES = ", ".join(f"{a.name} ({a.help})" for a in ALGORITHMS.values())
 
-OPTIONS: tuple[Option, ...] = (
+_RUN_OPTIONS: tuple[Option, ...] = (
     Option(
         ("--algo",),
         f"the algorithm: {_ALGORITHM_NAMES}",
-        parse=_choice_list(ALGORITHMS, "algorithm"),
+        parse=values.choice_list(ALGORITHMS, "algorithm"),
         required=True,
         commands=("train",),
     ),
@@ -170,7 +163,7 @@ OPTIONS: tuple[Option, ...] = (
         "streaming-diloco also as NAME@WIRE with their own wire format (e.g. diloco@int4, "
         "diloco@topk:0.02+int2); with --dataset shakespeare the default adds "
         + ", ".join(a for a in LM_DEFAULTS["algos"] if "@" in a),
-        parse=_algorithm_entries,
+        parse=values.algorithm_entries,
         metavar="A,A...",
         commands=("compare",),
     ),
@@ -178,14 +171,14 @@ OPTIONS: tuple[Option, ...] = (
         ("--repeats",),
         "runs per cell; the table shows mean ± std of validation accuracy (async runs differ "
         "run to run, sync with one --seed does not) (default 1)",
-        parse=_positive_int,
+        parse=values.positive_int,
         default=DEFAULTS["repeats"],
         commands=("compare",),
     ),
     Option(
         ("--workers", "-n"),
         "worker processes per run (default 4){sweep}",
-        parse=_int_list,
+        parse=values.int_list,
         default=DEFAULTS["workers"],
         metavar="N",
         sweep=Sweep(",N..."),
@@ -194,7 +187,7 @@ OPTIONS: tuple[Option, ...] = (
         ("--communication-period", "--sync-every", "-l"),
         "λ: local steps between a worker's communications -- AGN's/DOWNPOUR's λ, EASGD's τ, "
         "LocalSGD's and DiLoCo's H (default 10){sweep}; sync all-reduces every step",
-        parse=_int_list,
+        parse=values.int_list,
         default=DEFAULTS["communication_period"],
         metavar="L",
         sweep=Sweep(",L..."),
@@ -204,7 +197,7 @@ OPTIONS: tuple[Option, ...] = (
         "AGN's update: 'paper' (Hermans et al.: commit (θ-θ_pulled)/λ, the server adds it; "
         "default) or 'tf' (TF contrib: commit a/λ, the server runs its own optimizer on "
         "it){sweep}",
-        parse=_choice_list(AGN_RULES, "AGN rule"),
+        parse=values.choice_list(AGN_RULES, "AGN rule"),
         default=DEFAULTS["agn_rule"],
         metavar="paper|tf",
         sweep=Sweep(",...", " (tf,paper runs both)"),
@@ -213,14 +206,14 @@ OPTIONS: tuple[Option, ...] = (
         ("--moving-rate",),
         "EASGD's moving rate alpha: 'paper' = 0.9/n (Zhang et al., default), 'tf' = "
         "0.9/(τ·n) (TF contrib's default), or a number in (0, 1]",
-        parse=_moving_rate,
+        parse=values.moving_rate,
         default=DEFAULTS["moving_rate"],
         metavar="paper|tf|ALPHA",
     ),
     Option(
         ("--outer-lr",),
         "DiLoCo's outer SGD learning rate (default %(default)g; DiLoCo's paper: 0.7)",
-        parse=_number(0.0, inclusive=False),
+        parse=values.number(0.0, inclusive=False),
         default=DEFAULTS["outer_lr"],
         metavar="LR",
     ),
@@ -228,7 +221,7 @@ OPTIONS: tuple[Option, ...] = (
         ("--outer-momentum",),
         "DiLoCo's outer Nesterov momentum in [0, 1); 0: plain SGD (default %(default)g; "
         "DiLoCo's paper: 0.9)",
-        parse=_number(0.0, inclusive=True),
+        parse=values.number(0.0, inclusive=True),
         default=DEFAULTS["outer_momentum"],
         metavar="MU",
     ),
@@ -236,7 +229,7 @@ OPTIONS: tuple[Option, ...] = (
         ("--fragments",),
         "Streaming DiLoCo: fragments that sync in turn, one every H/F steps (F must divide H; "
         "default %(default)s)",
-        parse=_positive_int,
+        parse=values.positive_int,
         default=DEFAULTS["fragments"],
         metavar="F",
     ),
@@ -252,7 +245,7 @@ OPTIONS: tuple[Option, ...] = (
         ("--fragment-alpha",),
         "Streaming DiLoCo: share of its local values a fragment keeps when the new global "
         "values arrive, in [0, 1] (default %(default)g)",
-        parse=_number(0.0, inclusive=True),
+        parse=values.number(0.0, inclusive=True),
         default=DEFAULTS["fragment_alpha"],
         metavar="ALPHA",
     ),
@@ -263,7 +256,7 @@ OPTIONS: tuple[Option, ...] = (
         "chunked top-k) or topk:D+V (their values in V, e.g. topk:0.02+int2); lossy formats "
         "with error feedback (docs/compression.md). Default: fp32 for diloco, int8 for "
         "streaming-diloco; an --algos entry NAME@WIRE overrides it",
-        parse=_wire,
+        parse=values.wire,
         metavar="WIRE",
     ),
     Option(
@@ -271,7 +264,7 @@ OPTIONS: tuple[Option, ...] = (
         "Async DiLoCo: Delayed Nesterov, the outer momentum applied every N commits (Liu et "
         "al. 2024); 'n' = the number of workers (default, their choice); 0: Nesterov on every "
         "commit (fragile: with lr 0.7, momentum 0.9 it diverged on digits)",
-        parse=_delayed_momentum,
+        parse=values.delayed_momentum,
         default=DEFAULTS["delayed_momentum"],
         metavar="n|N",
     ),
@@ -293,7 +286,7 @@ OPTIONS: tuple[Option, ...] = (
         ("--straggler",),
         "make worker W's steps take FACTOR x as long (emulated: it waits FACTOR-1 times its "
         "forward+backward time after each step); repeatable",
-        parse=_straggler,
+        parse=values.straggler,
         action="append",
         default=[],
         metavar="W:FACTOR",
@@ -303,7 +296,7 @@ OPTIONS: tuple[Option, ...] = (
         "validation accuracy for the 'time/bytes to target' columns (default: 0.95 x the final "
         "accuracy of sync with the same n, else of the grid's best run); not for "
         "--dataset shakespeare",
-        parse=_accuracy,
+        parse=values.accuracy,
         metavar="ACC",
     ),
     Option(
@@ -311,7 +304,7 @@ OPTIONS: tuple[Option, ...] = (
         "--dataset shakespeare: validation loss in nats for the 'time/bytes to target' columns "
         "(default: 1.04 x the final validation loss of sync with the same n, else of the "
         "grid's best run)",
-        parse=_number(0.0, inclusive=False),
+        parse=values.number(0.0, inclusive=False),
         metavar="NATS",
     ),
     Option(
@@ -319,13 +312,13 @@ OPTIONS: tuple[Option, ...] = (
         f"passes over the training data, all workers together (default {DEFAULTS['epochs']}; "
         f"with --dataset shakespeare {LM_DEFAULTS['epochs']:g}, and fractions are allowed there: "
         "0.05 is a smoke run)",
-        parse=_positive_number,
+        parse=values.positive_number,
     ),
     Option(
         ("--batch-size",),
         "samples per worker step; sync's global batch is workers x B; an epoch's last batch "
         "holds the rest of the shard (default %(default)s)",
-        parse=_positive_int,
+        parse=values.positive_int,
         default=DEFAULTS["batch_size"],
         metavar="B",
     ),
@@ -340,33 +333,33 @@ OPTIONS: tuple[Option, ...] = (
         ("--hidden",),
         "--model mlp: hidden layer widths (default 128,64; the AGN thesis' MNIST model is "
         "1000,2000,1000)",
-        parse=_hidden,
+        parse=values.hidden,
         metavar="W,W...",
     ),
     Option(
         ("--layers",),
         f"--model gpt: transformer blocks (default {LM_DEFAULTS['layers']})",
-        parse=_positive_int,
+        parse=values.positive_int,
         metavar="L",
     ),
     Option(
         ("--width",),
         f"--model gpt: the residual stream's width, a multiple of --heads (default "
         f"{LM_DEFAULTS['width']})",
-        parse=_positive_int,
+        parse=values.positive_int,
         metavar="D",
     ),
     Option(
         ("--heads",),
         f"--model gpt: attention heads (default {LM_DEFAULTS['heads']})",
-        parse=_positive_int,
+        parse=values.positive_int,
         metavar="H",
     ),
     Option(
         ("--context",),
         f"--model gpt: characters the model reads at once, the length of a training window "
         f"(default {LM_DEFAULTS['context']})",
-        parse=_positive_int,
+        parse=values.positive_int,
         metavar="T",
     ),
     Option(
@@ -383,12 +376,12 @@ OPTIONS: tuple[Option, ...] = (
         + ", ".join(f"{k} {v:g}" for k, v in DEFAULT_LR.items())
         + "; with --dataset shakespeare adam and adamw "
         + f"{LM_DEFAULTS['lr']['adam']:g})",
-        parse=_number(0.0, inclusive=False),
+        parse=values.number(0.0, inclusive=False),
     ),
     Option(
         ("--seed",),
         f"model init and data order, an integer in [0, {MAX_SEED}] (default 0)",
-        parse=_seed,
+        parse=values.seed,
         default=DEFAULTS["seed"],
     ),
     Option(
@@ -414,15 +407,45 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         ("--link-latency-ms",),
         "emulate a slower network: delay every message by MS milliseconds (off by default)",
-        parse=_number(0.0, inclusive=True),
+        parse=values.number(0.0, inclusive=True),
         metavar="MS",
     ),
     Option(
         ("--link-mbps",),
         "emulate a link of this bandwidth in megabit/s (off by default)",
-        parse=_number(0.0, inclusive=False),
+        parse=values.number(0.0, inclusive=False),
         metavar="MBPS",
     ),
+    Option(
+        ("--num-ps",),
+        "parameter-server shards of the async algorithms (default 1)",
+        parse=values.positive_int,
+        default=DEFAULTS["num_ps"],
+    ),
+    Option(
+        ("--eval-points",),
+        f"validation evaluations during each run (default {DEFAULTS['eval_points']}; "
+        f"{LM_DEFAULTS['eval_points']} with --dataset shakespeare, whose evaluations take "
+        "longer)",
+        parse=values.positive_int,
+    ),
+    Option(
+        ("--timeout",),
+        "seconds a run may take before its processes are stopped (default %(default)g)",
+        parse=values.number(0.0, inclusive=False),
+        default=DEFAULTS["timeout"],
+        metavar="S",
+    ),
+    Option(
+        ("--progress",),
+        "live progress on stderr: bars (rich) on a terminal, lines otherwise (default auto)",
+        choices=("auto", "rich", "plain", "none"),
+        default="auto",
+    ),
+)
+"""The options of every run, in the order ``--help`` lists them."""
+
+FAULT_TOLERANT_OPTIONS: tuple[Option, ...] = (
     Option(
         ("--fault-tolerant",),
         "run the synchronous family (sync, localsgd, diloco, streaming-diloco) as torchft "
@@ -436,7 +459,7 @@ OPTIONS: tuple[Option, ...] = (
         "with --fault-tolerant: kill:EVERY_S[:RESTART_S] SIGKILLs one replica group every "
         "EVERY_S seconds and restarts it RESTART_S later; stop:EVERY_S[:CONT_S] freezes one "
         "with SIGSTOP instead; each run then also runs without faults, for the goodput ratio",
-        parse=_chaos,
+        parse=values.chaos,
         metavar="SPEC",
     ),
     Option(
@@ -444,37 +467,15 @@ OPTIONS: tuple[Option, ...] = (
         "with --fault-tolerant: each replica's steps take at least this many milliseconds (a "
         "machine of fixed speed, so a dead replica's core does not speed up the others; 0: "
         "unpaced; default %(default)g)",
-        parse=_number(0.0, inclusive=True),
+        parse=values.number(0.0, inclusive=True),
         default=20.0,
         metavar="MS",
     ),
-    Option(
-        ("--num-ps",),
-        "parameter-server shards of the async algorithms (default 1)",
-        parse=_positive_int,
-        default=DEFAULTS["num_ps"],
-    ),
-    Option(
-        ("--eval-points",),
-        f"validation evaluations during each run (default {DEFAULTS['eval_points']}; "
-        f"{LM_DEFAULTS['eval_points']} with --dataset shakespeare, whose evaluations take "
-        "longer)",
-        parse=_positive_int,
-    ),
-    Option(
-        ("--timeout",),
-        "seconds a run may take before its processes are stopped (default %(default)g)",
-        parse=_number(0.0, inclusive=False),
-        default=DEFAULTS["timeout"],
-        metavar="S",
-    ),
-    Option(
-        ("--progress",),
-        "live progress on stderr: bars (rich) on a terminal, lines otherwise (default auto)",
-        choices=("auto", "rich", "plain", "none"),
-        default="auto",
-    ),
 )
+"""The options of ``--fault-tolerant`` runs (torchft replica groups), listed last by
+``--help``: a new option of that mode is one more row here."""
+
+OPTIONS: tuple[Option, ...] = _RUN_OPTIONS + FAULT_TOLERANT_OPTIONS
 """Every option of ``distoptim train`` and ``distoptim compare``, in the order ``--help``
 lists them."""
 

@@ -18,6 +18,23 @@ from distoptim.cli.algorithms import ALGORITHMS
 from distoptim.cli.runconfig import MAX_SEED, delayed_nesterov, easgd_alpha
 from distoptim.comm.wire import GRAMMAR, parse_wire
 
+__all__ = [
+    "accuracy",
+    "algorithm_entries",
+    "chaos",
+    "choice_list",
+    "delayed_momentum",
+    "hidden",
+    "int_list",
+    "moving_rate",
+    "number",
+    "positive_int",
+    "positive_number",
+    "seed",
+    "straggler",
+    "wire",
+]
+
 
 # ---------------------------------------------------------------------------------------------
 # values: text -> value, refused in the command line's words (the rules are distoptim.checks')
@@ -46,14 +63,14 @@ def _real(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     value = _integer(text)
     if not _passes(check_int, value, 1):
         raise argparse.ArgumentTypeError(f"{value} is not allowed: must be >= 1")
     return value
 
 
-def _int_list(text: str) -> list[int]:
+def int_list(text: str) -> list[int]:
     values = []
     for part in text.split(","):
         value = _integer(part.strip(), " (give one, or a comma list like 2,4,8)")
@@ -65,11 +82,11 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
-def _hidden(text: str) -> tuple[int, ...]:
-    return tuple(_positive_int(part.strip()) for part in text.split(","))
+def hidden(text: str) -> tuple[int, ...]:
+    return tuple(positive_int(part.strip()) for part in text.split(","))
 
 
-def _choice_list(choices: Any, what: str) -> Callable[[str], list[str]]:
+def choice_list(choices: Any, what: str) -> Callable[[str], list[str]]:
     def parse(text: str) -> list[str]:
         names = [p.strip().lower() for p in text.split(",") if p.strip()]
         bad = [n for n in names if not _passes(check_choice, n, choices, fold_case=False)]
@@ -85,7 +102,7 @@ def _choice_list(choices: Any, what: str) -> Callable[[str], list[str]]:
     return parse
 
 
-def _number(minimum: float, inclusive: bool) -> Callable[[str], float]:
+def number(minimum: float, inclusive: bool) -> Callable[[str], float]:
     def parse(text: str) -> float:
         value = _real(text)
         if not _passes(check_real, value, minimum, low_open=not inclusive):
@@ -98,7 +115,7 @@ def _number(minimum: float, inclusive: bool) -> Callable[[str], float]:
     return parse
 
 
-def _accuracy(text: str) -> float:
+def accuracy(text: str) -> float:
     value = _real(text)
     if not _passes(check_real, value, 0.0, 1.0, low_open=True):
         raise argparse.ArgumentTypeError(
@@ -107,7 +124,7 @@ def _accuracy(text: str) -> float:
     return value
 
 
-def _straggler(text: str) -> tuple[int, float]:
+def straggler(text: str) -> tuple[int, float]:
     worker, sep, factor = text.partition(":")
     try:
         pair = (int(worker), float(factor))
@@ -125,7 +142,7 @@ def _straggler(text: str) -> tuple[int, float]:
     return pair
 
 
-def _positive_number(text: str) -> float:
+def positive_number(text: str) -> float:
     """A finite number > 0 (``--epochs``: fractions are for the language model)."""
     value = _real(text)
     if not _passes(check_real, value, 0.0, low_open=True):
@@ -133,7 +150,7 @@ def _positive_number(text: str) -> float:
     return value
 
 
-def _seed(text: str) -> int:
+def seed(text: str) -> int:
     value = _integer(text)
     if not (_passes(check_int, value, 0) and value <= MAX_SEED):
         raise argparse.ArgumentTypeError(
@@ -142,7 +159,7 @@ def _seed(text: str) -> int:
     return value
 
 
-def _chaos(text: str) -> Any:
+def chaos(text: str) -> Any:
     """``--chaos``: a fault schedule (:class:`distoptim.ft.local.Chaos`), parsed as text."""
     from distoptim.ft.local import Chaos
 
@@ -152,7 +169,7 @@ def _chaos(text: str) -> Any:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _wire(text: str) -> str:
+def wire(text: str) -> str:
     """A wire format of the registry (``distoptim.comm.wire``), as its canonical name."""
     try:
         return parse_wire(text.strip()).name
@@ -160,7 +177,7 @@ def _wire(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text!r} is not allowed: {GRAMMAR}") from None
 
 
-def _algorithm_entries(text: str) -> list[str]:
+def algorithm_entries(text: str) -> list[str]:
     """``--algos``: comma-separated ``NAME`` or ``NAME@WIRE`` (canonical wire names)."""
     entries = []
     for part in (p.strip() for p in text.split(",")):
@@ -185,7 +202,7 @@ def _algorithm_entries(text: str) -> list[str]:
     return entries
 
 
-def _moving_rate(text: str) -> str:
+def moving_rate(text: str) -> str:
     text = text.strip().lower()
     try:
         easgd_alpha(text, 1, 1)
@@ -196,7 +213,7 @@ def _moving_rate(text: str) -> str:
     return text
 
 
-def _delayed_momentum(text: str) -> str:
+def delayed_momentum(text: str) -> str:
     text = text.strip().lower()
     try:
         delayed_nesterov(text, 1)
