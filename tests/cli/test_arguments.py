@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
 from distoptim.cli.main import main
+from tests.cli.helpers import command as cli_command
+from tests.cli.helpers import plan_of, run_command
 
 
 @pytest.mark.parametrize(
@@ -164,12 +165,7 @@ def test_out_must_be_a_directory(capsys, tmp_path):
 
 
 def test_console_script_process_exits_2_without_traceback():
-    proc = subprocess.run(
-        [sys.executable, "-m", "distoptim.cli.main", "compare", "--workers", "-1"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = run_command(cli_command("compare", "--workers", "-1"), timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
     assert "--workers" in proc.stderr
@@ -186,7 +182,6 @@ def test_default_out_never_overwrites_and_out_refuses_old_results(tmp_path, monk
     import datetime
 
     from distoptim.cli import plan
-    from distoptim.cli.arguments import build_parser, make_plan
 
     class _SameSecond(datetime.datetime):  # both commands start in the same second
         @classmethod
@@ -195,8 +190,7 @@ def test_default_out_never_overwrites_and_out_refuses_old_results(tmp_path, monk
 
     monkeypatch.setattr(plan._dt, "datetime", _SameSecond)
     monkeypatch.chdir(tmp_path)
-    args = build_parser().parse_args(["compare", "--algos", "sync"])
-    first, second = make_plan(args).out, make_plan(args).out
+    first, second = (plan_of("compare", "--algos", "sync").out for _ in range(2))
     assert first != second  # two commands in the same second: two folders
     assert os.path.dirname(first) == str(tmp_path / "distoptim-results")
     assert os.path.basename(second) == os.path.basename(first) + "-2"
@@ -204,8 +198,7 @@ def test_default_out_never_overwrites_and_out_refuses_old_results(tmp_path, monk
     (tmp_path / "mine" / "results.json").write_text("{}")
     assert main(["compare", "--algos", "sync", "--out", "mine"]) == 2
     assert "already holds results of an earlier run" in capsys.readouterr().err
-    explicit = build_parser().parse_args(["compare", "--out", "mine", "--overwrite"])
-    assert make_plan(explicit).out == str(tmp_path / "mine")
+    assert plan_of("compare", "--out", "mine", "--overwrite").out == str(tmp_path / "mine")
 
 
 @pytest.mark.parametrize(
@@ -243,14 +236,12 @@ def test_text_file_as_dataset_says_it_is_not_an_npz(tmp_path, capsys):
 
 
 def test_outer_family_options_stragglers_and_targets_reach_every_run(monkeypatch, tmp_path):
-    from distoptim.cli.arguments import build_parser, make_plan
-
     argv = ["compare", "--algos", "sync,diloco,streaming-diloco,agn", "--workers", "2,4"]
     argv += ["--sync-every", "20", "--straggler", "1:3", "--straggler", "3:2", "--wire", "bf16"]
     argv += ["--outer-lr", "0.5", "--outer-momentum", "0", "--fragments", "4"]
     argv += ["--transport", "rpc", "--target-acc", "0.9", "--out", str(tmp_path / "o")]
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
-    plan = make_plan(build_parser().parse_args(argv))
+    plan = plan_of(*argv)
     by = {(c.algo, c.workers): c for c in plan.configs}
     assert by["diloco", 2].communication_period == 20 and by["sync", 2].communication_period == 1
     assert by["sync", 2].stragglers == ((1, 3.0),)  # worker 3 is not in a 2-worker run
@@ -269,11 +260,9 @@ def test_outer_family_options_stragglers_and_targets_reach_every_run(monkeypatch
 
 
 def test_oversubscription_up_to_two_workers_per_core_is_recorded_not_warned(monkeypatch, tmp_path):
-    from distoptim.cli.arguments import build_parser, make_plan
-
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     argv = ["compare", "--out", str(tmp_path / "o")]  # the default: 4 workers + 1 PS on 2 cores
-    plan = make_plan(build_parser().parse_args(argv))
+    plan = plan_of(*argv)
     assert plan.oversubscription == {
         "processes": 5,
         "workers": 4,
@@ -287,10 +276,10 @@ def test_oversubscription_up_to_two_workers_per_core_is_recorded_not_warned(monk
         "per core, so wall times include waiting for a core"
     ]
     argv = ["compare", "--algos", "sync", "-n", "2", "--out", str(tmp_path / "q")]
-    plan = make_plan(build_parser().parse_args(argv))
+    plan = plan_of(*argv)
     assert plan.footer == [] and plan.oversubscription["processes_per_core"] == 1.0
     argv = ["compare", "--algos", "sync", "-n", "5", "--out", str(tmp_path / "r")]
-    plan = make_plan(build_parser().parse_args(argv))
+    plan = plan_of(*argv)
     assert [n for n in plan.notes if n.startswith("warning: oversubscribed")]
     assert not [f for f in plan.footer if "oversubscribed" in f]  # said once, not twice
 
