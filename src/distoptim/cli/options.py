@@ -22,6 +22,7 @@ from distoptim._version import __version__
 from distoptim.cli import optionvalues as values
 from distoptim.cli.algorithms import ALGORITHMS
 from distoptim.cli.datasets import DIGITS
+from distoptim.cli.gpt import MAX_PARAMETERS, SIZE_LIMITS
 from distoptim.cli.runconfig import (
     AGN_RULES,
     DEFAULT_LR,
@@ -145,6 +146,18 @@ class Option:
         }
         kwargs = {k: v for k, v in given.items() if v is not None}
         parser.add_argument(*self.flags, action=self.action, help=help_text, **kwargs)
+
+
+def _range(size: str) -> str:
+    low, high = SIZE_LIMITS[size]
+    return f"{low} to {high}"
+
+
+def _gpt_size(size: str) -> Callable[[str], int]:
+    """The parser of a GPT size option: an integer in its :data:`SIZE_LIMITS` range."""
+    low, high = SIZE_LIMITS[size]
+    why = f" (the GPT here is small: at most {MAX_PARAMETERS / 1e6:g} M parameters)"
+    return values.int_in(low, high, why)
 
 
 _ALGORITHM_NAMES = ", ".join(f"{a.name} ({a.help})" for a in ALGORITHMS.values())
@@ -338,28 +351,28 @@ _RUN_OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         ("--layers",),
-        f"--model gpt: transformer blocks (default {LM_DEFAULTS['layers']})",
-        parse=values.positive_int,
+        f"--model gpt: transformer blocks (default {LM_DEFAULTS['layers']}; {_range('layers')})",
+        parse=_gpt_size("layers"),
         metavar="L",
     ),
     Option(
         ("--width",),
         f"--model gpt: the residual stream's width, a multiple of --heads (default "
-        f"{LM_DEFAULTS['width']})",
-        parse=values.positive_int,
+        f"{LM_DEFAULTS['width']}; {_range('width')})",
+        parse=_gpt_size("width"),
         metavar="D",
     ),
     Option(
         ("--heads",),
-        f"--model gpt: attention heads (default {LM_DEFAULTS['heads']})",
-        parse=values.positive_int,
+        f"--model gpt: attention heads (default {LM_DEFAULTS['heads']}; {_range('heads')})",
+        parse=_gpt_size("heads"),
         metavar="H",
     ),
     Option(
         ("--context",),
         f"--model gpt: characters the model reads at once, the length of a training window "
-        f"(default {LM_DEFAULTS['context']})",
-        parse=values.positive_int,
+        f"(default {LM_DEFAULTS['context']}; {_range('context')})",
+        parse=_gpt_size("context"),
         metavar="T",
     ),
     Option(

@@ -25,6 +25,7 @@ __all__ = [
     "choice_list",
     "delayed_momentum",
     "hidden",
+    "int_in",
     "int_list",
     "moving_rate",
     "number",
@@ -68,6 +69,21 @@ def positive_int(text: str) -> int:
     if not _passes(check_int, value, 1):
         raise argparse.ArgumentTypeError(f"{value} is not allowed: must be >= 1")
     return value
+
+
+def int_in(low: int, high: int, why: str = "") -> Callable[[str], int]:
+    """An integer in ``[low, high]``; ``why`` (e.g. " (the GPT is small: ...)") ends the
+    refusal."""
+
+    def parse(text: str) -> int:
+        value = _integer(text)
+        if not (_passes(check_int, value, low) and value <= high):
+            raise argparse.ArgumentTypeError(
+                f"{value} is not allowed: give an integer in [{low}, {high}]{why}"
+            )
+        return value
+
+    return parse
 
 
 def int_list(text: str) -> list[int]:
