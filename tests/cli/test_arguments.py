@@ -181,6 +181,19 @@ def test_help_and_version_exit_0(capsys):
     assert "--communication-period" in out and "--link-latency-ms" in out
 
 
+def test_the_top_level_help_lists_every_command_the_console_script_runs(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    commands = out.split("  COMMAND\n", 1)[1].split("\n\n")[0]  # the subcommands' block
+    listed = [line.split()[0] for line in commands.splitlines() if line[4:5] not in (" ", "")]
+    assert listed == ["train", "compare", "lighthouse"], out
+    assert "run torchft's lighthouse" in out
+    with pytest.raises(SystemExit) as done:  # its own parser answers its --help
+        main(["lighthouse", "--help"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: distoptim lighthouse")
+
+
 def test_default_out_never_overwrites_and_out_refuses_old_results(tmp_path, monkeypatch, capsys):
     import datetime
 
@@ -293,9 +306,10 @@ def test_the_parser_is_the_option_table(capsys, tmp_path):
     import argparse
 
     from distoptim.cli.arguments import COMMANDS, OPTIONS, build_parser
+    from distoptim.cli.options import DELEGATED
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    assert list(sub.choices) == list(COMMANDS)
+    assert list(sub.choices) == [*COMMANDS, *DELEGATED]
     for name, command in COMMANDS.items():
         actions = {a.dest: a for a in sub.choices[name]._actions if a.dest != "help"}
         rows = [o for o in OPTIONS if name in o.commands]

@@ -36,6 +36,7 @@ from distoptim.cli.runconfig import (
 
 __all__ = [
     "COMMANDS",
+    "DELEGATED",
     "FAULT_TOLERANT_OPTIONS",
     "OPTIONS",
     "Command",
@@ -86,6 +87,16 @@ COMMANDS: dict[str, Command] = {
     ),
 }
 """Every command by name, in the order ``distoptim --help`` lists them."""
+
+DELEGATED: dict[str, str] = {
+    "lighthouse": (
+        "run torchft's lighthouse, the quorum server of fault-tolerant replica groups on "
+        "several machines (its options: distoptim lighthouse --help)"
+    ),
+}
+"""Commands that parse their own arguments (the console script hands them the rest of the
+command line before this parser runs: :mod:`distoptim.cli.main`), by name with their one-line
+help: ``distoptim --help`` lists them after :data:`COMMANDS`."""
 
 
 @dataclass(frozen=True)
@@ -494,7 +505,8 @@ lists them."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``distoptim`` parser: its :data:`COMMANDS`, each with its :data:`OPTIONS`."""
+    """The ``distoptim`` parser: its :data:`COMMANDS`, each with its :data:`OPTIONS`, and the
+    :data:`DELEGATED` commands, listed (their own parsers read their options)."""
     parser = _Parser(
         prog="distoptim",
         description=(
@@ -509,4 +521,6 @@ def build_parser() -> argparse.ArgumentParser:
         for option in OPTIONS:
             if name in option.commands:
                 option.add_to(p, command)
+    for name, help_text in DELEGATED.items():
+        sub.add_parser(name, help=help_text, add_help=False)
     return parser
