@@ -48,10 +48,13 @@ from tests.cli.helpers import plan_of, run_command
             ["compare", "--dataset", "shakespeare", "--width", "130"],
             "width must be a multiple of heads, got width 130 and heads 4",
         ),
-        (["compare", "--dataset", "shakespeare", "--context", "0"], "must be >= 1"),
         (
+            ["compare", "--dataset", "shakespeare", "--context", "0"],
+            "argument --context: 0 is not allowed: give an integer in [1, 4096]",
+        ),
+        (  # a context too long for the text to make a window per worker is now out of range
             ["compare", "--dataset", "shakespeare", "--context", "1000000"],
-            "4252189 training tokens make 3 windows of context 1000000, fewer than the 4 workers",
+            "argument --context: 1000000 is not allowed: give an integer in [1, 4096]",
         ),
         (
             ["compare", "--dataset", "shakespeare", "--target-acc", "0.5"],
