@@ -4,21 +4,14 @@ restarted; the table, ``results.json``, and nothing of torchft's own logging on 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-from distoptim.cli.arguments import UsageError, build_parser, make_plan
+from distoptim.cli.arguments import UsageError, build_parser
+from tests.cli.helpers import command, environment, plan_of, results, run_command
 
 pytest.importorskip("torchft")
 
 pytestmark = pytest.mark.timeout(300)
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
@@ -26,21 +19,14 @@ def test_compare_fault_tolerant_under_kill_chaos(tmp_path):
     out = tmp_path / "ft"
     argv = ["compare", "--fault-tolerant", "--chaos", "kill:1", "--algos", "sync"]
     argv += ["--workers", "3", "--epochs", "6", "--out", str(out)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    env = environment()
     env.pop("RUST_LOG", None)  # what a user has: distoptim must quiet torchft itself
-    proc = subprocess.run(
-        [sys.executable, "-m", "distoptim.cli.main", *argv],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        env=env,
-        cwd=tmp_path,
-    )
+    proc = run_command(command(*argv), timeout=280, env=env, cwd=tmp_path)
     shown = proc.stdout + proc.stderr
     assert proc.returncode == 0, shown
     assert "torchft::" not in shown and "[INFO]" not in shown, shown  # no lighthouse chatter
     assert "sync n=3 kill:1" in proc.stdout and "vs no faults" in proc.stdout, shown
-    runs = json.loads((out / "results.json").read_text())["runs"]
+    runs = results(out)["runs"]
     free, faulty = runs
     assert free["run"] == "sync n=3" and not free["faults"] and free["recoveries"] == 0
     assert faulty["run"] == "sync n=3 kill:1"
@@ -53,8 +39,7 @@ def test_compare_fault_tolerant_under_kill_chaos(tmp_path):
 
 def test_fault_tolerant_refuses_what_it_cannot_run(tmp_path):
     def plan(*extra: str):
-        args = ["compare", "--out", str(tmp_path / "o"), "--overwrite", *extra]
-        return make_plan(build_parser().parse_args(args))
+        return plan_of("compare", "--out", str(tmp_path / "o"), "--overwrite", *extra)
 
     with pytest.raises(UsageError, match="--chaos needs --fault-tolerant"):
         plan("--algos", "sync", "--chaos", "kill:5")
