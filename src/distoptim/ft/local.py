@@ -222,6 +222,8 @@ class Controls:
     Every action is recorded in :attr:`ReplicaRun.chaos`. ``kill`` takes a slot down
     (SIGKILL); ``restart`` starts its next incarnation; ``stop``/``cont`` freeze and thaw its
     process (SIGSTOP/SIGCONT). Each returns False when the slot has no live process.
+    ``stop_lighthouse``/``restart_lighthouse`` take the run's lighthouse down and bring a new
+    one up on its address.
     """
 
     def __init__(self, run: _Run) -> None:
@@ -262,6 +264,14 @@ class Controls:
     def seen(self, predicate: Callable[[dict[str, Any]], bool]) -> bool:
         """Whether some event delivered so far satisfies ``predicate``."""
         return any(predicate(e) for e in self.history)
+
+    def stop_lighthouse(self) -> None:
+        """Stop the run's lighthouse (its port stays reserved for :meth:`restart_lighthouse`)."""
+        self._run.lighthouse.stop()
+
+    def restart_lighthouse(self) -> None:
+        """Start a new lighthouse on the stopped one's address (the replicas rejoin it)."""
+        self._run.lighthouse.restart()
 
     def release(self) -> None:
         """Thaw every stopped process (the scenario is over)."""
@@ -310,6 +320,30 @@ class _Watcher(threading.Thread):
             self.controls.release()
 
 
+class _LocalLighthouse:
+    """The run's lighthouse, which a scenario may stop and restart on the same port."""
+
+    def __init__(self, **options: Any) -> None:
+        self._options = options
+        self._server: Lighthouse | None = Lighthouse(**options)
+        self.address, self.port = self._server.address, self._server.port
+
+    def stop(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
+
+    def restart(self) -> None:
+        self.stop()
+        self._server = Lighthouse(**{**self._options, "port": self.port})
+
+    def __enter__(self) -> _LocalLighthouse:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
 class _Run:
     """The parent's bookkeeping of one local run (slots, their processes, expected deaths)."""
 
@@ -339,6 +373,7 @@ class _Run:
         # the replicas' start line; with chaos the schedule's clock waits on it too
         self.barrier = multiprocessing.get_context("spawn").Barrier(num_slots + int(chaos))
         self.start_timeout = start_timeout
+        self.lighthouse: Any = None  # the run's _LocalLighthouse
 
     def log_path(self, slot: int) -> str:
         return os.path.join(self.workdir, f"replica_{slot}.jsonl")
@@ -469,7 +504,11 @@ def run_replicas(
         if workdir is None:
             workdir = holder.enter_context(tempfile.TemporaryDirectory(prefix="distoptim-ft-"))
         lighthouse = holder.enter_context(
-            Lighthouse(min_replicas, heartbeat_timeout=heartbeat_timeout, join_timeout=join_timeout)
+            _LocalLighthouse(
+                min_replicas=min_replicas,
+                heartbeat_timeout=heartbeat_timeout,
+                join_timeout=join_timeout,
+            )
         )
         run: _Run | None = None
         supervisor = ProcessSupervisor(
@@ -487,6 +526,7 @@ def run_replicas(
             chaos is not None,
             timeout,
         )
+        run.lighthouse = lighthouse
         started = time.time()
         dealer = _Chaos(run, chaos) if chaos is not None else None
         watcher = _Watcher(run, on_event) if on_event is not None else None
