@@ -208,7 +208,9 @@ def replica_main(ctx: ReplicaContext, spec: FaultTolerantSpec, data: Dataset) ->
         if stats.commits > before[1]:
             count, synced = _synced(opt)
             useful = pending if stats.contributed > before[0] else 0  # healing: not its work
-            ctx.log("commit", n=count, samples=useful, state=state_checksum(synced))
+            ctx.log(
+                "commit", n=count, step=opt.iterations, samples=useful, state=state_checksum(synced)
+            )
             pending = 0
         elif stats.failed > before[3]:  # a round that did not commit: its work is lost
             ctx.log("failed")
@@ -233,11 +235,14 @@ def replica_main(ctx: ReplicaContext, spec: FaultTolerantSpec, data: Dataset) ->
 
 def run_fault_tolerant(spec: FaultTolerantSpec, data: Dataset) -> FaultTolerantRecord:
     """Run ``spec`` (see the module docstring) and summarise its events."""
+    chaos = spec.chaos
+    if chaos is not None and chaos.by_step is None:  # a short run meets a fault too
+        chaos = dataclasses.replace(chaos, by_step=max(1, spec.steps // 3))
     run = run_replicas(
         replica_main,
         spec.replicas,
         args=(spec, data),
-        chaos=spec.chaos,
+        chaos=chaos,
         timeout=spec.timeout,
         join_timeout=_join_timeout(spec),
     )

@@ -67,6 +67,8 @@ def _steps(cfg: RunConfig, num_train: int) -> int:
 def _row(label: str, rec: FaultTolerantRecord, free: FaultTolerantRecord | None) -> list[str]:
     heal = f"{statistics.median(rec.heal_s):.2f}" if rec.heal_s else "-"
     ratio = f"{100 * rec.goodput / free.goodput:.1f} %" if free is not None else "-"
+    if rec.spec.get("chaos") and not rec.faults:
+        ratio = "no fault dealt"  # a fault-free run is no evidence of surviving one
     acc = "-" if rec.final_val_acc is None else f"{rec.final_val_acc:.4f}"
     return [
         label,

@@ -53,11 +53,16 @@ class Chaos:
     at a time: a period whose previous victim has not logged a ``commit`` since its fault (it
     is still restarting or healing) deals none, so a schedule faster than a restart never takes
     every replica down at once.
+
+    ``by_step``: with it, the first fault comes at the latest when some replica logs a
+    ``commit`` whose ``step`` reaches it (so a run shorter than ``every`` still meets a fault:
+    the CLI sets a third of the run's steps); the later ones every ``every`` seconds.
     """
 
     action: str
     every: float
     pause: float
+    by_step: int | None = None
 
     @classmethod
     def parse(cls, text: object) -> Chaos:
@@ -171,11 +176,35 @@ class ReplicaRun:
 
 def _replica_main(fn: Callable[..., Any], ctx: ReplicaContext, args: tuple[Any, ...]) -> Any:
     ctx.log("process", spawned_at=ctx.spawned_at)
+    return _run_slot(fn, ctx, args)
+
+
+def _run_slot(fn: Callable[..., Any], ctx: ReplicaContext, args: tuple[Any, ...]) -> Any:
     value = fn(ctx, *args)
     ctx.log("returned")
     with open(ctx._ending_path, "a", encoding="utf-8"):  # no more faults, no more joiners
         pass
     return value
+
+
+def _spare_main(
+    fn: Callable[..., Any], args: tuple[Any, ...], handoff: Any, ending_path: str
+) -> Any:
+    """A warm spare: imported and waiting; it runs ``fn`` for the slot it is handed, or
+    returns None once the run is ending (no slot will need it)."""
+    with contextlib.suppress(ImportError):  # what a replica's manager needs, loaded ahead
+        import torchft  # noqa: F401
+
+        import distoptim.ft.replica  # noqa: F401
+    warm_since = time.time()
+    while True:
+        if not handoff.empty():
+            ctx = handoff.get()
+            ctx.log("process", spawned_at=ctx.spawned_at, spare=True, warm_since=warm_since)
+            return _run_slot(fn, ctx, args)
+        if os.path.exists(ending_path):
+            return None
+        time.sleep(0.05)  # polls the hand-off queue and the run's end marker
 
 
 class _Chaos(threading.Thread):
@@ -196,7 +225,7 @@ class _Chaos(threading.Thread):
             except threading.BrokenBarrierError:
                 return  # the run is failing at its start: the supervisor reports why
             victim = 0
-            while not self.done.wait(self.chaos.every):
+            while not self._wait_period(first=victim == 0):
                 if self.run_state.recovering():
                     continue  # one fault at a time: the last one has not healed yet
                 slot = victim % self.run_state.num_slots
@@ -214,6 +243,20 @@ class _Chaos(threading.Thread):
                 self.actions.append(self.run_state.resume(action))
         except BaseException as exc:  # surfaced by run_replicas
             self.error = exc
+
+    def _wait_period(self, first: bool) -> bool:
+        """Wait ``every`` seconds (the first period: or until a commit reaches ``by_step``);
+        True when the run is over."""
+        by_step = self.chaos.by_step
+        if not first or by_step is None:
+            return self.done.wait(self.chaos.every)
+        deadline = time.monotonic() + self.chaos.every
+        while time.monotonic() < deadline:
+            if self.run_state.top_step() >= by_step:
+                return self.done.is_set()
+            if self.done.wait(min(0.2, max(0.0, deadline - time.monotonic()))):
+                return True
+        return self.done.is_set()
 
 
 class Controls:
@@ -374,9 +417,40 @@ class _Run:
         self.barrier = multiprocessing.get_context("spawn").Barrier(num_slots + int(chaos))
         self.start_timeout = start_timeout
         self.lighthouse: Any = None  # the run's _LocalLighthouse
+        self._read_to: dict[int, int] = {}  # top_step(): bytes of each log read so far
+        self.spares: list[tuple[int, Any]] = []  # waiting spares: (process index, hand-off)
+        self.spare_indices: list[int] = []  # every spare ever started
+        self._top_step = -1
+
+    @property
+    def _ending_path(self) -> str:
+        return os.path.join(self.workdir, "ENDING")
 
     def log_path(self, slot: int) -> str:
         return os.path.join(self.workdir, f"replica_{slot}.jsonl")
+
+    def _env(self) -> dict[str, str]:
+        """``OMP_NUM_THREADS`` for a replica process (unless the user set it): OpenMP reads it
+        as torch loads, before ``torch.set_num_threads`` can act. On a machine with fewer cores
+        than replicas, one thread per group ran 300 steps in 14 s; every core per group, 135 s."""
+        threads = self.supervisor.num_threads
+        if threads is None or "OMP_NUM_THREADS" in os.environ:
+            return {}
+        return {"OMP_NUM_THREADS": str(threads)}
+
+    def start_spare(self) -> None:
+        """Start a warm spare: a process that imports what a replica needs, then waits."""
+        handoff = multiprocessing.get_context("spawn").SimpleQueue()
+        index = self.supervisor.add(
+            _spare_main,
+            (self.fn, self.args, handoff, self._ending_path),
+            name=f"spare {len(self.spare_indices)}",
+            env=self._env(),
+            critical=False,
+        )
+        with self.lock:
+            self.spare_indices.append(index)
+            self.spares.append((index, handoff))
 
     def start(self, slot: int) -> None:
         ctx = ReplicaContext(
@@ -388,17 +462,44 @@ class _Run:
             time.time(),
             self.barrier if self.incarnations[slot] == 0 else None,
         )
-        index = self.supervisor.add(
-            _replica_main,
-            (self.fn, ctx, self.args),
-            name=f"replica {slot}" + (f" (restart {ctx.incarnation})" if ctx.incarnation else ""),
-            critical=False,
-        )
+        spare = None
+        with self.lock:
+            if ctx.incarnation and self.spares and not self.ending():
+                spare = self.spares.pop(0)
+        if spare is not None:  # a warm process takes the slot; a new spare replaces it
+            index, handoff = spare
+            handoff.put(ctx)
+            self.start_spare()
+        else:
+            index = self.supervisor.add(
+                _replica_main,
+                (self.fn, ctx, self.args),
+                name=f"replica {slot}"
+                + (f" (restart {ctx.incarnation})" if ctx.incarnation else ""),
+                env=self._env(),
+                critical=False,
+            )
         with self.lock:
             if slot < len(self.index_of):
                 self.index_of[slot] = index
             else:
                 self.index_of.append(index)
+
+    def top_step(self) -> int:
+        """The highest ``step`` any replica's ``commit`` event carries so far (-1: none)."""
+        for slot in range(self.num_slots):
+            path = self.log_path(slot)
+            with contextlib.suppress(FileNotFoundError), open(path, encoding="utf-8") as f:
+                f.seek(self._read_to.get(slot, 0))
+                data = f.read()
+                end = data.rfind("\n") + 1
+                self._read_to[slot] = self._read_to.get(slot, 0) + len(data[:end].encode())
+                for line in data[:end].splitlines():
+                    with contextlib.suppress(json.JSONDecodeError, KeyError, TypeError):
+                        event = json.loads(line)
+                        if event["kind"] == "commit" and "step" in event:
+                            self._top_step = max(self._top_step, int(event["step"]))
+        return self._top_step
 
     def recovering(self) -> bool:
         """Has a slot the chaos faulted not logged a ``commit`` since (it is still healing)?"""
@@ -474,6 +575,7 @@ def run_replicas(
     join_timeout: float = 10.0,
     num_threads: int | None = 1,
     workdir: str | None = None,
+    spares: int = 0,
 ) -> ReplicaRun:
     """Run ``fn(ctx, *args)`` in ``num_replicas`` replica processes around a local lighthouse.
 
@@ -483,13 +585,20 @@ def run_replicas(
     controls)``: a scenario, called (from a thread of this process) with every event the
     replicas log, in time order, that may act on them (:class:`Controls`): faults triggered
     by what happens, not by the clock. ``heartbeat_timeout``,
-    ``join_timeout``: the lighthouse's (seconds). ``workdir``: where the event logs go (a
-    temporary folder, removed afterwards, when None). Raises
+    ``join_timeout``: the lighthouse's (seconds). ``num_threads``: torch threads per replica
+    process (and its ``OMP_NUM_THREADS`` unless set; None: torch's default). ``workdir``: where
+    the event logs go (a
+    temporary folder, removed afterwards, when None). ``spares``: warm spares -- processes
+    started with the replicas, imported and waiting; a killed slot that restarts is handed to
+    one at once (it logs ``process`` with ``spare=True`` and ``warm_since``, when it was ready)
+    and a new spare is started in its place, so recovery costs the heal, not a process start
+    and an import. Spares left over return when the run ends. Raises
     :class:`~distoptim.launch.RankFailedError` for a replica that failed on its own and
     :class:`~distoptim.launch.ProcessTimeoutError` after ``timeout`` seconds.
     """
     num_replicas = checks.check_int("num_replicas", num_replicas, 1)
     min_replicas = checks.check_int("min_replicas", min_replicas, 1)
+    spares = checks.check_int("spares", spares, 0)
     if chaos is not None and not isinstance(chaos, Chaos):
         raise TypeError(f"chaos must be a Chaos (Chaos.parse('kill:30')), got {chaos!r}")
     if chaos is not None and num_replicas < 2:
@@ -533,6 +642,8 @@ def run_replicas(
         try:
             for slot in range(num_replicas):
                 run.start(slot)
+            for _ in range(spares):
+                run.start_spare()
             for thread in (dealer, watcher):
                 if thread is not None:
                     thread.start()
