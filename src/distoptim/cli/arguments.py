@@ -127,6 +127,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _count(text: str) -> int:
+    value = _integer(text)
+    if not _passes(check_int, value, 0):
+        raise argparse.ArgumentTypeError(f"{value} is not allowed: must be >= 0")
+    return value
+
+
 def _int_list(text: str) -> list[int]:
     values = []
     for part in text.split(","):
@@ -672,6 +679,14 @@ OPTIONS: tuple[Option, ...] = (
         metavar="MS",
     ),
     Option(
+        ("--spares",),
+        "with --fault-tolerant: warm spare processes (started, imported, waiting) that take a "
+        "killed replica group's slot at once (default 0)",
+        parse=_count,
+        default=0,
+        metavar="N",
+    ),
+    Option(
         ("--num-ps",),
         "parameter-server shards of the async algorithms (default 1)",
         parse=_positive_int,
@@ -856,7 +871,7 @@ def _fault_tolerant(args: argparse.Namespace, configs: list[RunConfig]) -> dict[
     if chaos is not None and min(c.workers for c in configs) < 2:
         raise UsageError("--chaos needs --workers >= 2: someone must survive each fault")
     _check_modules({"torchft": '--fault-tolerant (torchft): pip install "distoptim[ft]"'})
-    return {"chaos": chaos, "step_ms": args.ft_step_ms}
+    return {"chaos": chaos, "step_ms": args.ft_step_ms, "spares": args.spares}
 
 
 def _check_modules(needed: dict[str, str]) -> None:
