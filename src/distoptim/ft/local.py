@@ -8,6 +8,12 @@ killed slot after a pause. Every replica process runs ``fn(ctx, *args)`` with a
 :class:`ReplicaContext` (its slot, its incarnation, the lighthouse's address, an event log);
 what the last incarnation of each slot returns comes back in :class:`ReplicaRun`.
 
+Warm spares (``spares=N``): processes started with the replicas that import what a replica
+needs and wait; a killed slot that restarts is handed to one of them (its next incarnation
+runs there at once) and a new spare takes its place. Replica and spare processes get
+``OMP_NUM_THREADS`` (``num_threads``) unless the user set it. A scenario may also stop the
+run's lighthouse and start a new one on its address (:class:`Controls`).
+
 Events. A replica appends one JSON line per event to its slot's log (``ctx.log("commit",
 step=...)``); each line carries the wall-clock time. Lines survive a SIGKILL (each is flushed),
 so a run's timeline -- starts, heals, commits, the chaos actions -- is complete afterwards
