@@ -51,7 +51,7 @@ class LighthouseWatch:
     """Why a quorum does not come (see the module): :meth:`check` is called while waiting.
 
     ``patience`` (the manager's ``connect_timeout``) is how long the lighthouse must stay
-    unreachable, or this replica group stay the only one heartbeating after a quorum was
+    unreachable, or a joining replica group stay the only one heartbeating after a quorum was
     issued, before :meth:`check` raises. At a job's start (no quorum issued yet) the others may
     still be starting: waiting for them is not an error here.
     """
@@ -65,9 +65,12 @@ class LighthouseWatch:
         """A quorum came: forget what was seen while waiting."""
         self._gone_since = self._alone_since = None
 
-    def check(self, waited: float) -> None:
+    def check(self, waited: float, joining: bool = True) -> None:
         """Raise :class:`LighthouseGoneError` / :class:`NoPeersError` once either has lasted
-        ``patience`` seconds; ``waited``: seconds this replica has waited for its quorum."""
+        ``patience`` seconds; ``waited``: seconds this replica has waited for its quorum.
+        ``joining``: it has not been in a quorum yet (only a joiner is told that nobody is
+        left: a survivor's peer may be restarting, and it waits for it up to its
+        ``quorum_timeout``)."""
         now = time.monotonic()
         status = lighthouse_status(self.address, timeout=min(1.0, self.patience))
         if status is None:
@@ -85,7 +88,8 @@ class LighthouseWatch:
                 )
             return
         self._gone_since = None
-        if status.quorum_id and status.heartbeating is not None and status.heartbeating <= 1:
+        alone = status.quorum_id and status.heartbeating is not None and status.heartbeating <= 1
+        if joining and alone:
             self._alone_since = self._alone_since or now
             if now - self._alone_since >= self.patience:
                 raise NoPeersError(

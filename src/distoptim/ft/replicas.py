@@ -181,7 +181,7 @@ class ManagedReplicas:
         if watch is not None and future is not None:
             began = time.monotonic()
             while not concurrent.futures.wait([future], timeout=1.0).done:
-                watch.check(time.monotonic() - began)
+                watch.check(time.monotonic() - began, joining=self._last_quorum_id is None)
             watch.reset()
         self.manager.wait_quorum()
 
