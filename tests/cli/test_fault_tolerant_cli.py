@@ -49,3 +49,47 @@ def test_fault_tolerant_refuses_what_it_cannot_run(tmp_path):
         plan("--fault-tolerant", "--algos", "sync", "--workers", "1", "--chaos", "kill:5")
     with pytest.raises(SystemExit):  # argparse: a schedule it cannot read
         build_parser().parse_args(["compare", "--fault-tolerant", "--chaos", "explode:5"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_fault_period_longer_than_the_run_still_deals_a_fault(tmp_path):
+    """The README's form (``--chaos kill:30``) on runs far shorter than 30 s: the first fault
+    comes at a third of the run's steps at the latest, so every algorithm meets one (the killed
+    group's slot taken by a warm spare, ``--spares 1``)."""
+    out = tmp_path / "ft"
+    argv = ["compare", "--fault-tolerant", "--chaos", "kill:30", "--algos", "sync,diloco"]
+    argv += ["--workers", "3", "--epochs", "4", "--spares", "1", "--out", str(out)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "distoptim.cli.main", *argv],
+        capture_output=True,
+        text=True,
+        timeout=840,
+        env=env,
+        cwd=tmp_path,
+    )
+    shown = proc.stdout + proc.stderr
+    assert proc.returncode == 0, shown
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    faulty = [r for r in runs if r["run"].endswith("kill:30")]
+    assert len(faulty) == 2, runs
+    for run in faulty:
+        assert run["spec"]["spares"] == 1, run
+        assert len(run["faults"]) >= 1 and run["faults"][0]["action"] == "kill", run
+        assert run["states_equal"], run  # every commit's committers bitwise equal
+    assert "no fault dealt" not in proc.stdout and "before its first fault" not in shown, shown
+
+
+def test_a_chaos_run_without_a_fault_shows_no_ratio():
+    from distoptim.cli.faulttolerant import FaultTolerantRecord
+    from distoptim.cli.ftsession import _row
+
+    def record(chaos: str | None, faults: list) -> FaultTolerantRecord:
+        return FaultTolerantRecord({"chaos": chaos}, 10.0, 1000, 100.0, 50, 0, 0, faults=faults)
+
+    free = record(None, [])
+    assert _row("sync kill:30", record("kill:30:0", []), free)[8] == "no fault dealt"
+    dealt = [{"action": "kill", "slot": 0, "pid": 1, "at": 0.0, "resumed_at": 1.0}]
+    assert _row("sync kill:30", record("kill:30:0", dealt), free)[8] == "100.0 %"
+    assert _row("sync", free, None)[8] == "-"

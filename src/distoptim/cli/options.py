@@ -495,6 +495,14 @@ FAULT_TOLERANT_OPTIONS: tuple[Option, ...] = (
         default=20.0,
         metavar="MS",
     ),
+    Option(
+        ("--spares",),
+        "with --fault-tolerant: warm spare processes (started, imported, waiting) that take a "
+        "killed replica group's slot at once (default 0)",
+        parse=values.count,
+        default=0,
+        metavar="N",
+    ),
 )
 """The options of ``--fault-tolerant`` runs (torchft replica groups), listed last by
 ``--help``: a new option of that mode is one more row here."""

@@ -23,6 +23,7 @@ __all__ = [
     "algorithm_entries",
     "chaos",
     "choice_list",
+    "count",
     "delayed_momentum",
     "hidden",
     "int_in",
@@ -68,6 +69,13 @@ def positive_int(text: str) -> int:
     value = _integer(text)
     if not _passes(check_int, value, 1):
         raise argparse.ArgumentTypeError(f"{value} is not allowed: must be >= 1")
+    return value
+
+
+def count(text: str) -> int:
+    value = _integer(text)
+    if not _passes(check_int, value, 0):
+        raise argparse.ArgumentTypeError(f"{value} is not allowed: must be >= 0")
     return value
 
 

@@ -193,7 +193,7 @@ def _fault_tolerant(args: argparse.Namespace, configs: list[RunConfig]) -> dict[
     if chaos is not None and min(c.workers for c in configs) < 2:
         raise UsageError("--chaos needs --workers >= 2: someone must survive each fault")
     _check_modules({"torchft": '--fault-tolerant (torchft): pip install "distoptim[ft]"'})
-    return {"chaos": chaos, "step_ms": args.ft_step_ms}
+    return {"chaos": chaos, "step_ms": args.ft_step_ms, "spares": args.spares}
 
 
 def _check_modules(needed: dict[str, str]) -> None:
