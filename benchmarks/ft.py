@@ -27,14 +27,33 @@ Figures:
 * **overhead without faults** -- the same contender without a manager (``distoptim.launch``
   gloo ranks, one process group) against with one (no faults), unpaced, interleaved and
   repeated: median step time, and what the quorum costs per step (sync) and per sync (DiLoCo).
+* **per step against torchft's own** (``vs_torchft``) -- two replica groups, each process
+  holding all four contenders (one lighthouse each, so their quorums never mix), the same
+  model (an MLP 512 -> 1024 -> 1024 -> 512, 2.1M parameters, AdamW lr 1e-3, batch 32, MSE),
+  the same manager settings (timeouts; ``init_sync=False`` with identically seeded models;
+  the asynchronous quorum for the sync pair, the synchronous one torchft's DiLoCo requires for
+  the DiLoCo pair): ``CrossShardOptimizer(manager=, gradient_as_bucket_view=True)`` against
+  torchft's ``ddp.DistributedDataParallel`` + ``optim.OptimizerWrapper``, and
+  ``DiLoCo(manager=, sync_every=20)`` (Nesterov SGD outer) against torchft's
+  ``local_sgd.DiLoCo``. Blocks interleave the contenders (the order alternates per block); a
+  sync block times 20 steps after one untimed step (which absorbs the groups' skew), a DiLoCo
+  block the 20 steps from the end of one sync to the end of the next; each block's time is the
+  slower group's, and the paired ratio is per block (goal <= 0.95). The state check's cost is
+  timed apart, on the same tensors, after every block: a slice (what a clean CrossShard round
+  checks), the whole state (a DiLoCo sync's check, paid once per 20 steps), and the CRC-32 of a
+  host copy this project used before; its share of a step (goal <= 1 %). ``--profile NAME``
+  adds a cProfile of one contender's timed steps.
 
 Run::
 
-    python benchmarks/ft.py            # 3-minute faulty runs: ~20 minutes on 2 cores
-    python benchmarks/ft.py --quick    # a smoke run: 2 replicas, a few seconds of training
+    python benchmarks/ft.py                    # everything: ~25 minutes on 2 cores
+    python benchmarks/ft.py --only vs-torchft  # the per-step comparison: a few minutes
+    python benchmarks/ft.py --quick            # a smoke run of the per-step comparison (a
+                                               # tiny model; --only goodput --quick: goodput)
 
-Writes ``benchmarks/results/ft.json`` (``--out``); a ``--quick`` run writes to
-``benchmarks/results/quick/ft.json`` unless told otherwise.
+Writes ``benchmarks/results/ft.json`` (``--out``; ``--only vs-torchft``:
+``benchmarks/results/ft_vs_torchft.json``); a ``--quick`` run writes to
+``benchmarks/results/quick/`` unless told otherwise.
 """
 
 from __future__ import annotations
@@ -47,6 +66,7 @@ import itertools
 import json
 import os
 import platform
+import resource
 import statistics
 import time
 import zlib
@@ -421,15 +441,17 @@ def main() -> None:
         help="cProfile this contender's timed steps on replica 0 (printed, and in the JSON)",
     )
     args = parser.parse_args()
+    if args.quick and args.only == "all":  # a quick run: the per-step comparison alone
+        args.only = "vs-torchft"  # (every process imports torch: ~3 s of CPU each)
     if args.out is None:
-        args.out = RESULTS.parent / "quick" / RESULTS.name if args.quick else RESULTS
+        name = "ft_vs_torchft.json" if args.only == "vs-torchft" else RESULTS.name
+        args.out = RESULTS.parent / "quick" / name if args.quick else RESULTS.parent / name
     replicas = 2 if args.quick else args.replicas
-    chaos = Chaos.parse("kill:2:0" if args.quick else args.chaos)
-    steps = 150 if args.quick else int(args.seconds * 1000 / args.step_ms)
-    overhead_steps = 40 if args.quick else 600
+    chaos = Chaos.parse("kill:4:0" if args.quick else args.chaos)
+    steps = 300 if args.quick else int(args.seconds * 1000 / args.step_ms)
+    overhead_steps = 100 if args.quick else 600
     repeats = 1 if args.quick else args.repeats
-    # a quick run: one contender of each kind, a small model (seconds of CPU, not minutes)
-    names = ["sync"] if args.quick else list(CONTENDERS)
+    names = list(CONTENDERS)
     vs_cfg = {
         "widths": [64, 128, 64] if args.quick else [512, 1024, 1024, 512],
         "batch": 32,
@@ -506,9 +528,14 @@ def main() -> None:
             )
     result["load_after"] = _load()
     result["elapsed_s"] = time.perf_counter() - t0
+    usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    result["cpu_s"] = sum(u.ru_utime + u.ru_stime for u in usage)  # every process, reaped
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
-    print(f"wrote {args.out}  (load {load_before} -> {result['load_after']})")
+    print(
+        f"wrote {args.out}  (load {load_before} -> {result['load_after']}; "
+        f"{result['elapsed_s']:.0f} s, {result['cpu_s']:.1f} s of CPU in all processes)"
+    )
 
 
 if __name__ == "__main__":
