@@ -92,7 +92,7 @@ def _row_weights(device: torch.device, rows: int) -> torch.Tensor:
 
 def _chunk_limbs(device: torch.device) -> int:
     """Limbs hashed per chunk: cache-sized on a CPU, large on an accelerator."""
-    return ROW * (1 << 10 if device.type == "cpu" else 1 << 18)
+    return ROW * (1 << 12 if device.type == "cpu" else 1 << 18)
 
 
 def _limbs(t: torch.Tensor) -> torch.Tensor:
