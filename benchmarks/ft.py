@@ -38,10 +38,12 @@ Figures:
   ``local_sgd.DiLoCo``. Blocks interleave the contenders (the order alternates per block); a
   sync block times 20 steps after one untimed step (which absorbs the groups' skew), a DiLoCo
   block the 20 steps from the end of one sync to the end of the next; each block's time is the
-  slower group's, and the paired ratio is per block (goal <= 0.95). The state check's cost is
-  timed apart, on the same tensors, after every block: a slice (what a clean CrossShard round
-  checks), the whole state (a DiLoCo sync's check, paid once per 20 steps), and the CRC-32 of a
-  host copy this project used before; its share of a step (goal <= 1 %). ``--profile NAME``
+  slower group's, and the paired ratio is per block (goal <= 0.95); beside it, the CPU time per
+  step of both groups' processes (all their threads; what a loaded machine disturbs least). The
+  state check's cost is timed apart, on the same tensors, after every block: a slice (what a
+  clean CrossShard round checks), the whole state (a DiLoCo sync's check, paid once per 20
+  steps), and the CRC-32 of a host copy this project used before; its share of a step (goal
+  <= 1 %). ``--profile NAME``
   adds a cProfile of one contender's timed steps.
 
 Run::
@@ -304,17 +306,40 @@ def _time_check(tensors: list[torch.Tensor], repeats: int) -> dict[str, float]:
     from distoptim.sync.replicated import state_slices
 
     parts = state_slices(tensors)
-    out: dict[str, list[float]] = {"slice_ms": [], "whole_ms": [], "old_crc_ms": []}
+    out: dict[str, list[float]] = {}
     for r in range(repeats):
         for key, fn in (
-            ("slice_ms", lambda r=r: state_checksum(tensors, r % parts, parts)),
-            ("whole_ms", lambda: state_checksum(tensors)),
-            ("old_crc_ms", lambda: _old_checksum(tensors)),
+            ("slice", lambda r=r: state_checksum(tensors, r % parts, parts)),
+            ("whole", lambda: state_checksum(tensors)),
+            ("old_crc", lambda: _old_checksum(tensors)),
         ):
-            began = time.perf_counter()
+            began, cpu = time.perf_counter(), time.thread_time()  # this thread's CPU only
             fn()
-            out[key].append(1000 * (time.perf_counter() - began))
+            out.setdefault(f"{key}_ms", []).append(1000 * (time.perf_counter() - began))
+            out.setdefault(f"{key}_cpu_ms", []).append(1000 * (time.thread_time() - cpu))
     return {**{k: statistics.median(v) for k, v in out.items()}, "slices": parts}
+
+
+def _instrument_checks() -> dict[str, Any]:
+    """Time every state check the managed optimizers run inside the timed steps (this thread's
+    CPU seconds, summed into ``state["sum"]`` while ``state["on"]``)."""
+    from distoptim.outer import managed
+    from distoptim.sync import replicated
+
+    state: dict[str, Any] = {"on": False}
+    original = replicated.state_checksum
+
+    def timed(*args: Any, **kwargs: Any) -> int:
+        cpu = time.thread_time()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            if state["on"]:
+                state["sum"] = state.get("sum", 0.0) + time.thread_time() - cpu
+
+    replicated.state_checksum = timed  # type: ignore[assignment]
+    managed.state_checksum = timed  # type: ignore[attr-defined]
+    return state
 
 
 def _vs_torchft_replica(ctx: Any, cfg: dict[str, Any], lighthouses: dict[str, str]) -> Any:
@@ -323,7 +348,9 @@ def _vs_torchft_replica(ctx: Any, cfg: dict[str, Any], lighthouses: dict[str, st
     contenders = {name: _Contender(name, ctx, lighthouses[name], cfg) for name in lighthouses}
     ctx.wait_for_peers(300)
     every = cfg["sync_every"]
+    in_step = _instrument_checks()
     times: dict[str, list[float]] = {name: [] for name in contenders}
+    cpu_times: dict[str, list[float]] = {name: [] for name in contenders}  # this process's
     checks: dict[str, list[dict[str, float]]] = {name: [] for name in PAIRS}
     profile = cfg.get("profile")
     profiler = None
@@ -341,21 +368,26 @@ def _vs_torchft_replica(ctx: Any, cfg: dict[str, Any], lighthouses: dict[str, st
                     step = functools.partial(profiler.runcall, c.step)
                 if pair == "sync":  # the first step absorbs the groups' skew; time the rest
                     c.step()
-                    began = time.perf_counter()
-                    for _ in range(cfg["sync_steps"]):
-                        step()
-                    times[name].append((time.perf_counter() - began) / cfg["sync_steps"])
+                    timed = cfg["sync_steps"]
                 else:  # from the end of one sync to the end of the next: `every` steps
                     for _ in range(every):
                         c.step()
-                    began = time.perf_counter()
-                    for _ in range(every):
-                        step()
-                    times[name].append((time.perf_counter() - began) / every)
+                    timed = every
+                in_step["on"] = True
+                began, cpu = time.perf_counter(), time.process_time()
+                for _ in range(timed):
+                    step()
+                times[name].append((time.perf_counter() - began) / timed)
+                cpu_times[name].append((time.process_time() - cpu) / timed)
+                in_step["on"] = False
+                if name == ours:
+                    in_step.setdefault(name, []).append(in_step.pop("sum", 0.0) / timed)
+                in_step.pop("sum", None)
             checks[pair].append(_time_check(contenders[ours].synced_state(), 3))
     for c in contenders.values():
         c.close()
-    result: dict[str, Any] = {"times": times, "checks": checks}
+    result: dict[str, Any] = {"times": times, "cpu_times": cpu_times, "checks": checks}
+    result["in_step_check_s"] = {k: in_step.get(k, []) for k in contenders}
     if profiler is not None:
         import io
         import pstats
@@ -389,8 +421,13 @@ def _vs_torchft(cfg: dict[str, Any]) -> dict[str, Any]:
         name: [max(v["times"][name][b] for v in run.values) for b in range(cfg["blocks"])]
         for name in houses
     }
+    cpu_per_block = {  # CPU time per step (all threads of the process), summed over groups
+        name: [sum(v["cpu_times"][name][b] for v in run.values) for b in range(cfg["blocks"])]
+        for name in houses
+    }
     for pair, (ours, theirs) in PAIRS.items():
         ratios = [a / b for a, b in zip(per_block[ours], per_block[theirs])]
+        cpu_ratios = [a / b for a, b in zip(cpu_per_block[ours], cpu_per_block[theirs])]
         step_ms = 1000 * statistics.median(per_block[ours])
         checks = [c for v in run.values for c in v["checks"][pair]]
         check = {k: statistics.median(c[k] for c in checks) for k in checks[0]}
@@ -398,6 +435,10 @@ def _vs_torchft(cfg: dict[str, Any]) -> dict[str, Any]:
         # a clean CrossShard round checks a slice; a DiLoCo sync checks its whole fragment
         per_round = check["slice_ms"] if pair == "sync" else check["whole_ms"]
         check_per_step = per_round * rounds_per_step
+        cpu_step = statistics.median(cpu_per_block[ours]) / 2  # one group's process
+        # what the checks inside the timed steps cost (this thread's CPU), per step
+        in_step = [x for v in run.values for x in v["in_step_check_s"][ours]]
+        in_step_ms = 1000 * statistics.median(in_step)
         out[pair] = {
             "ours": ours,
             "theirs": theirs,
@@ -405,12 +446,19 @@ def _vs_torchft(cfg: dict[str, Any]) -> dict[str, Any]:
             "theirs_step_ms": 1000 * statistics.median(per_block[theirs]),
             "paired_ratios": ratios,
             "ratio_median": statistics.median(ratios),
+            "cpu_ms_per_step": {
+                k: 1000 * statistics.median(cpu_per_block[k]) for k in (ours, theirs)
+            },
+            "cpu_paired_ratios": cpu_ratios,
+            "cpu_ratio_median": statistics.median(cpu_ratios),
             "goal_ratio": 0.95,
             "goal_met": statistics.median(ratios) <= 0.95,
             "check": check,
             "check_ms_per_step": check_per_step,
             "check_share_of_step": check_per_step / step_ms,
             "check_goal_met": check_per_step / step_ms <= 0.01,
+            "in_step_check_cpu_ms_per_step": in_step_ms,
+            "in_step_check_cpu_share": in_step_ms / (1000 * cpu_step),
             "old_crc_ms_per_step": check["old_crc_ms"] * rounds_per_step,
         }
     if run.values[0].get("profile"):
@@ -494,10 +542,20 @@ def main() -> None:
                 f"<= 0.95; blocks {' '.join(f'{r:.2f}' for r in v['paired_ratios'])})",
                 flush=True,
             )
+            print(
+                f"{'':<17} CPU per step (both groups) {v['cpu_ms_per_step'][v['ours']]:.2f} vs "
+                f"{v['cpu_ms_per_step'][v['theirs']]:.2f} ms: paired ratio "
+                f"{v['cpu_ratio_median']:.3f} (blocks "
+                f"{' '.join(f'{r:.2f}' for r in v['cpu_paired_ratios'])})",
+                flush=True,
+            )
             c = v["check"]
             print(
                 f"{'':<17} state check {v['check_ms_per_step']:.3f} ms/step = "
-                f"{100 * v['check_share_of_step']:.2f} % of a step (slice {c['slice_ms']:.2f} ms "
+                f"{100 * v['check_share_of_step']:.2f} % of a step, "
+                f"inside the steps {v['in_step_check_cpu_ms_per_step']:.3f} ms CPU/step = "
+                f"{100 * v['in_step_check_cpu_share']:.2f} % of a step's CPU "
+                f"(slice {c['slice_ms']:.2f} ms "
                 f"of {c['slices']:.0f}, whole {c['whole_ms']:.2f} ms, the old CRC "
                 f"{c['old_crc_ms']:.2f} ms)",
                 flush=True,

@@ -63,8 +63,8 @@ from distoptim.ft.replicas import ManagedReplicas
 
 __all__ = ["MAX_SLICES", "SLICE_LIMBS", "ReplicatedRounds", "state_slices"]
 
-SLICE_LIMBS = 1 << 17
-"""About this many 16-bit limbs of state (256 KiB) are checked per clean round."""
+SLICE_LIMBS = 1 << 16
+"""About this many 16-bit limbs of state (128 KiB) are checked per clean round."""
 MAX_SLICES = 64
 """A whole check at least every this many clean rounds, whatever the state's size."""
 
