@@ -205,3 +205,18 @@ def test_refuses_bad_arguments():
         state_checksum([x, [1.0]])
     with pytest.raises(ValueError, match="one device"):
         state_checksum([x, torch.empty(2, device="meta")])
+
+
+def test_follows_a_tensor_whose_storage_or_values_change_between_calls():
+    a, b = sample(torch.float32, 70_000, 6), sample(torch.float16, 33, 7)
+    first = state_checksum([a, b])
+    assert state_checksum([a, b]) == first  # the reused views read the same values
+    a[69_999] += 1.0  # in place: the same storage, another value
+    changed = state_checksum([a, b])
+    assert changed != first and changed == reference([a, b])
+    a.data = a.clone()  # another storage, equal values: the word follows the values
+    assert state_checksum([a, b]) == changed
+    a.data = torch.zeros_like(a)
+    assert state_checksum([a, b]) == reference([a, b]) != changed
+    a.data = torch.zeros(2, 35_000)  # another shape
+    assert state_checksum([a, b]) == reference([a, b])

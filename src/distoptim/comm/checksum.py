@@ -101,6 +101,33 @@ def _limbs(t: torch.Tensor) -> torch.Tensor:
     return flat if t.element_size() == 1 else flat.view(torch.int16)
 
 
+_views: dict[tuple[int, ...], tuple[list[tuple], list[torch.Tensor]]] = {}
+_MAX_VIEWS = 8
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return (t.data_ptr(), t.dtype, t.device, tuple(t.shape), t.stride(), t.storage_offset())
+
+
+def _all_limbs(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The limb views of ``tensors`` with elements; for contiguous tensors, reused between
+    calls while every tensor keeps its storage, dtype, shape and strides (a state checked
+    every round is the same parameters: the views then cost no torch call)."""
+    tensors = [t for t in tensors if t.numel() > 0]
+    if not all(t.is_contiguous() for t in tensors):  # a copy is a snapshot: never reused
+        return [_limbs(t) for t in tensors]
+    key = tuple(id(t) for t in tensors)
+    layout = [_layout(t) for t in tensors]
+    hit = _views.get(key)
+    if hit is not None and hit[0] == layout:
+        return hit[1]
+    limbs = [_limbs(t) for t in tensors]
+    if len(_views) >= _MAX_VIEWS:
+        _views.pop(next(iter(_views)))
+    _views[key] = (layout, limbs)
+    return limbs
+
+
 def _chunks(limbs: Sequence[torch.Tensor], begin: int, end: int, size: int) -> Iterator[tuple]:
     """The stream's limbs ``[begin, end)`` in pieces of at most ``size`` (a multiple of
     :data:`ROW`): ``(first row index, int16-or-uint8 pieces to concatenate)``."""
@@ -132,7 +159,7 @@ def _device_sums(
 ) -> torch.Tensor | None:
     """``[S_0, S_1]`` of slice ``part`` of ``parts`` as an int64 tensor on the tensors' device
     (None for no elements): nothing here reads a value back to the host."""
-    limbs = [_limbs(t) for t in tensors if t.numel() > 0]
+    limbs = _all_limbs(tensors)
     if not limbs:
         return None
     device = limbs[0].device
