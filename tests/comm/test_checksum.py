@@ -9,6 +9,7 @@ computation on the ``meta`` device (tensors without data: any read back to the h
 
 from __future__ import annotations
 
+import gc
 import itertools
 import struct
 import sys
@@ -220,3 +221,13 @@ def test_follows_a_tensor_whose_storage_or_values_change_between_calls():
     assert state_checksum([a, b]) == reference([a, b]) != changed
     a.data = torch.zeros(2, 35_000)  # another shape
     assert state_checksum([a, b]) == reference([a, b])
+
+
+def test_reused_views_do_not_keep_a_dropped_state_alive():
+    x = torch.randn(10_000)
+    state_checksum([x])
+    assert any(key == (id(x),) for key in checksum._views)
+    key = (id(x),)
+    del x
+    gc.collect()
+    assert key not in checksum._views

@@ -41,8 +41,10 @@ the speed of zlib's CRC-32 (1 GB/s); it moves nothing off the device, and it can
 
 from __future__ import annotations
 
+import weakref
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -101,7 +103,7 @@ def _limbs(t: torch.Tensor) -> torch.Tensor:
     return flat if t.element_size() == 1 else flat.view(torch.int16)
 
 
-_views: dict[tuple[int, ...], tuple[list[tuple], list[torch.Tensor]]] = {}
+_views: dict[tuple[int, ...], tuple[list[tuple], list[torch.Tensor], list[Any]]] = {}
 _MAX_VIEWS = 8
 
 
@@ -124,7 +126,9 @@ def _all_limbs(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     limbs = [_limbs(t) for t in tensors]
     if len(_views) >= _MAX_VIEWS:
         _views.pop(next(iter(_views)))
-    _views[key] = (layout, limbs)
+    # the views hold the storages: drop them as soon as one of the tensors is collected
+    refs = [weakref.ref(t, lambda _, key=key: _views.pop(key, None)) for t in tensors]
+    _views[key] = (layout, limbs, refs)
     return limbs
 
 
