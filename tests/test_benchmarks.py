@@ -211,12 +211,22 @@ def _lm(r: dict[str, Any]) -> None:
     )
 
 
+def _groups(r: dict[str, Any]) -> None:
+    rows = {(row["wire"], row["k"]): row for row in r["rows"]}
+    assert sorted(rows) == [("fp32", 1), ("fp32", 2), ("int8", 1), ("int8", 2)]
+    fp32 = rows["fp32", 2]  # FSDP2 over 2 processes: every buffer is half a model
+    assert fp32["state_ratio"] == 0.5 and fp32["residuals"] == 0
+    assert 0.5 <= fp32["bytes_ratio"] < 0.51  # half the payload, the same 64-byte headers
+    assert rows["int8", 2]["residuals"] > 0 and rows["int8", 2]["state_ratio"] < 0.55
+
+
 CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
     "agn.py": _agn,
     "compare_runs.py": _compare_runs,
     "cross_shard.py": _cross_shard,
     "diloco.py": _diloco,
     "ft.py": _ft,
+    "groups.py": _groups,
     "gpu_cross_shard.py": _gpu_cross_shard,
     "gpu_mesh_sgd.py": _gpu_mesh_sgd,
     "lm.py": _lm,
