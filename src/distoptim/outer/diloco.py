@@ -70,7 +70,7 @@ from distoptim.outer.agreement import (
 )
 from distoptim.outer.exchange import FragmentExchange
 from distoptim.outer.fragments import Fragment, FragmentSchedule
-from distoptim.outer.managed import ManagedSyncs
+from distoptim.outer.managed import ManagedDiLoCo, ManagedSyncs
 from distoptim.outer.state import DiLoCoState, PendingSync
 from distoptim.protocol import WrappedOptimizer, swapped_grads
 
@@ -91,7 +91,7 @@ class GlobalParameters(list):  # type: ignore[type-arg]
         return self
 
 
-class DiLoCo(DiLoCoState, WrappedOptimizer):
+class DiLoCo(ManagedDiLoCo, DiLoCoState, WrappedOptimizer):
     """DiLoCo / Streaming DiLoCo over any inner and outer ``torch.optim.Optimizer``.
 
     Args:
@@ -403,62 +403,6 @@ class DiLoCo(DiLoCoState, WrappedOptimizer):
             return None
         with self._peer_guard("the pseudo-gradient mean", t):
             return PendingSync(fragment, t, exchange.launch())
-
-    def _managed_launch(self, fragment: Fragment, t: int, kind: RoundKind) -> PendingSync | None:
-        """The same, as one torchft round (see :mod:`distoptim.outer.managed`)."""
-        managed = self._managed
-        assert managed is not None
-        rnd = managed.begin(self._exchanges)
-        if rnd.channel is None:  # the quorum failed: nothing travels, the commit will say no
-            return PendingSync(fragment, t, None)
-        self._channel = rnd.channel
-        assert self._agreement is not None
-        self._agreement.rebind(rnd.channel)
-        exchange = self._exchanges[fragment.index]
-        finite = True if rnd.healing else exchange.form()
-        verdict = self._agree(kind, t, fragment, finite, healing=rnd.healing)
-        if rnd.healing and not verdict.void:  # take the contributors' step and fragment
-            managed.adopted()
-            self.iterations = verdict.step - 1  # step() counts this one afterwards
-            t = verdict.step
-            fragment = self._schedule.fragments[verdict.fragment or 0]
-            exchange = self._exchanges[fragment.index]
-            exchange.zero()
-        if verdict.void:
-            managed.fail(verdict.void)
-            return PendingSync(fragment, t, None)
-        if verdict.refusing:
-            managed.fail("a non-finite pseudo-gradient")
-            managed.commit(exchange)
-            self._refuse(fragment, t, verdict.refusing)
-            return None
-        rnd.channel.contributors = verdict.contributors
-        managed.save_residuals(exchange)
-        return PendingSync(fragment, t, exchange.launch())
-
-    def _heal_state(self) -> dict[str, Any]:
-        """What a healing replica receives from this one (see :mod:`distoptim.outer.managed`)."""
-        return {
-            "global": list(self._global),
-            "outer": self._outer.state_dict(),
-            "syncs": self._syncs,
-            "refused_syncs": self._refused_syncs,
-            "synced_at": list(self._synced_at),
-        }
-
-    def _load_heal_state(self, state: dict[str, Any]) -> None:
-        with torch.no_grad():
-            torch._foreach_copy_(self._global, list(state["global"]))
-            for exchange in self._exchanges:  # this replica's own dropped mass: none yet
-                for residuals in exchange.residuals:
-                    for value in residuals.values():
-                        value.zero_()
-        self._outer.load_state_dict(state["outer"])
-        self._syncs = int(state["syncs"])
-        self._refused_syncs = int(state["refused_syncs"])
-        self._synced_at = list(state["synced_at"])
-        if self._managed is not None:
-            self._managed.loaded()
 
     def _refuse(self, fragment: Fragment, t: int, replicas: list[str]) -> None:
         """Every replica refuses the sync: no outer step, the fragment's local values reset to
