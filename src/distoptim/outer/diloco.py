@@ -62,6 +62,7 @@ from distoptim.comm.groups import check_group_assignment, comm_device
 from distoptim.comm.guard import DesyncError, RoundKind
 from distoptim.comm.stats import CommStats
 from distoptim.comm.wire import parse_wire
+from distoptim.ft import inject
 from distoptim.outer.agreement import (
     HeaderVerdict,
     NonFiniteSyncError,
@@ -354,6 +355,8 @@ class DiLoCo(ManagedDiLoCo, DiLoCoState, WrappedOptimizer):
             self._apply(sync, t, self.fragment_update_alpha)
         else:
             self._in_flight = sync
+            if inject.ARMED:
+                inject.hit("in_flight", self._role())
 
     def finish(self) -> None:
         """End a run (or a phase of it) with every replica holding the global model.
@@ -377,6 +380,8 @@ class DiLoCo(ManagedDiLoCo, DiLoCoState, WrappedOptimizer):
         """
         t = self.iterations
         managed = self._managed is not None
+        if inject.ARMED:
+            inject.hit("finish", self._role())
         sync = self._in_flight
         if sync is not None:
             if not managed:  # a managed sync in flight is judged by its commit

@@ -198,6 +198,12 @@ class ManagedDiLoCo:
         managed.save_residuals(exchange)
         return PendingSync(fragment, t, exchange.launch())
 
+    def _role(self) -> str:
+        """This replica's role in the round in progress, as fault injection names it."""
+        managed = self._managed
+        healing = managed is not None and (managed.healing or managed.needs_step)
+        return "joiner" if healing else "contributor"
+
     def _heal_state(self) -> dict[str, Any]:
         """What a healing replica receives from this one (see :mod:`distoptim.outer.managed`)."""
         return {
