@@ -352,7 +352,9 @@ class DiLoCo(ManagedDiLoCo, DiLoCoState, WrappedOptimizer):
         if sync is None:  # refused: nothing in flight until the next launch
             self._closed_at = t
         elif self.fragment_sync_delay == 0:
-            self._apply(sync, t, self.fragment_update_alpha)
+            # at the sync's own step: a healing replica adopted the contributors' step in the
+            # launch, so its local ``t`` may be another
+            self._apply(sync, sync.launched_at, self.fragment_update_alpha)
         else:
             self._in_flight = sync
             if inject.ARMED:
@@ -456,13 +458,16 @@ class DiLoCo(ManagedDiLoCo, DiLoCoState, WrappedOptimizer):
     def _apply(self, sync: PendingSync, t: int, alpha: float, header: bool = True) -> None:
         """The outer step of one fragment on the global copy, then the local mix (see module).
 
-        ``header``: agree first when the mean still runs a collective (phase 2) at another step
-        than its launch; ``finish()`` has agreed already.
+        ``header``: agree first when the mean still runs a collective (phase 2) after inner
+        steps in flight; ``finish()`` has agreed already. Whether that header goes is decided
+        from what every replica agreed on (the wire and ``τ``, in the plan fingerprint), never
+        from a local step counter: a healing replica issues exactly the contributors'
+        collectives.
         """
         exchange = self._exchanges[sync.fragment.index]
         # a managed round whose peer died leaves garbage in the buffers: it will not commit
         if sync.flight is not None and not self._channel.failed:
-            if header and exchange.finishes_with_collective and t != sync.launched_at:
+            if header and exchange.finishes_with_collective and self.fragment_sync_delay > 0:
                 healing = self._managed is not None and self._managed.healing
                 # e.g. phase 2 of a two-phase mean
                 self._agree(RoundKind.STEP, t, sync.fragment, healing=healing)
