@@ -36,8 +36,9 @@ class _Injected:
     incarnation (``"SLOT.INC"``, or ``"SLOT"`` for the first incarnation):
 
     * ``"kill"``: SIGKILL the stopped replica and restart its slot (a new incarnation heals);
-    * ``"kill-once"``: the same for the first replica that answers with it, ``"cont"`` after
-      (e.g. whichever of two possible donors serves first);
+    * ``"kill-final"``: SIGKILL it and do not restart it (a fault inside ``finish()``);
+    * ``"kill-once"``: the same as ``"kill"`` for the first replica that answers with it,
+      ``"cont"`` after (e.g. whichever of two possible donors serves first);
     * ``"stop"``: leave it frozen until the others committed two more rounds, then SIGCONT it;
     * ``"cont"``: SIGCONT it at once.
 
@@ -84,6 +85,8 @@ class _Injected:
                 assert c.kill(slot)
                 c.restart(slot)
                 self.down[slot] = (e["inc"] + 1, 0)
+            elif response == "kill-final":  # inside finish(): the run is ending, no restart
+                assert c.kill(slot)
             elif response == "stop":
                 rounds = [h[self.key] for h in c.history if h["kind"] == "commit"]
                 self.frozen[slot] = max(rounds, default=0)
@@ -125,7 +128,8 @@ def _case(
     took = time.monotonic() - start
     print(f"\n[fault matrix] {name}: {took:.1f} s, injected {scenario.injected}")
     assert scenario.ended, (scenario.injected, scenario.down, scenario.frozen)
-    finals = run.values
+    killed_finally = {(slot, r) for slot, _, _, _, r in scenario.injected}
+    finals = [v for s, v in enumerate(run.values) if (s, "kill-final") not in killed_finally]
     assert all(v is not None and "refused" not in v for v in finals), finals
     assert len({v["state"] for v in finals}) == 1  # one synchronised state, bit for bit
     assert len({v["step"] for v in finals}) == 1
@@ -145,15 +149,24 @@ KILLS = (
     4,
 )
 # 2. two contributors killed at the same quorum (two joiners); once back, one of them frozen
-#    between should_commit and the apply, past the lighthouse's heartbeat timeout, and thawed
+#    between should_commit and the apply, past the lighthouse's heartbeat timeout, and thawed;
+#    the other frozen after a quorum (its peers' collectives time out), and thawed
 TWO = (
     {
         "1": "after_quorum:contributor@3",
         "2": "after_quorum:contributor@3",
         "1.1": "before_apply:contributor@2",
+        "2.1": "after_quorum:contributor@4",
     },
-    {"1": "kill", "2": "kill", "1.1": "stop"},
-    3,
+    {"1": "kill", "2": "kill", "1.1": "stop", "2.1": "stop"},
+    4,
+)
+# 3. (tau >= 1) a contributor killed with its fragment's sync in flight; its restart killed with
+#    its first (healing) sync in flight; at the end a replica killed inside finish()
+FLIGHT = (
+    {"1": "in_flight:contributor@3", "1.1": "in_flight:joiner", "0": "finish"},
+    {"1": "kill", "1.1": "kill", "0": "kill-final"},
+    2,
 )
 
 
@@ -161,19 +174,98 @@ def _points(injected: list[tuple[int, int, str, str, str]]) -> set[tuple[str, st
     return {(point, role) for _, _, point, role, _ in injected}
 
 
-# ---- DiLoCo, int8 (a two-phase wire), tau = 0 ---------------------------------------------
-@pytest.mark.parametrize("bundle", [KILLS, TWO], ids=["kills", "two-joiners-stop"])
-def test_diloco_int8(bundle):
+# ---- the matrix: every algorithm under each bundle ---------------------------------------
+CASES = [
+    ("diloco-int8", workloads.diloco, ("int8",), KILLS),
+    ("diloco-int8", workloads.diloco, ("int8",), TWO),
+    ("diloco-topk", workloads.diloco, ("topk:0.1+int4",), KILLS),
+    ("streaming-int8", workloads.streaming_diloco, ("int8",), KILLS),
+    ("streaming-int8", workloads.streaming_diloco, ("int8",), TWO),
+    ("streaming-int8", workloads.streaming_diloco, ("int8",), FLIGHT),
+    ("local-sgd", workloads.local_sgd, (), KILLS),
+    ("local-sgd", workloads.local_sgd, (), TWO),
+    ("cross-shard", workloads.cross_shard, (16,), KILLS),
+    ("cross-shard", workloads.cross_shard, (16,), TWO),
+]
+BUNDLES = {id(KILLS): "kills", id(TWO): "two-joiners-stops", id(FLIGHT): "in-flight-finish"}
+
+
+@pytest.mark.parametrize(
+    ("fn", "args", "bundle"),
+    [pytest.param(fn, args, b, id=f"{name}-{BUNDLES[id(b)]}") for name, fn, args, b in CASES],
+)
+def test_fault_matrix(fn, args, bundle, request):
     faults, responses, expected = bundle
-    injected = _case("diloco int8", workloads.diloco, ("int8",), faults, responses, expected)
+    injected = _case(request.node.callspec.id, fn, args, faults, responses, expected)
     assert len(injected) >= expected
+    assert {r for _, _, _, _, r in injected} >= {"kill"}
 
 
-# ---- Streaming DiLoCo: 2 fragments, tau = 1, int8 -----------------------------------------
-@pytest.mark.parametrize("bundle", [KILLS, TWO], ids=["kills", "two-joiners-stop"])
-def test_streaming_int8(bundle):
-    faults, responses, expected = bundle
-    injected = _case(
-        "streaming int8", workloads.streaming_diloco, ("int8",), faults, responses, expected
+# ---- only the odd one fails ------------------------------------------------------------------
+class _OddOnes:
+    """Restart ``slot`` each time its incarnation returns (refused), up to ``last``; kill and
+    restart every replica that injects; end once incarnation ``last`` returned."""
+
+    def __init__(self, slot: int, last: int) -> None:
+        self.slot, self.last = slot, last
+        self.top = 0
+        self.ended = False
+
+    def __call__(self, e: dict[str, Any], c: Controls) -> None:
+        if e["kind"] == "commit":
+            self.top = max(self.top, e["step"])
+        elif e["kind"] == "inject":
+            assert c.stop(e["slot"]) and c.kill(e["slot"])
+            c.restart(e["slot"])
+        elif e["kind"] == "returned" and e["slot"] == self.slot and not self.ended:
+            if e["inc"] < self.last:
+                c.restart(self.slot)
+            else:
+                c.finish_at(self.top + FAR)
+                self.ended = True
+
+
+def _odd_case(name: str, odd: dict, faults: dict, slot: int, last: int) -> list[Any]:
+    scenario = _OddOnes(slot, last)
+    start = time.monotonic()
+    run = run_replicas(
+        workloads.odd_outer,
+        3,
+        args=("diloco", "int8", odd, faults),
+        on_event=scenario,
+        timeout=RUN_TIMEOUT,
     )
-    assert len(injected) >= expected
+    print(f"\n[fault matrix] {name}: {time.monotonic() - start:.1f} s")
+    assert scenario.ended
+    good = [v for s, v in enumerate(run.values) if s != slot]
+    assert all("refused" not in v for v in good), good
+    assert len({v["state"] for v in good}) == 1 and len({v["model"] for v in good}) == 1
+    assert all(v["contributed"] > 0 for v in good)
+    _commits_agree(run, "syncs")
+    returned = [e["inc"] for e in run.events if e["kind"] == "returned" and e["slot"] == slot]
+    assert returned and returned[-1] == last, returned
+    return run.values
+
+
+def test_diloco_refuses_only_the_odd_replica_wider_model_then_joiners_with_other_options():
+    odd = {
+        "2": {"width": 32},  # at the first sync: every replica is a contributor
+        "2.1": {"wire": "int4"},  # joiners: healing, refused as strangers
+        "2.2": {"sync_every": 4},
+        "2.3": {"fragments": 2},
+    }
+    values = _odd_case("diloco int8: odd replica, 4 incarnations", odd, {}, 2, 3)
+    assert "ParameterMismatchError" in values[2]["refused"], values[2]
+
+
+def test_diloco_refuses_only_a_healed_joiner_with_a_stale_learning_rate():
+    values = _odd_case(
+        "diloco int8: stale-lr joiner",
+        {"1.1": {"stale_lr": 3e-3}},
+        {"1": "after_quorum:contributor@3"},
+        1,
+        1,
+    )
+    refused = values[1]["refused"]
+    assert "ParameterMismatchError" in refused and "lr" in refused, refused
+    assert "is refused before it contributes" in refused

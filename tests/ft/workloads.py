@@ -77,9 +77,10 @@ def _arm(ctx: ReplicaContext, faults: dict[str, str] | None, stats: Any) -> None
     inject.arm(spec, action=stop_here)
 
 
-def _stop(ctx: ReplicaContext, step: int, committed: int) -> bool:
-    """Stop at the scenario's step; a restarted replica that never joined stops at the end."""
-    if ctx.incarnation and committed == 0 and ctx.ending():
+def _stop(ctx: ReplicaContext, step: int, committed: int, waits: bool = False) -> bool:
+    """Stop at the scenario's step; a restarted replica that never joined stops at the end
+    (unless it ``waits``: an odd replica started to be refused after another returned)."""
+    if ctx.incarnation and committed == 0 and ctx.ending() and not waits:
         return True
     end = ctx.finish_at()
     return (end is not None and step >= end) or step >= MAX_STEPS
@@ -166,17 +167,22 @@ def _outer(
     kind: str,
     wire: str,
     faults: dict[str, str] | None = None,
-    odd: dict[int, dict[str, Any]] | None = None,
+    odd: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any] | None:
     """The DiLoCo family under a torchft manager; logs ``syncing`` before each step that syncs
     (so a scenario can kill a replica as it enters a sync) and ``commit`` after each sync.
-    ``odd``: per slot, options that differ from the others' (``width``, ``lr``, ``wire``,
-    ``sync_every``, ``fragments``): such a replica must be refused by name (it returns
+    ``odd``: per ``"SLOT"`` (its first incarnation) or ``"SLOT.INC"``, options that differ from
+    the others' (``width``, ``wire``, ``sync_every``, ``fragments``; ``stale_lr``: the inner
+    learning rate a healed replica sets back after loading its donor's state, as a scheduler
+    left out of the heal state would): such a replica must be refused by name (it returns
     ``{"refused": ...}``) while the others go on."""
-    mine = (odd or {}).get(ctx.slot, {})
+    odd = odd or {}
+    mine = odd.get(f"{ctx.slot}.{ctx.incarnation}", odd.get(str(ctx.slot), {}))
+    if ctx.incarnation and f"{ctx.slot}.{ctx.incarnation}" not in odd:
+        mine = {}
     model = _model(mine.get("width", 16))
     x, y = _data()
-    inner = torch.optim.AdamW(model.parameters(), lr=mine.get("lr", 1e-2))
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
     wire = mine.get("wire", wire)
     every = mine.get("sync_every", 8)
 
@@ -186,6 +192,9 @@ def _outer(
     def load(s: dict[str, Any]) -> None:
         model.load_state_dict(s["model"])
         inner.load_state_dict(s["inner"])
+        if "stale_lr" in mine:
+            for group in inner.param_groups:
+                group["lr"] = mine["stale_lr"]
 
     manager = _manager(ctx, state, load)
     opt: DiLoCo
@@ -208,7 +217,7 @@ def _outer(
     ctx.log("ready")
     ctx.wait_for_peers(240)
     try:
-        while not _stop(ctx, opt.iterations, opt.replica_stats.commits):
+        while not _stop(ctx, opt.iterations, opt.replica_stats.commits, waits=bool(mine)):
             idx = shards.batch(opt.iterations)
             opt.zero_grad()
             torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
@@ -250,7 +259,11 @@ def odd_width(ctx: ReplicaContext) -> dict[str, Any] | None:
 
 
 def odd_outer(
-    ctx: ReplicaContext, kind: str, wire: str, odd: dict[int, dict[str, Any]]
+    ctx: ReplicaContext,
+    kind: str,
+    wire: str,
+    odd: dict[str, dict[str, Any]],
+    faults: dict[str, str] | None = None,
 ) -> dict[str, Any] | None:
     """The DiLoCo family where the slots in ``odd`` differ from the others (see ``_outer``)."""
-    return _outer(ctx, kind, wire, odd=odd)
+    return _outer(ctx, kind, wire, faults, odd)

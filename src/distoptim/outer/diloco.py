@@ -249,7 +249,9 @@ class DiLoCo(ManagedDiLoCo, DiLoCoState, WrappedOptimizer):
         self._agreement: SyncAgreement | None = None
         if group_size > 1 or manager is not None:
             device = comm_device(group_obj) if manager is None else torch.device("cpu")
-            self._agreement = SyncAgreement(self._channel, self._stats, device, name)
+            self._agreement = SyncAgreement(
+                self._channel, self._stats, device, name, odd_one_out=manager is not None
+            )
         self._managed: ManagedSyncs | None = None
         if manager is not None:
             self._managed = ManagedSyncs(manager, name)
@@ -466,13 +468,17 @@ class DiLoCo(ManagedDiLoCo, DiLoCoState, WrappedOptimizer):
         """
         exchange = self._exchanges[sync.fragment.index]
         # a managed round whose peer died leaves garbage in the buffers: it will not commit
+        void = ""
         if sync.flight is not None and not self._channel.failed:
             if header and exchange.finishes_with_collective and self.fragment_sync_delay > 0:
                 healing = self._managed is not None and self._managed.healing
                 # e.g. phase 2 of a two-phase mean
-                self._agree(RoundKind.STEP, t, sync.fragment, healing=healing)
-            with self._peer_guard("the pseudo-gradient mean", t):
-                mean = exchange.finish(sync.flight)
+                void = self._agree(RoundKind.STEP, t, sync.fragment, healing=healing).void
+                if void and self._managed is not None:  # e.g. a replica refused: not applied
+                    self._managed.fail(void)
+            if not void:
+                with self._peer_guard("the pseudo-gradient mean", t):
+                    mean = exchange.finish(sync.flight)
         if self._managed is not None and not self._managed.commit(exchange):
             with torch.no_grad():  # not committed: back to the last global copy
                 torch._foreach_copy_(exchange.local, exchange.global_)
