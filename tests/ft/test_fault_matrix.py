@@ -22,10 +22,9 @@ from typing import Any
 
 import pytest
 
+from distoptim.ft import inject
 from distoptim.ft.local import Controls, ReplicaRun, run_replicas
 from tests.ft import workloads
-
-pytestmark = pytest.mark.slow
 
 RUN_TIMEOUT = 300  # a bound on a hung case; each takes seconds to tens of seconds
 FAR = 96  # steps between the scenario's "stop at" and where the replicas are when it says so
@@ -190,6 +189,7 @@ CASES = [
 BUNDLES = {id(KILLS): "kills", id(TWO): "two-joiners-stops", id(FLIGHT): "in-flight-finish"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("fn", "args", "bundle"),
     [pytest.param(fn, args, b, id=f"{name}-{BUNDLES[id(b)]}") for name, fn, args, b in CASES],
@@ -247,6 +247,7 @@ def _odd_case(name: str, odd: dict, faults: dict, slot: int, last: int) -> list[
     return run.values
 
 
+@pytest.mark.slow
 def test_diloco_refuses_only_the_odd_replica_wider_model_then_joiners_with_other_options():
     odd = {
         "2": {"width": 32},  # at the first sync: every replica is a contributor
@@ -258,6 +259,7 @@ def test_diloco_refuses_only_the_odd_replica_wider_model_then_joiners_with_other
     assert "ParameterMismatchError" in values[2]["refused"], values[2]
 
 
+@pytest.mark.slow
 def test_diloco_refuses_only_a_healed_joiner_with_a_stale_learning_rate():
     values = _odd_case(
         "diloco int8: stale-lr joiner",
@@ -269,3 +271,39 @@ def test_diloco_refuses_only_a_healed_joiner_with_a_stale_learning_rate():
     refused = values[1]["refused"]
     assert "ParameterMismatchError" in refused and "lr" in refused, refused
     assert "is refused before it contributes" in refused
+
+
+# ---- the hook itself (one process) ---------------------------------------------------------
+def test_inject_fires_at_the_nth_arrival_in_its_role_once_and_costs_nothing_unarmed():
+    assert not inject.ARMED  # nothing armed unless the environment says so
+    inject.hit("after_quorum", "contributor")  # unarmed: nothing happens
+    fired: list[tuple[str, str]] = []
+    try:
+        inject.arm("after_quorum:joiner@2,heal_donor", action=lambda p, r: fired.append((p, r)))
+        assert inject.ARMED
+        for role in ("contributor", "joiner", "contributor", "joiner", "joiner"):
+            inject.hit("after_quorum", role)
+        inject.hit("heal_donor", "donor")
+        inject.hit("heal_donor", "donor")
+        assert fired == [("after_quorum", "joiner"), ("heal_donor", "donor")]
+    finally:
+        inject.disarm()
+    assert not inject.ARMED
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ("after_sync", r"point 'after_sync' is not one of"),
+        ("heal_donor:leader", r"role 'leader' is not one of"),
+        ("finish@0", r"@N must be an integer >= 1"),
+        ("finish@x", r"@N must be an integer >= 1"),
+        ("finish=pause", r"action 'pause' is not one of"),
+    ],
+)
+def test_inject_specs_are_checked_before_anything_is_armed(spec, match):
+    with pytest.raises(ValueError, match=match):
+        inject.arm(f"after_quorum,{spec}")
+    assert not inject.ARMED
+    with pytest.raises(TypeError, match=r"must be a str"):
+        inject.parse(3)  # type: ignore[arg-type]
