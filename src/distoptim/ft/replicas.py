@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from distoptim.ft import _torchft
+from distoptim.ft import _torchft, inject
 
 __all__ = [
     "InsufficientReplicasError",
@@ -170,6 +170,8 @@ class ManagedReplicas:
             if qid != self._last_quorum_id:
                 self.stats.quorum_changes += self._last_quorum_id is not None
                 self._last_quorum_id = qid
+            if inject.ARMED:
+                inject.hit("after_quorum", "contributor" if participating else "joiner")
         return self._quorum
 
     def _wait_quorum(self) -> None:
@@ -200,6 +202,9 @@ class ManagedReplicas:
             self._started = False
         if ok:
             stats = self.stats
+            if inject.ARMED:
+                healed = stats.heals > self._heals_at_start
+                inject.hit("before_apply", "joiner" if healed else "contributor")
             stats.commits += 1
             quorum = self._quorum
             if quorum is not None and quorum.contributes and stats.heals == self._heals_at_start:
@@ -279,11 +284,18 @@ class ManagedReplicas:
         self._keys.add(name)
 
         def load(state: Any) -> None:
+            if inject.ARMED:
+                inject.hit("heal_joiner", "joiner")
             load_state_dict(state)
             self.stats.heals += 1
             self.stats.last_heal_at = time.time()
 
-        self.manager.register_state_dict_fn(name, load, lambda: copy.deepcopy(state_dict()))
+        def serve() -> Any:
+            if inject.ARMED:
+                inject.hit("heal_donor", "donor")
+            return copy.deepcopy(state_dict())
+
+        self.manager.register_state_dict_fn(name, load, serve)
 
 
 class _Done:

@@ -59,6 +59,7 @@ from distoptim.comm.channel import Channel, GroupChannel
 from distoptim.comm.groups import comm_device
 from distoptim.comm.guard import DesyncError, RoundKind
 from distoptim.comm.stats import CommStats
+from distoptim.ft import inject
 from distoptim.outer.agreement import (
     HeaderVerdict,
     NonFiniteSyncError,
@@ -70,7 +71,7 @@ from distoptim.outer.exchange import FragmentExchange
 from distoptim.outer.facts import DiLoCoFacts, GlobalParameters
 from distoptim.outer.fragments import Fragment, FragmentSchedule
 from distoptim.outer.groups import combine_checksums, like_param, local_view, within_group
-from distoptim.outer.managed import ManagedSyncs
+from distoptim.outer.managed import ManagedDiLoCo, ManagedSyncs
 from distoptim.outer.state import DiLoCoState, PendingSync
 from distoptim.protocol import WrappedOptimizer, swapped_grads
 
@@ -79,7 +80,7 @@ __all__ = ["DiLoCo", "GlobalParameters"]
 _MIB = 1 << 20
 
 
-class DiLoCo(DiLoCoFacts, DiLoCoState, WrappedOptimizer):
+class DiLoCo(ManagedDiLoCo, DiLoCoFacts, DiLoCoState, WrappedOptimizer):
     """DiLoCo / Streaming DiLoCo over any inner and outer ``torch.optim.Optimizer``.
 
     Args:
@@ -222,7 +223,9 @@ class DiLoCo(DiLoCoFacts, DiLoCoState, WrappedOptimizer):
         self._agreement: SyncAgreement | None = None
         if self._group_size > 1 or manager is not None:
             device = comm_device(self._group) if manager is None else torch.device("cpu")
-            self._agreement = SyncAgreement(self._channel, self._stats, device, name)
+            self._agreement = SyncAgreement(
+                self._channel, self._stats, device, name, odd_one_out=manager is not None
+            )
         self._managed: ManagedSyncs | None = None
         # a torchft replica group of several processes: its header's state checksum combines
         # every process's (a group whose processes differ is refused as a whole)
@@ -280,9 +283,13 @@ class DiLoCo(DiLoCoFacts, DiLoCoState, WrappedOptimizer):
         if sync is None:  # refused: nothing in flight until the next launch
             self._closed_at = t
         elif self.fragment_sync_delay == 0:
-            self._apply(sync, t, self.fragment_update_alpha)
+            # at the sync's own step: a healing replica adopted the contributors' step in the
+            # launch, so its local ``t`` may be another
+            self._apply(sync, sync.launched_at, self.fragment_update_alpha)
         else:
             self._in_flight = sync
+            if inject.ARMED:
+                inject.hit("in_flight", self._role())
 
     def finish(self) -> None:
         """End a run (or a phase of it) with every replica holding the global model.
@@ -306,6 +313,8 @@ class DiLoCo(DiLoCoFacts, DiLoCoState, WrappedOptimizer):
         """
         t = self.iterations
         managed = self._managed is not None
+        if inject.ARMED:
+            inject.hit("finish", self._role())
         sync = self._in_flight
         if sync is not None:
             if not managed:  # a managed sync in flight is judged by its commit
@@ -333,62 +342,6 @@ class DiLoCo(DiLoCoFacts, DiLoCoState, WrappedOptimizer):
         with self._peer_guard("the pseudo-gradient mean", t):
             return PendingSync(fragment, t, exchange.launch())
 
-    def _managed_launch(self, fragment: Fragment, t: int, kind: RoundKind) -> PendingSync | None:
-        """The same, as one torchft round (see :mod:`distoptim.outer.managed`)."""
-        managed = self._managed
-        assert managed is not None
-        rnd = managed.begin(self._exchanges)
-        if rnd.channel is None:  # the quorum failed: nothing travels, the commit will say no
-            return PendingSync(fragment, t, None)
-        self._channel = rnd.channel
-        assert self._agreement is not None
-        self._agreement.rebind(rnd.channel)
-        exchange = self._exchanges[fragment.index]
-        finite = True if rnd.healing else exchange.form()
-        verdict = self._agree(kind, t, fragment, finite, healing=rnd.healing)
-        if rnd.healing and not verdict.void:  # take the contributors' step and fragment
-            managed.adopted()
-            self.iterations = verdict.step - 1  # step() counts this one afterwards
-            t = verdict.step
-            fragment = self._schedule.fragments[verdict.fragment or 0]
-            exchange = self._exchanges[fragment.index]
-            exchange.zero()
-        if verdict.void:
-            managed.fail(verdict.void)
-            return PendingSync(fragment, t, None)
-        if verdict.refusing:
-            managed.fail("a non-finite pseudo-gradient")
-            managed.commit(exchange)
-            self._refuse(fragment, t, verdict.refusing)
-            return None
-        rnd.channel.contributors = verdict.contributors
-        managed.save_residuals(exchange)
-        return PendingSync(fragment, t, exchange.launch())
-
-    def _heal_state(self) -> dict[str, Any]:
-        """What a healing replica receives from this one (see :mod:`distoptim.outer.managed`)."""
-        return {
-            "global": list(self._global),
-            "outer": self._outer.state_dict(),
-            "syncs": self._syncs,
-            "refused_syncs": self._refused_syncs,
-            "synced_at": list(self._synced_at),
-        }
-
-    def _load_heal_state(self, state: dict[str, Any]) -> None:
-        with torch.no_grad():
-            torch._foreach_copy_(self._global, list(state["global"]))
-            for exchange in self._exchanges:  # this replica's own dropped mass: none yet
-                for residuals in exchange.residuals:
-                    for value in residuals.values():
-                        value.zero_()
-        self._outer.load_state_dict(state["outer"])
-        self._syncs = int(state["syncs"])
-        self._refused_syncs = int(state["refused_syncs"])
-        self._synced_at = list(state["synced_at"])
-        if self._managed is not None:
-            self._managed.loaded()
-
     def _refuse(self, fragment: Fragment, t: int, replicas: list[str]) -> None:
         """Every replica refuses the sync: no outer step, the fragment's local values reset to
         its global copy; the error is raised at the end of the call (the step is counted)."""
@@ -414,18 +367,25 @@ class DiLoCo(DiLoCoFacts, DiLoCoState, WrappedOptimizer):
     def _apply(self, sync: PendingSync, t: int, alpha: float, header: bool = True) -> None:
         """The outer step of one fragment on the global copy, then the local mix (see module).
 
-        ``header``: agree first when the mean still runs a collective (phase 2) at another step
-        than its launch; ``finish()`` has agreed already.
+        ``header``: agree first when the mean still runs a collective (phase 2) after inner
+        steps in flight; ``finish()`` has agreed already. Whether that header goes is decided
+        from what every replica agreed on (the wire and ``τ``, in the plan fingerprint), never
+        from a local step counter: a healing replica issues exactly the contributors'
+        collectives.
         """
         exchange = self._exchanges[sync.fragment.index]
         # a managed round whose peer died leaves garbage in the buffers: it will not commit
+        void = ""
         if sync.flight is not None and not self._channel.failed:
-            if header and exchange.finishes_with_collective and t != sync.launched_at:
+            if header and exchange.finishes_with_collective and self.fragment_sync_delay > 0:
                 healing = self._managed is not None and self._managed.healing
                 # e.g. phase 2 of a two-phase mean
-                self._agree(RoundKind.STEP, t, sync.fragment, healing=healing)
-            with self._peer_guard("the pseudo-gradient mean", t):
-                mean = exchange.finish(sync.flight)
+                void = self._agree(RoundKind.STEP, t, sync.fragment, healing=healing).void
+                if void and self._managed is not None:  # e.g. a replica refused: not applied
+                    self._managed.fail(void)
+            if not void:
+                with self._peer_guard("the pseudo-gradient mean", t):
+                    mean = exchange.finish(sync.flight)
         if self._managed is not None and not self._managed.commit(exchange):
             with torch.no_grad():  # not committed: back to the last global copy
                 torch._foreach_copy_(exchange.local, exchange.global_)
