@@ -1,11 +1,12 @@
 """Fault-tolerant training on torchft: replica groups that die and join while the job goes on.
 
 A *replica group* is one torchrun job (here 2 processes: CrossShardOptimizer's group within the
-replica); replica groups find each other through a torchft lighthouse and average across
-groups through a ``torchft.Manager``, step by step (``--algo sync``) or sync by sync
-(``--algo diloco``). Kill a replica group and start it again: the others go on, and the new one
-heals from a peer and joins them. Every process prints its committed steps, and at the end the
-bitwise checksum of the model, which is the same in every replica group that finished.
+replica, or DDP's with ``--algo diloco``); replica groups find each other through a torchft
+lighthouse and average across groups through a ``torchft.Manager``, step by step
+(``--algo sync``) or sync by sync (``--algo diloco``). Kill a replica group and start it again:
+the others go on, and the new one heals from a peer and joins them. Every process prints its
+committed steps, and at the end the bitwise checksum of the model, which is the same in every
+replica group that finished.
 
 On one machine (three terminals)::
 
@@ -83,11 +84,13 @@ def main() -> None:
         timeout=10,
         init_sync=False,
     )
+    net: nn.Module = model
     if args.algo == "sync":
         opt = distoptim.CrossShardOptimizer(inner, manager=manager)
-    else:
+    else:  # DDP keeps the group's processes one model; DiLoCo runs across the groups
+        net = nn.parallel.DistributedDataParallel(model)
         outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
-        opt = distoptim.DiLoCo(inner, outer, sync_every=20, manager=manager)
+        opt = distoptim.DiLoCo(inner, outer, sync_every=20, manager=manager, model=net)
     holder.append(opt)
     x, y = _blobs()
     # every process of every replica group reads its own part of each epoch, by slot
@@ -95,7 +98,7 @@ def main() -> None:
     while opt.iterations < args.steps:
         idx = shards.batch(opt.iterations)
         opt.zero_grad()
-        F.cross_entropy(model(x[idx]), y[idx]).backward()
+        F.cross_entropy(net(x[idx]), y[idx]).backward()
         opt.step()
         if rank == 0 and opt.iterations % 100 == 0:
             stats = opt.replica_stats

@@ -147,13 +147,19 @@ def _lm_size(r: dict[str, Any]) -> None:
 
 
 def _ft(r: dict[str, Any]) -> None:
-    assert {"machine", "config", "goodput", "overhead", "load_before"} <= r.keys()
-    for g in r["goodput"].values():
+    assert {"machine", "config", "load_before", "load_after", "cpu_s"} <= r.keys()
+    assert "vs_torchft" in r or "goodput" in r  # --quick: the per-step comparison
+    for pair in ("sync", "diloco") if "vs_torchft" in r else ():
+        v = r["vs_torchft"][pair]
+        assert _positive(v["ours_step_ms"]) and _positive(v["theirs_step_ms"])
+        assert v["paired_ratios"] and all(_positive(x) for x in v["paired_ratios"])
+        assert _positive(v["check"]["slice_ms"]) and _positive(v["check_share_of_step"])
+    for g in r.get("goodput", {}).values():
         for run in (g["fault_free"], g["faulty"]):
             assert run["states_equal"] and run["commits"] > 0 and _positive(run["goodput"])
         assert g["faulty"]["faults"]  # the schedule dealt at least one fault
         assert _positive(g["goodput_ratio"])
-    for o in r["overhead"].values():
+    for o in r.get("overhead", {}).values():
         assert _positive(o["plain_step_ms"]) and _positive(o["managed_step_ms"])
 
 
@@ -205,12 +211,22 @@ def _lm(r: dict[str, Any]) -> None:
     )
 
 
+def _groups(r: dict[str, Any]) -> None:
+    rows = {(row["wire"], row["k"]): row for row in r["rows"]}
+    assert sorted(rows) == [("fp32", 1), ("fp32", 2), ("int8", 1), ("int8", 2)]
+    fp32 = rows["fp32", 2]  # FSDP2 over 2 processes: every buffer is half a model
+    assert fp32["state_ratio"] == 0.5 and fp32["residuals"] == 0
+    assert 0.5 <= fp32["bytes_ratio"] < 0.51  # half the payload, the same 64-byte headers
+    assert rows["int8", 2]["residuals"] > 0 and rows["int8", 2]["state_ratio"] < 0.55
+
+
 CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
     "agn.py": _agn,
     "compare_runs.py": _compare_runs,
     "cross_shard.py": _cross_shard,
     "diloco.py": _diloco,
     "ft.py": _ft,
+    "groups.py": _groups,
     "gpu_cross_shard.py": _gpu_cross_shard,
     "gpu_mesh_sgd.py": _gpu_mesh_sgd,
     "lm.py": _lm,

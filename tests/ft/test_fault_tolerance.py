@@ -91,9 +91,15 @@ def test_cross_shard_survives_a_kill_and_a_stop_and_heals_bit_for_bit():
     assert ("kill", 1) in actions and ("stop", 2) in actions
 
 
+# the donors stop themselves as they copy their state for a healing peer (distoptim.ft.inject)
+DONORS = {"0": "heal_donor", "2": "heal_donor"}
+
+
 class _DonorScenario:
     """Kill replica 1 after a few syncs and restart it; kill the first replica that serves it
-    its state (mid-heal) and restart that one too; end once both committed again."""
+    its state -- stopped by its own trigger inside the heal, so exactly mid-heal whatever the
+    load -- and restart that one too (a later donor's trigger is let go); end once both
+    committed again."""
 
     def __init__(self) -> None:
         self.phase = "warmup"
@@ -103,12 +109,16 @@ class _DonorScenario:
     def __call__(self, e: dict[str, Any], c: Controls) -> None:
         if e["kind"] == "commit":
             self.top = max(self.top, e["step"])
+        if e["kind"] == "inject" and self.phase != "joining":
+            assert c.stop(e["slot"])  # stopped by itself: registered, and continued
+            c.cont(e["slot"])
         if self.phase == "warmup" and e["kind"] == "commit" and e["syncs"] >= 6:
             assert c.kill(1)
             c.restart(1)
             self.phase = "joining"
-        elif self.phase == "joining" and e["kind"] == "serving" and e["slot"] != 1:
+        elif self.phase == "joining" and e["kind"] == "inject":
             self.donor = e["slot"]
+            assert e["point"] == "heal_donor" and self.donor != 1, e
             assert c.kill(self.donor)  # while the joiner fetches its checkpoint
             c.restart(self.donor)
             self.phase = "healing"
@@ -129,7 +139,13 @@ def _seen_commit_of(c: Controls, slot: int) -> bool:
 
 def test_streaming_diloco_int8_survives_a_donor_killed_mid_heal():
     scenario = _DonorScenario()
-    run = run_replicas(workloads.streaming_diloco, 3, on_event=scenario, timeout=RUN_TIMEOUT)
+    run = run_replicas(
+        workloads.streaming_diloco,
+        3,
+        args=("int8", DONORS),
+        on_event=scenario,
+        timeout=RUN_TIMEOUT,
+    )
     assert scenario.phase == "ending", scenario.phase
     finals = run.values
     assert all(v is not None for v in finals), finals

@@ -11,12 +11,16 @@ commit with the checksum of the state the replicas must agree on.
 from __future__ import annotations
 
 import copy
+import os
+import signal
 from typing import Any
 
 import torch
 
 from distoptim import CrossShardOptimizer, DiLoCo, LocalSGD
 from distoptim.comm.checksum import state_checksum
+from distoptim.comm.guard import ParameterMismatchError
+from distoptim.ft import inject
 from distoptim.ft.data import SlotShards
 from distoptim.ft.local import ReplicaContext
 from distoptim.ft.replica import make_manager
@@ -56,15 +60,35 @@ def _manager(ctx: ReplicaContext, state: Any, load: Any) -> Any:
     )
 
 
-def _stop(ctx: ReplicaContext, step: int, committed: int) -> bool:
-    """Stop at the scenario's step; a restarted replica that never joined stops at the end."""
-    if ctx.incarnation and committed == 0 and ctx.ending():
+def _arm(ctx: ReplicaContext, faults: dict[str, str] | None, stats: Any) -> None:
+    """Arm this process's fault triggers (:mod:`distoptim.ft.inject`): ``faults`` maps
+    ``"SLOT"`` (first incarnation) or ``"SLOT.INC"`` to a trigger spec. At the point the
+    replica logs ``inject`` and stops itself (SIGSTOP): the scenario then kills or thaws it."""
+    spec = (faults or {}).get(f"{ctx.slot}.{ctx.incarnation}")
+    if spec is None and ctx.incarnation == 0:
+        spec = (faults or {}).get(str(ctx.slot))
+    if not spec:
+        return
+
+    def stop_here(point: str, role: str) -> None:
+        ctx.log("inject", point=point, role=role, contributed=stats().contributed)
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+    inject.arm(spec, action=stop_here)
+
+
+def _stop(ctx: ReplicaContext, step: int, committed: int, waits: bool = False) -> bool:
+    """Stop at the scenario's step; a restarted replica that never joined stops at the end
+    (unless it ``waits``: an odd replica started to be refused after another returned)."""
+    if ctx.incarnation and committed == 0 and ctx.ending() and not waits:
         return True
     end = ctx.finish_at()
     return (end is not None and step >= end) or step >= MAX_STEPS
 
 
-def cross_shard(ctx: ReplicaContext, width: int = 16) -> dict[str, Any] | None:
+def cross_shard(
+    ctx: ReplicaContext, width: int = 16, faults: dict[str, str] | None = None
+) -> dict[str, Any] | None:
     """CrossShardOptimizer (Adam, gradients as bucket views) under a torchft manager."""
     model = _model(width)
     x, y = _data()
@@ -87,6 +111,7 @@ def cross_shard(ctx: ReplicaContext, width: int = 16) -> dict[str, Any] | None:
     except Exception as exc:  # a replica refused at construction says why
         return {"refused": f"{type(exc).__name__}: {exc}"}
     shards = SlotShards(_N, ctx.num_slots, ctx.slot, _BATCH, seed=3)
+    _arm(ctx, faults, lambda: opt.replica_stats)  # type: ignore[union-attr]
     ctx.log("ready")
     ctx.wait_for_peers(240)
     try:
@@ -102,6 +127,7 @@ def cross_shard(ctx: ReplicaContext, width: int = 16) -> dict[str, Any] | None:
                     step=opt.iterations,
                     state=state_checksum(list(model.parameters())),
                     heals=opt.replica_stats.heals,
+                    contributed=opt.replica_stats.contributed,
                 )
     except Exception as exc:  # e.g. a replica with another model is refused by name
         manager.shutdown(wait=False)
@@ -117,27 +143,48 @@ def cross_shard(ctx: ReplicaContext, width: int = 16) -> dict[str, Any] | None:
     }
 
 
-def streaming_diloco(ctx: ReplicaContext, wire: str = "int8") -> dict[str, Any] | None:
+def streaming_diloco(
+    ctx: ReplicaContext, wire: str = "int8", faults: dict[str, str] | None = None
+) -> dict[str, Any] | None:
     """Streaming DiLoCo (2 fragments, H = 8, tau = 1, alpha = 0.5) under a torchft manager."""
-    return _outer(ctx, "streaming", wire)
+    return _outer(ctx, "streaming", wire, faults)
 
 
-def diloco(ctx: ReplicaContext) -> dict[str, Any] | None:
-    """DiLoCo (one fragment, H = 8, fp32) under a torchft manager."""
-    return _outer(ctx, "diloco", "fp32")
+def diloco(
+    ctx: ReplicaContext, wire: str = "fp32", faults: dict[str, str] | None = None
+) -> dict[str, Any] | None:
+    """DiLoCo (one fragment, H = 8) under a torchft manager."""
+    return _outer(ctx, "diloco", wire, faults)
 
 
-def local_sgd(ctx: ReplicaContext) -> dict[str, Any] | None:
+def local_sgd(ctx: ReplicaContext, faults: dict[str, str] | None = None) -> dict[str, Any] | None:
     """LocalSGD (H = 8) under a torchft manager."""
-    return _outer(ctx, "localsgd", "fp32")
+    return _outer(ctx, "localsgd", "fp32", faults)
 
 
-def _outer(ctx: ReplicaContext, kind: str, wire: str) -> dict[str, Any] | None:
+def _outer(
+    ctx: ReplicaContext,
+    kind: str,
+    wire: str,
+    faults: dict[str, str] | None = None,
+    odd: dict[str, dict[str, Any]] | None = None,
+) -> dict[str, Any] | None:
     """The DiLoCo family under a torchft manager; logs ``syncing`` before each step that syncs
-    (so a scenario can kill a replica as it enters a sync) and ``commit`` after each sync."""
-    model = _model()
+    (so a scenario can kill a replica as it enters a sync) and ``commit`` after each sync.
+    ``odd``: per ``"SLOT"`` (its first incarnation) or ``"SLOT.INC"``, options that differ from
+    the others' (``width``, ``wire``, ``sync_every``, ``fragments``; ``stale_lr``: the inner
+    learning rate a healed replica sets back after loading its donor's state, as a scheduler
+    left out of the heal state would): such a replica must be refused by name (it returns
+    ``{"refused": ...}``) while the others go on."""
+    odd = odd or {}
+    mine = odd.get(f"{ctx.slot}.{ctx.incarnation}", odd.get(str(ctx.slot), {}))
+    if ctx.incarnation and f"{ctx.slot}.{ctx.incarnation}" not in odd:
+        mine = {}
+    model = _model(mine.get("width", 16))
     x, y = _data()
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    wire = mine.get("wire", wire)
+    every = mine.get("sync_every", 8)
 
     def state() -> dict[str, Any]:
         return {"model": model.state_dict(), "inner": inner.state_dict()}
@@ -145,43 +192,54 @@ def _outer(ctx: ReplicaContext, kind: str, wire: str) -> dict[str, Any] | None:
     def load(s: dict[str, Any]) -> None:
         model.load_state_dict(s["model"])
         inner.load_state_dict(s["inner"])
+        if "stale_lr" in mine:
+            for group in inner.param_groups:
+                group["lr"] = mine["stale_lr"]
 
     manager = _manager(ctx, state, load)
     opt: DiLoCo
     if kind == "localsgd":
-        opt = LocalSGD(inner, sync_every=8, manager=manager)
+        opt = LocalSGD(inner, sync_every=every, manager=manager)
     else:
         streaming = kind == "streaming"
         opt = DiLoCo(
             inner,
             torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True),
-            sync_every=8,
-            fragments=2 if streaming else 1,
+            sync_every=every,
+            fragments=mine.get("fragments", 2 if streaming else 1),
             fragment_sync_delay=1 if streaming else 0,
             fragment_update_alpha=0.5 if streaming else 0.0,
             wire=wire,
             manager=manager,
         )
     shards = SlotShards(_N, ctx.num_slots, ctx.slot, _BATCH, seed=3)
+    _arm(ctx, faults, lambda: opt.replica_stats)
     ctx.log("ready")
     ctx.wait_for_peers(240)
-    while not _stop(ctx, opt.iterations, opt.replica_stats.commits):
-        idx = shards.batch(opt.iterations)
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
-        syncs = opt.syncs
-        if kind != "streaming" and (opt.iterations + 1) % 8 == 0:
-            ctx.log("syncing", step=opt.iterations + 1)
-        opt.step()
-        if opt.syncs > syncs:
-            ctx.log(
-                "commit",
-                step=opt.iterations,
-                syncs=opt.syncs,
-                state=state_checksum(list(opt.global_parameters)),
-                heals=opt.replica_stats.heals,
-            )
-    opt.finish()
+    try:
+        while not _stop(ctx, opt.iterations, opt.replica_stats.commits, waits=bool(mine)):
+            idx = shards.batch(opt.iterations)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+            syncs = opt.syncs
+            if kind != "streaming" and (opt.iterations + 1) % every == 0:
+                ctx.log("syncing", step=opt.iterations + 1)
+            opt.step()
+            if opt.syncs > syncs:
+                ctx.log(
+                    "commit",
+                    step=opt.iterations,
+                    syncs=opt.syncs,
+                    state=state_checksum(list(opt.global_parameters)),
+                    heals=opt.replica_stats.heals,
+                    contributed=opt.replica_stats.contributed,
+                )
+        opt.finish()
+    except ParameterMismatchError as exc:  # the odd replica is refused by name
+        if not mine:
+            raise
+        manager.shutdown(wait=False)
+        return {"refused": f"{type(exc).__name__}: {exc}"}
     stats = opt.replica_stats
     manager.shutdown(wait=False)
     return {
@@ -191,9 +249,21 @@ def _outer(ctx: ReplicaContext, kind: str, wire: str) -> dict[str, Any] | None:
         "commits": stats.commits,
         "heals": stats.heals,
         "failed": stats.failed,
+        "contributed": stats.contributed,
     }
 
 
 def odd_width(ctx: ReplicaContext) -> dict[str, Any] | None:
     """Replica 2 builds a wider model than the others (the others train as in cross_shard)."""
     return cross_shard(ctx, width=32 if ctx.slot == 2 else 16)
+
+
+def odd_outer(
+    ctx: ReplicaContext,
+    kind: str,
+    wire: str,
+    odd: dict[str, dict[str, Any]],
+    faults: dict[str, str] | None = None,
+) -> dict[str, Any] | None:
+    """The DiLoCo family where the slots in ``odd`` differ from the others (see ``_outer``)."""
+    return _outer(ctx, kind, wire, faults, odd)

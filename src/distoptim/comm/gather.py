@@ -35,6 +35,7 @@ from distoptim.comm.averaging import Mean, MeanBuffers, Pending
 from distoptim.comm.channel import Channel, Handle
 from distoptim.comm.codecs import SparseLayout, TopKCodec, narrow, work_dtype
 from distoptim.comm.feedback import feedback_for
+from distoptim.comm.guard import DesyncError
 from distoptim.comm.stats import CommStats
 
 __all__ = ["GatheredMean", "PendingGather"]
@@ -109,7 +110,19 @@ class GatheredMean(Mean):
             pending.work.wait()
             layout = pending.layout
             acc = work_dtype(layout.dtype)
+            if self.channel.failed:  # a round that will not commit: its bytes are not rows
+                out.zero_()  # (a collective skipped after a failure left them unwritten)
+                pending.result, pending.work, pending.received = out, None, None
+                return out
             positions, values = self.codec.decode(pending.received, acc, layout)
+            if positions.numel() and not 0 <= int(positions.min()) <= int(positions.max()) < (
+                layout.padded
+            ):
+                raise DesyncError(
+                    f"rank {self.channel.ranks[self.channel.rank]}: a gathered top-k row holds "
+                    f"positions outside [0, {layout.padded}): the members' rows did not pair "
+                    "(some member sent another collective, or none, in this position)"
+                )
             values.div_(self.channel.contributors)  # each copy divided before the sum
             dense = torch.zeros(layout.padded, dtype=acc, device=values.device)
             for r in range(self.group_size):  # rank order: the same sum on every rank

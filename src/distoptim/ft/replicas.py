@@ -33,6 +33,7 @@ failed only for lack of replicas, :meth:`commit` raises :class:`InsufficientRepl
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import time
 from collections.abc import Callable
@@ -43,7 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from distoptim.ft import _torchft
+from distoptim.ft import _torchft, inject
 
 __all__ = [
     "InsufficientReplicasError",
@@ -153,7 +154,7 @@ class ManagedReplicas:
         self.start()
         if self._quorum is None:
             manager = self.manager
-            manager.wait_quorum()
+            self._wait_quorum()
             # a quorum whose process group could not be set up (a peer gone while it formed)
             # is already failed: no collective is issued, the round will not commit
             rank, size = (0, 0) if manager.errored() else _torchft.quorum_rank_and_size(manager)
@@ -169,7 +170,22 @@ class ManagedReplicas:
             if qid != self._last_quorum_id:
                 self.stats.quorum_changes += self._last_quorum_id is not None
                 self._last_quorum_id = qid
+            if inject.ARMED:
+                inject.hit("after_quorum", "contributor" if participating else "joiner")
         return self._quorum
+
+    def _wait_quorum(self) -> None:
+        """``manager.wait_quorum()``; with a manager built by ``make_manager``, in slices, each
+        asking its :class:`~distoptim.ft.replica.LighthouseWatch` why the quorum does not come
+        (a lighthouse gone, or no peer left: raised by name within ``connect_timeout``)."""
+        watch = getattr(self.manager, "_distoptim_watch", None)
+        future = _torchft.quorum_future(self.manager)
+        if watch is not None and future is not None:
+            began = time.monotonic()
+            while not concurrent.futures.wait([future], timeout=1.0).done:
+                watch.check(time.monotonic() - began, joining=self._last_quorum_id is None)
+            watch.reset()
+        self.manager.wait_quorum()
 
     def errored(self) -> BaseException | None:
         """The failure torchft recorded in this round (None: none so far)."""
@@ -186,6 +202,9 @@ class ManagedReplicas:
             self._started = False
         if ok:
             stats = self.stats
+            if inject.ARMED:
+                healed = stats.heals > self._heals_at_start
+                inject.hit("before_apply", "joiner" if healed else "contributor")
             stats.commits += 1
             quorum = self._quorum
             if quorum is not None and quorum.contributes and stats.heals == self._heals_at_start:
@@ -265,11 +284,18 @@ class ManagedReplicas:
         self._keys.add(name)
 
         def load(state: Any) -> None:
+            if inject.ARMED:
+                inject.hit("heal_joiner", "joiner")
             load_state_dict(state)
             self.stats.heals += 1
             self.stats.last_heal_at = time.time()
 
-        self.manager.register_state_dict_fn(name, load, lambda: copy.deepcopy(state_dict()))
+        def serve() -> Any:
+            if inject.ARMED:
+                inject.hit("heal_donor", "donor")
+            return copy.deepcopy(state_dict())
+
+        self.manager.register_state_dict_fn(name, load, serve)
 
 
 class _Done:

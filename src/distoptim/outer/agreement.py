@@ -65,6 +65,7 @@ from __future__ import annotations
 import json
 import operator
 import struct
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -308,11 +309,17 @@ class SyncAgreement:
     """
 
     def __init__(
-        self, channel: Channel, stats: CommStats, device: torch.device, owner: str
+        self,
+        channel: Channel,
+        stats: CommStats,
+        device: torch.device,
+        owner: str,
+        odd_one_out: bool = False,
     ) -> None:
         self.stats = stats
         self.device = device
         self.owner = owner
+        self.odd_one_out = odd_one_out
         self.rebind(channel)
 
     def rebind(self, channel: Channel) -> None:
@@ -390,8 +397,9 @@ class SyncAgreement:
             if self.channel.rank in strangers:
                 raise ParameterMismatchError(message, [])
             return HeaderVerdict([], first.step, first.fragment, len(headers), void=message)
-        if any((h.params, h.plan, h.outer, h.inner) != _prints(first) for h in headers):
-            self._mismatch(everyone, describe)
+        if any(_prints(h) != _prints(first) for h in headers):
+            message = self._mismatch(everyone, describe)
+            return self._refuse_minority(judged, [_prints(h) for h in headers], headers, message)
         if any(
             (h.kind, h.step, h.fragment) != (first.kind, first.step, first.fragment)
             for h in headers
@@ -399,12 +407,12 @@ class SyncAgreement:
             raise DesyncError(_out_of_step(self.owner, headers, names))
         if len({h.state for h in headers}) > 1:
             lines = [f"  {n}: state checksum {h.state:016x}" for n, h in zip(names, headers)]
-            raise ParameterMismatchError(
+            message = (
                 f"{self.owner}: replicas hold different global copies or outer states at step "
                 f"{header.step} although they all committed (or healed into) the same syncs "
-                "-- their synchronised state is not bit-for-bit equal:\n" + "\n".join(lines),
-                [],
+                "-- their synchronised state is not bit-for-bit equal:\n" + "\n".join(lines)
             )
+            return self._refuse_minority(judged, [h.state for h in headers], headers, message)
         all_sums = torch.tensor([table[i][2] for i in judged], dtype=torch.float64)
         if not all(
             torch.allclose(row, all_sums[0], rtol=1e-9, atol=0.0, equal_nan=True)
@@ -429,9 +437,34 @@ class SyncAgreement:
             len(headers),
         )
 
-    def _mismatch(self, headers: list[Header], describe: Callable[[], Any]) -> None:
+    def _refuse_minority(
+        self, judged: list[int], keys: list[Any], headers: list[Header], message: str
+    ) -> HeaderVerdict:
+        """The judged replicas disagree (``keys``, one per judged replica; every replica holds
+        the same table, so every one decides alike). With ``odd_one_out`` (a torchft quorum,
+        whose membership may drop a replica) and a strict majority agreeing, only the others
+        raise ``ParameterMismatchError``, naming themselves, before they contribute; the
+        majority gets a void verdict (the sync is not applied, the next quorum forms without
+        them). Otherwise every replica raises."""
+        counts = Counter(keys)
+        top, agreeing = counts.most_common(1)[0]
+        if not self.odd_one_out or 2 * agreeing <= len(keys):
+            raise ParameterMismatchError(message, [])
+        odd = [judged[i] for i, k in enumerate(keys) if k != top]
+        names = ", ".join(f"rank {self.channel.ranks[i]}" for i in odd)
+        if self.channel.rank in odd:
+            raise ParameterMismatchError(
+                f"{message}\n{names} differ(s) from the {agreeing} replicas that agree and "
+                "is refused before it contributes; the others go on without it",
+                [],
+            )
+        ref = headers[keys.index(top)]
+        why = f"{names} refused (it differs from the majority)"
+        return HeaderVerdict([], ref.step, ref.fragment, agreeing, void=why)
+
+    def _mismatch(self, headers: list[Header], describe: Callable[[], Any]) -> str:
         """Exchange every replica's description (every replica is here: the table is the same
-        everywhere) and raise ``ParameterMismatchError`` naming the differences."""
+        everywhere); the ``ParameterMismatchError`` message naming the differences."""
         blob = json.dumps(describe(), sort_keys=True).encode()
         size = self.channel.size
         length = torch.tensor([len(blob)], dtype=torch.int64, device=self.device)
@@ -455,15 +488,14 @@ class SyncAgreement:
             "between the header and its description)"
         ]
         first = headers[0]
-        raise ParameterMismatchError(
+        return (
             f"{self.owner}: replicas disagree on the parameters, the options or the optimizers "
             f"at the sync after step {first.step}; nothing was applied:\n"
             + "\n".join(f"  {line}" for line in lines)
             + "\nEvery replica must build the same model, the same optimizer (DiLoCo or "
             "LocalSGD, with the same options) and the same inner and outer optimizers with "
             "the same hyperparameters -- and change them alike: an LR scheduler (or any "
-            "param-group edit) must step on every replica, not on rank 0 only.",
-            [],
+            "param-group edit) must step on every replica, not on rank 0 only."
         )
 
 

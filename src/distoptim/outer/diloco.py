@@ -8,7 +8,11 @@ fragment), what every replica does with a sync refused for a non-finite pseudo-g
 collective that fails because a peer left, and checkpoints. What travels, and in which wire
 format, is :mod:`distoptim.outer.exchange`; which parameters sync when is
 :mod:`distoptim.outer.fragments`; what the replicas agree on before a sync is
-:mod:`distoptim.outer.agreement`; what a checkpoint must hold is :mod:`distoptim.outer.checkpoint`.
+:mod:`distoptim.outer.agreement`; what a checkpoint must hold is :mod:`distoptim.outer.checkpoint`;
+the argument checks are :mod:`distoptim.outer.arguments`; replica groups of several processes
+(DTensor parameters averaged by local shard, ``model=``, a ``DeviceMesh`` as ``group=``) are
+:mod:`distoptim.outer.groups` (``docs/groups.md``); the read-only properties
+:mod:`distoptim.outer.facts`.
 
 The algorithm (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of
 Language Models", arXiv 2311.08105, Algorithm 1; fragments, delay and mixing from Douillard et
@@ -42,8 +46,6 @@ parameters, and ``outer`` can be stepped by the user's own scheduler or inspecte
 from __future__ import annotations
 
 import contextlib
-import math
-import numbers
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -51,26 +53,25 @@ import torch
 import torch.distributed as dist
 
 from distoptim.checks import (
-    check_bool,
-    check_bucket_cap_mb,
-    check_finite_hyperparameters,
-    check_int,
     type_name,
 )
 from distoptim.comm.channel import Channel, GroupChannel
-from distoptim.comm.groups import check_group_assignment, comm_device
+from distoptim.comm.groups import comm_device
 from distoptim.comm.guard import DesyncError, RoundKind
 from distoptim.comm.stats import CommStats
-from distoptim.comm.wire import parse_wire
+from distoptim.ft import inject
 from distoptim.outer.agreement import (
     HeaderVerdict,
     NonFiniteSyncError,
     ReplicaIdentity,
     SyncAgreement,
 )
+from distoptim.outer.arguments import DiLoCoArguments, check_arguments
 from distoptim.outer.exchange import FragmentExchange
+from distoptim.outer.facts import DiLoCoFacts, GlobalParameters
 from distoptim.outer.fragments import Fragment, FragmentSchedule
-from distoptim.outer.managed import ManagedSyncs
+from distoptim.outer.groups import combine_checksums, like_param, local_view, within_group
+from distoptim.outer.managed import ManagedDiLoCo, ManagedSyncs
 from distoptim.outer.state import DiLoCoState, PendingSync
 from distoptim.protocol import WrappedOptimizer, swapped_grads
 
@@ -79,19 +80,7 @@ __all__ = ["DiLoCo", "GlobalParameters"]
 _MIB = 1 << 20
 
 
-class GlobalParameters(list):  # type: ignore[type-arg]
-    """The global copy ``θ_g``: one tensor per parameter, in the inner optimizer's order.
-
-    A list of the live tensors (do not modify them). Calling it returns itself, so
-    ``opt.global_parameters()`` -- :class:`~distoptim.AsyncDiLoCoOptimizer`'s spelling -- reads
-    the same list as ``opt.global_parameters``.
-    """
-
-    def __call__(self) -> GlobalParameters:
-        return self
-
-
-class DiLoCo(DiLoCoState, WrappedOptimizer):
+class DiLoCo(ManagedDiLoCo, DiLoCoFacts, DiLoCoState, WrappedOptimizer):
     """DiLoCo / Streaming DiLoCo over any inner and outer ``torch.optim.Optimizer``.
 
     Args:
@@ -115,7 +104,10 @@ class DiLoCo(DiLoCoState, WrappedOptimizer):
             See ``docs/compression.md``.
         group: ``None`` (all ranks form one group of replicas), a ``group_assignment``
             (equal-size lists of ranks partitioning the world, as CrossShardOptimizer's; each
-            subgroup runs its own DiLoCo), or an existing ``ProcessGroup``.
+            subgroup runs its own DiLoCo), an existing ``ProcessGroup``, or a ``DeviceMesh``
+            (a 1-D mesh, or the dimension named ``"replicate"`` / ``"dp_replicate"`` of a mesh
+            of several). With replica groups of several processes it is the cross-group
+            channel: this process and its counterparts in the other groups (``docs/groups.md``).
         name: returned by ``get_name()``.
         error_feedback: with a lossy wire, add what the encoding dropped to the next
             pseudo-gradient encoded at the same place (per replica, kept in ``state_dict``;
@@ -126,6 +118,11 @@ class DiLoCo(DiLoCoState, WrappedOptimizer):
             ``should_commit()`` says so, a failed sync resets the fragment to its global copy,
             and a joiner is healed from a peer (see :mod:`distoptim.outer.managed` and
             ``docs/fault_tolerance.md``). ``group`` must then be None.
+        model: (keyword only) the ``DistributedDataParallel`` module that keeps a replica group
+            of several processes one model (FSDP2 / tensor-parallel models say so through their
+            DTensor parameters, a ``CrossShardOptimizer`` inner through itself). A group that
+            cannot be one model fails here (:mod:`distoptim.outer.groups`). DTensor parameters
+            average their local shards: the global copy, outer state and residuals are shards.
 
     Outside an initialized process group (or on a group of one) the optimizer runs as one
     replica: ``Δ`` is the replica's own and nothing is sent. Every sync starts with a small
@@ -152,109 +149,94 @@ class DiLoCo(DiLoCoState, WrappedOptimizer):
         fragment_sync_delay: int = 0,
         fragment_update_alpha: float = 0.0,
         wire: str = "fp32",
-        group: Sequence[Sequence[int]] | dist.ProcessGroup | None = None,
+        group: Sequence[Sequence[int]] | dist.ProcessGroup | Any | None = None,
         name: str = "DiLoCo",
         *,
         error_feedback: bool = True,
         bucket_cap_mb: float = 25,
         manager: Any = None,
+        model: torch.nn.Module | None = None,
     ) -> None:
         # -- validate everything before any side effect (subgroup creation is collective) --
         owner = name if isinstance(name, str) else type(self).__name__
-        if manager is not None:
-            _check_managed(owner, manager, group)
-        for arg, value in (("inner", inner), ("outer", outer)):
-            if not isinstance(value, torch.optim.Optimizer):
-                raise TypeError(
-                    f"{owner}: {arg} must be a torch.optim.Optimizer, got {type_name(value)}"
-                )
-        if outer is inner:
-            raise ValueError(
-                f"{owner}: outer must be a separate optimizer over the same parameters as "
-                "inner (its state is the global copy's), not the inner optimizer itself"
-            )
         if not isinstance(name, str):
             raise TypeError(f"name must be a str, got {type_name(name)}")
-        sync_every = check_int("sync_every", sync_every, 1)
-        fragments = check_int("fragments", fragments, 1)
-        delay = check_int("fragment_sync_delay", fragment_sync_delay, 0)
-        alpha = _check_alpha(fragment_update_alpha)
-        wire_format = parse_wire(wire)
-        error_feedback = check_bool("error_feedback", error_feedback)
-        cap = check_bucket_cap_mb(bucket_cap_mb)
-        params = [p for g in inner.param_groups for p in g["params"]]
-        _check_same_parameters(owner, params, outer)
-        if fragments > len(params):
-            raise ValueError(
-                f"fragments={fragments} is more than the {len(params)} parameters of the inner "
-                "optimizer: every fragment needs at least one parameter"
-            )
-        if sync_every % fragments:
-            raise ValueError(
-                f"sync_every={sync_every} must be divisible by fragments={fragments} (fragments "
-                "sync in turn, one every sync_every/fragments inner steps)"
-            )
-        if delay >= sync_every // fragments:
-            raise ValueError(
-                f"fragment_sync_delay={delay} must be < sync_every/fragments = "
-                f"{sync_every // fragments}: a fragment's sync must be applied before the next "
-                "fragment's starts"
-            )
-        check_finite_hyperparameters(inner, owner)
-        check_finite_hyperparameters(outer, owner)
-        assignment, group_obj = _check_group(group)
+        args = check_arguments(
+            owner, inner, outer, group, manager, model, sync_every=sync_every,
+            fragments=fragments, fragment_sync_delay=fragment_sync_delay,
+            fragment_update_alpha=fragment_update_alpha, wire=wire,
+            error_feedback=error_feedback, bucket_cap_mb=bucket_cap_mb,
+        )  # fmt: skip
 
         # -- side effects --
-        group_size = 0 if manager is not None else 1  # 0: the quorum's, sync by sync
-        if assignment is not None:
-            group_obj, _ = dist.new_subgroups_by_enumeration(assignment)
+        group_obj, group_size = args.group, 0 if manager is not None else 1  # 0: the quorum's
+        if args.assignment is not None:
+            group_obj, _ = dist.new_subgroups_by_enumeration(args.assignment)
         if group_obj is not None:
             group_size = dist.get_world_size(group_obj)
         elif manager is None and dist.is_available() and dist.is_initialized():
             group_size = dist.get_world_size()
         super().__init__(inner, name=name)
         self._outer = outer
-        self.sync_every = sync_every
-        self.fragments = fragments
-        self.fragment_sync_delay = delay
-        self.fragment_update_alpha = alpha
-        self.wire = wire_format.name
-        self.error_feedback = error_feedback
-        self.bucket_cap_mb = cap
-        self.group_assignment = assignment
+        self.sync_every = args.sync_every
+        self.fragments = args.fragments
+        self.fragment_sync_delay = args.delay
+        self.fragment_update_alpha = args.alpha
+        self.wire = args.wire.name
+        self.error_feedback = args.error_feedback
+        self.bucket_cap_mb = args.cap_mb
+        self.group_assignment = args.assignment
+        self.layout = args.layout
         self._group = group_obj
         self._group_size = group_size
         self._channel: Channel = GroupChannel(group_obj, max(group_size, 1))
-        self._params = params
+        self._params = args.params
         self._stats = CommStats()
+        self._build(args, manager)
+
+    def _build(self, args: DiLoCoArguments, manager: Any) -> None:
+        """The global copy (local shards), the fragments, their exchanges, header and torchft
+        side, and the counters."""
+        params, name = self._params, self._name
         with torch.no_grad():
-            self._global = [p.detach().clone() for p in params]
+            self._global = [local_view(p).detach().clone() for p in params]
+        # fragments by the parameters' global sizes: the same on every process of every group
         self._schedule = FragmentSchedule(
-            [p.numel() * p.element_size() for p in params], fragments, sync_every, delay
+            [p.numel() * p.element_size() for p in params],
+            args.fragments,
+            args.sync_every,
+            args.delay,
         )
         self._exchanges = [
             FragmentExchange(
                 params[f.start : f.stop],
                 self._global[f.start : f.stop],
-                wire_format,
+                args.wire,
                 self._channel,
                 self._stats,
-                error_feedback,
-                cap_bytes=max(1, int(cap * _MIB)),
-                keep_payload=delay > 0,
+                args.error_feedback,
+                cap_bytes=max(1, int(args.cap_mb * _MIB)),
+                keep_payload=args.delay > 0,
             )
             for f in self._schedule.fragments
         ]
         self._agreement: SyncAgreement | None = None
-        if group_size > 1 or manager is not None:
-            device = comm_device(group_obj) if manager is None else torch.device("cpu")
-            self._agreement = SyncAgreement(self._channel, self._stats, device, name)
+        if self._group_size > 1 or manager is not None:
+            device = comm_device(self._group) if manager is None else torch.device("cpu")
+            self._agreement = SyncAgreement(
+                self._channel, self._stats, device, name, odd_one_out=manager is not None
+            )
         self._managed: ManagedSyncs | None = None
+        # a torchft replica group of several processes: its header's state checksum combines
+        # every process's (a group whose processes differ is refused as a whole)
+        self._within = within_group(args.layout) if manager is not None else None
         if manager is not None:
             self._managed = ManagedSyncs(manager, name)
             self._managed.register(self._heal_state, self._load_heal_state)
         # what every header says about this replica: parameters, options, optimizers
-        self._identity = ReplicaIdentity(type(self).__name__, params, self._config(), inner, outer)
+        self._identity = ReplicaIdentity(
+            type(self).__name__, params, self._config(), self.wrapped, self._outer
+        )
         self._in_flight: PendingSync | None = None
         self._syncs = 0
         self._refused_syncs = 0
@@ -267,56 +249,6 @@ class DiLoCo(DiLoCoState, WrappedOptimizer):
         self._warned_between_syncs = False
         self._step_being_loaded: int | None = None
         self._built = True
-
-    # ---- public read-only facts --------------------------------------------------------------
-    @property
-    def outer(self) -> torch.optim.Optimizer:
-        """The outer optimizer (it steps the global copy, once per fragment sync)."""
-        return self._outer
-
-    @property
-    def num_replicas(self) -> int:
-        """Replicas whose pseudo-gradients are averaged: the (sub)group size, 1 outside one
-        (with a torchft manager: the contributors of the last sync, 0 before the first)."""
-        if self._managed is not None:
-            return self._channel.contributors if self._syncs or self._refused_syncs else 0
-        return self._group_size
-
-    @property
-    def replica_stats(self) -> Any:
-        """With a torchft manager: rounds, commits, failed rounds, heals (else None)."""
-        return None if self._managed is None else self._managed.replicas.stats
-
-    @property
-    def comm_stats(self) -> CommStats:
-        """Collectives launched and bytes this rank sent so far (see :class:`CommStats`)."""
-        return self._stats
-
-    @property
-    def schedule(self) -> FragmentSchedule:
-        """The fragments and the steps at which each syncs."""
-        return self._schedule
-
-    @property
-    def global_parameters(self) -> GlobalParameters:
-        """The global copy ``θ_g``: the model every replica agrees on, bit for bit.
-
-        One live tensor per parameter, in the inner optimizer's order (do not modify them);
-        each fragment's values are those of its last sync. After :meth:`finish` the model's own
-        parameters equal it on every replica. No communication. ``opt.global_parameters()``
-        works too (see :class:`GlobalParameters`).
-        """
-        return GlobalParameters(self._global)
-
-    @property
-    def syncs(self) -> int:
-        """Fragment syncs applied so far (outer steps taken)."""
-        return self._syncs
-
-    @property
-    def refused_syncs(self) -> int:
-        """Fragment syncs refused because some replica's pseudo-gradient was not finite."""
-        return self._refused_syncs
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if self.__dict__.get("_built"):
@@ -351,9 +283,13 @@ class DiLoCo(DiLoCoState, WrappedOptimizer):
         if sync is None:  # refused: nothing in flight until the next launch
             self._closed_at = t
         elif self.fragment_sync_delay == 0:
-            self._apply(sync, t, self.fragment_update_alpha)
+            # at the sync's own step: a healing replica adopted the contributors' step in the
+            # launch, so its local ``t`` may be another
+            self._apply(sync, sync.launched_at, self.fragment_update_alpha)
         else:
             self._in_flight = sync
+            if inject.ARMED:
+                inject.hit("in_flight", self._role())
 
     def finish(self) -> None:
         """End a run (or a phase of it) with every replica holding the global model.
@@ -377,6 +313,8 @@ class DiLoCo(DiLoCoState, WrappedOptimizer):
         """
         t = self.iterations
         managed = self._managed is not None
+        if inject.ARMED:
+            inject.hit("finish", self._role())
         sync = self._in_flight
         if sync is not None:
             if not managed:  # a managed sync in flight is judged by its commit
@@ -404,62 +342,6 @@ class DiLoCo(DiLoCoState, WrappedOptimizer):
         with self._peer_guard("the pseudo-gradient mean", t):
             return PendingSync(fragment, t, exchange.launch())
 
-    def _managed_launch(self, fragment: Fragment, t: int, kind: RoundKind) -> PendingSync | None:
-        """The same, as one torchft round (see :mod:`distoptim.outer.managed`)."""
-        managed = self._managed
-        assert managed is not None
-        rnd = managed.begin(self._exchanges)
-        if rnd.channel is None:  # the quorum failed: nothing travels, the commit will say no
-            return PendingSync(fragment, t, None)
-        self._channel = rnd.channel
-        assert self._agreement is not None
-        self._agreement.rebind(rnd.channel)
-        exchange = self._exchanges[fragment.index]
-        finite = True if rnd.healing else exchange.form()
-        verdict = self._agree(kind, t, fragment, finite, healing=rnd.healing)
-        if rnd.healing and not verdict.void:  # take the contributors' step and fragment
-            managed.adopted()
-            self.iterations = verdict.step - 1  # step() counts this one afterwards
-            t = verdict.step
-            fragment = self._schedule.fragments[verdict.fragment or 0]
-            exchange = self._exchanges[fragment.index]
-            exchange.zero()
-        if verdict.void:
-            managed.fail(verdict.void)
-            return PendingSync(fragment, t, None)
-        if verdict.refusing:
-            managed.fail("a non-finite pseudo-gradient")
-            managed.commit(exchange)
-            self._refuse(fragment, t, verdict.refusing)
-            return None
-        rnd.channel.contributors = verdict.contributors
-        managed.save_residuals(exchange)
-        return PendingSync(fragment, t, exchange.launch())
-
-    def _heal_state(self) -> dict[str, Any]:
-        """What a healing replica receives from this one (see :mod:`distoptim.outer.managed`)."""
-        return {
-            "global": list(self._global),
-            "outer": self._outer.state_dict(),
-            "syncs": self._syncs,
-            "refused_syncs": self._refused_syncs,
-            "synced_at": list(self._synced_at),
-        }
-
-    def _load_heal_state(self, state: dict[str, Any]) -> None:
-        with torch.no_grad():
-            torch._foreach_copy_(self._global, list(state["global"]))
-            for exchange in self._exchanges:  # this replica's own dropped mass: none yet
-                for residuals in exchange.residuals:
-                    for value in residuals.values():
-                        value.zero_()
-        self._outer.load_state_dict(state["outer"])
-        self._syncs = int(state["syncs"])
-        self._refused_syncs = int(state["refused_syncs"])
-        self._synced_at = list(state["synced_at"])
-        if self._managed is not None:
-            self._managed.loaded()
-
     def _refuse(self, fragment: Fragment, t: int, replicas: list[str]) -> None:
         """Every replica refuses the sync: no outer step, the fragment's local values reset to
         its global copy; the error is raised at the end of the call (the step is counted)."""
@@ -474,51 +356,36 @@ class DiLoCo(DiLoCoState, WrappedOptimizer):
         )
 
     def _raise_refused(self) -> None:
-        if not self._refused:
-            return
-        what, self._refused = "; ".join(self._refused), []
-        raise NonFiniteSyncError(
-            f"{self._name}: refused on every replica: {what}. No outer step was taken: the "
-            "global copy is unchanged and every replica's parameters of the fragment were reset "
-            "to it (the inner optimizers' states were not). The replicas are still in step and "
-            "training can go on (catch NonFiniteSyncError), but look for the cause first: a "
-            "learning rate too large, an fp16/bf16 overflow, a NaN loss on that replica's data."
-        )
+        if self._refused:
+            what, self._refused = "; ".join(self._refused), []
+            raise _refused_error(self._name, what)
 
-    @contextlib.contextmanager
-    def _peer_guard(self, what: str, t: int) -> Iterator[None]:
+    def _peer_guard(self, what: str, t: int) -> contextlib.AbstractContextManager[None]:
         """A collective that fails because a peer left becomes a ``DesyncError`` saying so."""
-        try:
-            yield
-        except (DesyncError, torch.OutOfMemoryError):
-            raise
-        except RuntimeError as exc:
-            rank = self._channel.ranks[self._channel.rank]
-            raise DesyncError(
-                f"{self._name}: rank {rank}: {what} of step {t} failed while waiting for the "
-                "other replicas: a replica stopped taking part in this group's syncs. Its "
-                "training loop ended before this sync without finish() -- call opt.finish() on "
-                "every replica when training ends, so that a replica that stops early fails the "
-                "others at once, by name -- or it took fewer step() calls, raised (its own error "
-                f"is the real cause) or crashed.\n(the collective said: {type(exc).__name__}: "
-                f"{str(exc).strip()})"
-            ) from exc
+        return _peer_guard(self._name, self._channel, what, t)
 
     def _apply(self, sync: PendingSync, t: int, alpha: float, header: bool = True) -> None:
         """The outer step of one fragment on the global copy, then the local mix (see module).
 
-        ``header``: agree first when the mean still runs a collective (phase 2) at another step
-        than its launch; ``finish()`` has agreed already.
+        ``header``: agree first when the mean still runs a collective (phase 2) after inner
+        steps in flight; ``finish()`` has agreed already. Whether that header goes is decided
+        from what every replica agreed on (the wire and ``τ``, in the plan fingerprint), never
+        from a local step counter: a healing replica issues exactly the contributors'
+        collectives.
         """
         exchange = self._exchanges[sync.fragment.index]
         # a managed round whose peer died leaves garbage in the buffers: it will not commit
+        void = ""
         if sync.flight is not None and not self._channel.failed:
-            if header and exchange.finishes_with_collective and t != sync.launched_at:
+            if header and exchange.finishes_with_collective and self.fragment_sync_delay > 0:
                 healing = self._managed is not None and self._managed.healing
                 # e.g. phase 2 of a two-phase mean
-                self._agree(RoundKind.STEP, t, sync.fragment, healing=healing)
-            with self._peer_guard("the pseudo-gradient mean", t):
-                mean = exchange.finish(sync.flight)
+                void = self._agree(RoundKind.STEP, t, sync.fragment, healing=healing).void
+                if void and self._managed is not None:  # e.g. a replica refused: not applied
+                    self._managed.fail(void)
+            if not void:
+                with self._peer_guard("the pseudo-gradient mean", t):
+                    mean = exchange.finish(sync.flight)
         if self._managed is not None and not self._managed.commit(exchange):
             with torch.no_grad():  # not committed: back to the last global copy
                 torch._foreach_copy_(exchange.local, exchange.global_)
@@ -528,7 +395,9 @@ class DiLoCo(DiLoCoState, WrappedOptimizer):
         with torch.no_grad():
             kept = [p.detach().clone() for p in local] if alpha > 0 else None
             torch._foreach_copy_(local, global_)
-            with swapped_grads(self._params, list(zip(mean, local))):
+            params = self._fragment_params(sync.fragment)
+            grads = [like_param(m, p) for m, p in zip(mean, params)]  # DTensor: its local mean
+            with swapped_grads(self._params, list(zip(grads, params))):
                 self._outer.step()
             torch._foreach_copy_(global_, local)
             if kept is not None:
@@ -560,8 +429,14 @@ class DiLoCo(DiLoCoState, WrappedOptimizer):
         copy = self._global if fragment is None else self._exchanges[fragment.index].global_
         state = 0
         if self._managed is not None:
-            outer_state = [self._outer.state.get(p, {}) for p in self._fragment_params(fragment)]
+            outer_state = [
+                {k: local_view(v) for k, v in self._outer.state.get(p, {}).items()}
+                for p in self._fragment_params(fragment)
+            ]
             state = self._managed.checksum(copy, outer_state)
+            if self._within is not None:  # the group's: every process's checksum, in order
+                with self._peer_guard("the group's state checksum", t):
+                    state = combine_checksums(state, self._within)
         header = self._identity.header(kind, t, index, finite, healing, state)
         with self._peer_guard("the sync header", t):
             return self._agreement.check(header, copy, self._identity.describe)
@@ -581,7 +456,7 @@ class DiLoCo(DiLoCoState, WrappedOptimizer):
             "error_feedback": self.error_feedback,
             "bucket_cap_mb": self.bucket_cap_mb,
             "num_replicas": self._group_size,
-        }
+        } | self.layout.options(self._global)
 
     def __repr__(self) -> str:
         return (
@@ -593,65 +468,32 @@ class DiLoCo(DiLoCoState, WrappedOptimizer):
         )
 
 
-# ---------------------------------------------------------------------------------------------
-# argument checks
-# ---------------------------------------------------------------------------------------------
-def _check_alpha(value: Any) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Real)
-        or not math.isfinite(float(value))
-        or not 0.0 <= float(value) <= 1.0
-    ):
-        raise ValueError(f"fragment_update_alpha must be a number in [0, 1], got {value!r}")
-    return float(value)
-
-
-def _check_same_parameters(
-    owner: str, params: list[torch.Tensor], outer: torch.optim.Optimizer
-) -> None:
-    """``outer`` must hold exactly the parameter objects of ``inner`` (any grouping, any order)."""
-    outer_params = [p for g in outer.param_groups for p in g["params"]]
-    mine = {id(p) for p in params}
-    theirs = {id(p) for p in outer_params}
-    if mine == theirs:
-        return
-    missing = [tuple(p.shape) for p in params if id(p) not in theirs]
-    extra = [tuple(p.shape) for p in outer_params if id(p) not in mine]
-    raise ValueError(
-        f"{owner}: outer must be built over exactly the inner optimizer's parameters (the same "
-        f"tensor objects, e.g. both from model.parameters()); outer lacks {len(missing)} "
-        f"of them (shapes {missing[:5]}) and has {len(extra)} others (shapes {extra[:5]})"
+def _refused_error(name: str, what: str) -> NonFiniteSyncError:
+    return NonFiniteSyncError(
+        f"{name}: refused on every replica: {what}. No outer step was taken: the "
+        "global copy is unchanged and every replica's parameters of the fragment were reset "
+        "to it (the inner optimizers' states were not). The replicas are still in step and "
+        "training can go on (catch NonFiniteSyncError), but look for the cause first: a "
+        "learning rate too large, an fp16/bf16 overflow, a NaN loss on that replica's data."
     )
 
 
-def _check_managed(owner: str, manager: Any, group: Any) -> None:
-    """A torchft manager replaces ``group`` (the replicas are its quorum's)."""
-    from distoptim.ft.replicas import check_manager
-
-    check_manager(manager, owner)
-    if group is not None:
-        raise ValueError(
-            f"{owner}: with a torchft manager the replicas are the manager's quorum, so group "
-            f"must be None (got {type_name(group)}); a manager's process group must not also "
-            "be given as group="
-        )
-
-
-def _check_group(
-    group: Any,
-) -> tuple[list[list[int]] | None, dist.ProcessGroup | None]:
-    """``(group_assignment, None)``, ``(None, process_group)`` or ``(None, None)``."""
-    if group is None:
-        return None, None
-    distributed = dist.is_available() and dist.is_initialized()
-    if isinstance(group, dist.ProcessGroup):
-        if not distributed:
-            raise ValueError("group is a ProcessGroup but torch.distributed is not initialized")
-        return None, group
-    if not distributed:
-        raise ValueError(
-            "group is a group_assignment, which needs an initialized torch.distributed default "
-            "group (init_process_group, torchrun or distoptim.launch.spawn)"
-        )
-    return check_group_assignment(group, dist.get_world_size()), None
+@contextlib.contextmanager
+def _peer_guard(name: str, channel: Channel, what: str, t: int) -> Iterator[None]:
+    """A collective over ``channel`` that fails because a peer left: a ``DesyncError`` naming
+    this rank, what failed at which step, and the likely causes."""
+    try:
+        yield
+    except (DesyncError, torch.OutOfMemoryError):
+        raise
+    except RuntimeError as exc:
+        rank = channel.ranks[channel.rank]
+        raise DesyncError(
+            f"{name}: rank {rank}: {what} of step {t} failed while waiting for the "
+            "other replicas: a replica stopped taking part in this group's syncs. Its "
+            "training loop ended before this sync without finish() -- call opt.finish() on "
+            "every replica when training ends, so that a replica that stops early fails the "
+            "others at once, by name -- or it took fewer step() calls, raised (its own error "
+            f"is the real cause) or crashed.\n(the collective said: {type(exc).__name__}: "
+            f"{str(exc).strip()})"
+        ) from exc

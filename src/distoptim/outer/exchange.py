@@ -12,6 +12,12 @@ round runs over) by the averaging scheme the wire format declares (:mod:`distopt
   (:mod:`distoptim.comm.quantize`);
 * ``topk:d[+v]``: gather-and-sum of every replica's top-k (:mod:`distoptim.comm.gather`).
 
+A parameter that is a ``DTensor`` (FSDP2, tensor parallelism) takes part through its local
+tensor (:mod:`distoptim.outer.groups`): buckets, buffers, residuals and payload slots are laid
+out from the local tensors, so every wire format averages this process's piece with its
+counterparts' pieces in the other replica groups, chunks within that piece, and the bytes
+counted are the bytes this process sends.
+
 Each bucket has the scheme's buffers (:class:`~distoptim.comm.averaging.MeanBuffers`): the
 per-rank error-feedback residuals of the lossy formats, by name, and a payload slot. On a group
 of one replica nothing travels, whatever the wire: the mean is ``Δ`` itself.
@@ -48,6 +54,7 @@ from distoptim.comm.bucket import BucketPlan
 from distoptim.comm.channel import Channel
 from distoptim.comm.stats import CommStats
 from distoptim.comm.wire import Format
+from distoptim.outer.groups import local_view
 
 __all__ = ["FragmentExchange", "InFlight"]
 
@@ -62,15 +69,16 @@ class InFlight:
 class FragmentExchange:
     """Averages ``Δ = global - local`` of one fragment over ``channel``.
 
-    ``local`` are the model's parameters of the fragment, ``global_`` the global copies (same
-    shapes, dtypes and devices); ``wire`` the format; ``cap_bytes`` bounds one bucket's
-    payload; ``keep_payload`` allocates the payload slots (needed only when syncs stay in
-    flight across steps).
+    ``params`` are the model's parameters of the fragment (plain tensors or DTensors),
+    ``global_`` the global copies of what this process holds of them (their local tensors: same
+    shapes, dtypes and devices as :attr:`local`); ``wire`` the format; ``cap_bytes`` bounds
+    one bucket's payload; ``keep_payload`` allocates the payload slots (needed only when syncs
+    stay in flight across steps).
     """
 
     def __init__(
         self,
-        local: Sequence[torch.Tensor],
+        params: Sequence[torch.Tensor],
         global_: Sequence[torch.Tensor],
         wire: Format,
         channel: Channel,
@@ -79,16 +87,25 @@ class FragmentExchange:
         cap_bytes: int,
         keep_payload: bool,
     ) -> None:
-        self.local = list(local)
+        self.params = list(params)
         self.global_ = list(global_)
         self.wire = wire
-        self.plan = BucketPlan(self.local, cap_bytes=cap_bytes, order=range(len(self.local)))
+        # laid out by the global copies: the local tensors' shapes, dtypes and devices, and no
+        # reference to a local tensor object a sharding wrapper may replace
+        self.plan = BucketPlan(self.global_, cap_bytes=cap_bytes, order=range(len(self.global_)))
         self._stats = stats
         self._error_feedback = error_feedback
         self._keep_payload = keep_payload
         self._payloads = [b.persistent_buffer().zero_()[: b.numel] for b in self.plan.buckets]
         self.channel = channel
         self._mean, self._buffers = self._scheme(channel)
+
+    @property
+    def local(self) -> list[torch.Tensor]:
+        """What this process holds of the fragment's parameters, aliasing them: a plain
+        parameter itself, a ``DTensor``'s local tensor (see
+        :func:`~distoptim.outer.groups.local_view`)."""
+        return [local_view(p) for p in self.params]
 
     def _scheme(self, channel: Channel) -> tuple[Mean, list[MeanBuffers]]:
         """The averaging scheme over ``channel`` and its buffers for every bucket (zeroed)."""
@@ -136,10 +153,11 @@ class FragmentExchange:
 
         Nothing travels and no residual changes: :meth:`launch` sends what was formed.
         """
+        local = self.local
         for bucket in self.plan.buckets:
             views = bucket.views(bucket.persistent_buffer())
             torch._foreach_copy_(views, [self.global_[i] for i in bucket.members])
-            torch._foreach_sub_(views, [self.local[i].detach() for i in bucket.members])
+            torch._foreach_sub_(views, [local[i].detach() for i in bucket.members])
         return all(_finite(payload) for payload in self._payloads)
 
     def zero(self) -> None:
@@ -162,7 +180,7 @@ class FragmentExchange:
 
     def finish(self, sync: InFlight) -> list[torch.Tensor]:
         """Complete ``sync``; the mean ``Δ̄`` of every parameter of the fragment (views)."""
-        grads: list[torch.Tensor | None] = [None] * len(self.local)
+        grads: list[torch.Tensor | None] = [None] * len(self.params)
         for bucket, p, payload, buffers in zip(
             self.plan.buckets, sync.pending, self._payloads, self._buffers
         ):

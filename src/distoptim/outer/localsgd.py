@@ -28,8 +28,10 @@ __all__ = ["LocalSGD"]
 class LocalSGD(DiLoCo):
     """Run ``inner`` locally; every ``sync_every`` steps replace the parameters by their mean.
 
-    ``group`` and ``manager`` (a torchft manager: fault-tolerant replicas) as in
-    :class:`DiLoCo` (default: all ranks). The global copy DiLoCo keeps is the
+    ``group``, ``manager`` (a torchft manager: fault-tolerant replicas) and ``model`` (what
+    keeps a replica group of several processes one model) as in :class:`DiLoCo` (default:
+    all ranks, each a replica of its own; see ``docs/groups.md``). DTensor parameters (FSDP2,
+    tensor parallelism) average their local shards. The global copy DiLoCo keeps is the
     last average (one extra copy of the parameters); ``outer`` is an internal
     ``torch.optim.SGD(lr=1.0)`` without state.
     """
@@ -42,12 +44,15 @@ class LocalSGD(DiLoCo):
         name: str = "LocalSGD",
         *,
         manager: Any = None,
+        model: torch.nn.Module | None = None,
     ) -> None:
         if not isinstance(inner, torch.optim.Optimizer):
             raise TypeError(f"LocalSGD wraps a torch.optim.Optimizer, got {type_name(inner)}")
         params = [p for g in inner.param_groups for p in g["params"]]
         outer = torch.optim.SGD(params, lr=1.0)
-        super().__init__(inner, outer, sync_every, group=group, name=name, manager=manager)
+        super().__init__(
+            inner, outer, sync_every, group=group, name=name, manager=manager, model=model
+        )
 
     def __repr__(self) -> str:
         return (

@@ -45,11 +45,15 @@ from typing import Any
 import torch
 
 from distoptim.comm.checksum import state_checksum
+from distoptim.comm.guard import RoundKind
 from distoptim.ft.channel import QuorumChannel
 from distoptim.ft.replicas import ManagedReplicas
+from distoptim.outer.agreement import HeaderVerdict, SyncAgreement
 from distoptim.outer.exchange import FragmentExchange
+from distoptim.outer.fragments import Fragment, FragmentSchedule
+from distoptim.outer.state import PendingSync
 
-__all__ = ["ManagedRound", "ManagedSyncs"]
+__all__ = ["ManagedDiLoCo", "ManagedRound", "ManagedSyncs"]
 
 
 @dataclass
@@ -141,3 +145,85 @@ class ManagedSyncs:
         for state in outer_state:
             tensors += [v for _, v in sorted(state.items()) if isinstance(v, torch.Tensor)]
         return state_checksum(tensors)
+
+
+class ManagedDiLoCo:
+    """The managed-sync methods of :class:`~distoptim.outer.diloco.DiLoCo` (a mixin, as
+    :class:`~distoptim.outer.state.DiLoCoState` is for checkpoints: it reads the optimizer's
+    attributes, declared here for type checkers, and calls its ``_agree()`` and ``_refuse()``)."""
+
+    iterations: int
+    _managed: ManagedSyncs | None
+    _channel: Any
+    _agreement: SyncAgreement | None
+    _exchanges: list[FragmentExchange]
+    _schedule: FragmentSchedule
+    _global: list[torch.Tensor]
+    _outer: torch.optim.Optimizer
+    _syncs: int
+    _refused_syncs: int
+    _synced_at: list[int]
+    _agree: Callable[..., HeaderVerdict]
+    _refuse: Callable[[Fragment, int, list[str]], None]
+
+    def _managed_launch(self, fragment: Fragment, t: int, kind: RoundKind) -> PendingSync | None:
+        """The same, as one torchft round (see :mod:`distoptim.outer.managed`)."""
+        managed = self._managed
+        assert managed is not None
+        rnd = managed.begin(self._exchanges)
+        if rnd.channel is None:  # the quorum failed: nothing travels, the commit will say no
+            return PendingSync(fragment, t, None)
+        self._channel = rnd.channel
+        assert self._agreement is not None
+        self._agreement.rebind(rnd.channel)
+        exchange = self._exchanges[fragment.index]
+        finite = True if rnd.healing else exchange.form()
+        verdict = self._agree(kind, t, fragment, finite, healing=rnd.healing)
+        if rnd.healing and not verdict.void:  # take the contributors' step and fragment
+            managed.adopted()
+            self.iterations = verdict.step - 1  # step() counts this one afterwards
+            t = verdict.step
+            fragment = self._schedule.fragments[verdict.fragment or 0]
+            exchange = self._exchanges[fragment.index]
+            exchange.zero()
+        if verdict.void:
+            managed.fail(verdict.void)
+            return PendingSync(fragment, t, None)
+        if verdict.refusing:
+            managed.fail("a non-finite pseudo-gradient")
+            managed.commit(exchange)
+            self._refuse(fragment, t, verdict.refusing)
+            return None
+        rnd.channel.contributors = verdict.contributors
+        managed.save_residuals(exchange)
+        return PendingSync(fragment, t, exchange.launch())
+
+    def _role(self) -> str:
+        """This replica's role in the round in progress, as fault injection names it."""
+        managed = self._managed
+        healing = managed is not None and (managed.healing or managed.needs_step)
+        return "joiner" if healing else "contributor"
+
+    def _heal_state(self) -> dict[str, Any]:
+        """What a healing replica receives from this one (see :mod:`distoptim.outer.managed`)."""
+        return {
+            "global": list(self._global),
+            "outer": self._outer.state_dict(),
+            "syncs": self._syncs,
+            "refused_syncs": self._refused_syncs,
+            "synced_at": list(self._synced_at),
+        }
+
+    def _load_heal_state(self, state: dict[str, Any]) -> None:
+        with torch.no_grad():
+            torch._foreach_copy_(self._global, list(state["global"]))
+            for exchange in self._exchanges:  # this replica's own dropped mass: none yet
+                for residuals in exchange.residuals:
+                    for value in residuals.values():
+                        value.zero_()
+        self._outer.load_state_dict(state["outer"])
+        self._syncs = int(state["syncs"])
+        self._refused_syncs = int(state["refused_syncs"])
+        self._synced_at = list(state["synced_at"])
+        if self._managed is not None:
+            self._managed.loaded()

@@ -1,0 +1,117 @@
+"""DiLoCo across replica groups that shard their model with FSDP2, on torchft.
+
+A *replica group* is one torchrun job of several processes holding ONE model between them:
+``fully_shard`` splits every parameter over the group (``Shard(0)``) and reduces gradients
+inside it. DiLoCo runs across the groups: every sync, each process averages its local shard's
+pseudo-gradient with its counterpart in every other group (through its ``torchft.Manager``,
+which connects rank ``r`` of every group) and applies the outer step to its shard. The global
+copy and outer momentum each process keeps are its shard's (1/k of the model per process), and
+so are the bytes it sends. At the end EVERY process of every group prints the checksum of the
+whole model (gathered over its group): all of them are equal (``docs/groups.md``).
+
+On one machine, 2 groups x 2 processes (three terminals)::
+
+    distoptim lighthouse --min-replicas 2 --port 29510
+    torchrun --nproc-per-node 2 --master-port 29500 examples/fsdp_diloco_torchrun.py \\
+        --lighthouse http://localhost:29510 --replica-id 0
+    torchrun --nproc-per-node 2 --master-port 29501 examples/fsdp_diloco_torchrun.py \\
+        --lighthouse http://localhost:29510 --replica-id 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import distoptim
+from distoptim.comm.checksum import state_checksum
+from distoptim.ft import SlotShards, make_manager
+
+
+def _blobs(n: int = 4096, classes: int = 8, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A synthetic classification task: each point is drawn around the center of its class."""
+    g = torch.Generator().manual_seed(seed)
+    centers = torch.randn(classes, 16, generator=g)
+    y = torch.randint(classes, (n,), generator=g)
+    return centers[y] + 1.2 * torch.randn(n, 16, generator=g), y
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lighthouse", required=True, help="the lighthouse's http://host:port")
+    parser.add_argument("--replica-id", type=int, required=True, help="this group's slot")
+    parser.add_argument("--replicas", type=int, default=2, help="replica groups of the job")
+    parser.add_argument("--host", default="localhost", help="address peers reach this group at")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--sync-every", type=int, default=20)
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")  # the replica group's own processes (torchrun's world)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    torch.manual_seed(0)  # every process of every group builds the same model
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 8))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    inner = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+
+    def state() -> dict:  # what a healing process receives from its counterpart (copies)
+        return {
+            "model": {k: v.to_local().clone() for k, v in model.state_dict().items()},
+            "inner": inner.state_dict(),
+        }
+
+    def load(saved: dict) -> None:
+        with torch.no_grad():
+            for k, v in model.state_dict().items():
+                v.to_local().copy_(saved["model"][k])
+        inner.load_state_dict(saved["inner"])
+
+    manager = make_manager(
+        args.lighthouse,
+        replica_id=f"replica_{args.replica_id}",
+        state_dict=state,
+        load_state_dict=load,
+        min_replica_size=args.replicas,
+        rank=rank,
+        world_size=world,
+        store_addr=args.host,  # the group's torchrun store, as the other groups reach it
+        store_port=int(os.environ["MASTER_PORT"]),
+        host=args.host,
+        timeout=30,
+        init_sync=False,
+    )
+    # the manager says the group has `world` processes; the DTensor parameters say FSDP2 holds
+    # one model over them: DiLoCo averages each process's shards across the groups
+    opt = distoptim.DiLoCo(inner, outer, sync_every=args.sync_every, manager=manager)
+    x, y = _blobs()
+    # each group reads its own part of each epoch; its processes split the group's batch
+    shards = SlotShards(len(x), args.replicas, args.replica_id, 16 * world)
+    while opt.iterations < args.steps:
+        idx = shards.batch(opt.iterations)[rank::world]
+        opt.zero_grad()
+        F.cross_entropy(model(x[idx]), y[idx]).backward()
+        opt.step()
+    opt.finish()  # the model is the global copy on every process of every group
+    whole = [p.full_tensor() for p in model.parameters()]  # gathered over the group
+    print(
+        f"[replica {args.replica_id} rank {rank}] done at step {opt.iterations}, "
+        f"{opt.syncs} syncs, {opt.comm_stats.bytes_sent} bytes sent: model checksum "
+        f"{state_checksum(whole):016x}",
+        flush=True,
+    )
+    manager.shutdown(wait=False)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,315 @@
+"""The fault-injection matrix: a replica taken down at every named point of a torchft round.
+
+Each case runs real replica processes around an in-process lighthouse
+(:func:`distoptim.ft.local.run_replicas`); the replicas arm fault triggers
+(:mod:`distoptim.ft.inject`) and stop themselves *at* the named point (after the quorum, inside
+the heal as donor or joiner, between ``should_commit`` and the apply, with a Streaming fragment
+in flight, inside ``finish()``), log it, and the scenario kills (and restarts) or thaws them. No
+fault is dealt by the clock, so the outcome does not depend on the machine's load. Every case
+asserts that the survivors finish, that every replica taken down contributes again afterwards
+(a restarted one: at least one contributing commit; a thawed one: more than before), and that
+at every commit the replicas that committed it hold bitwise-equal synchronised state.
+
+Cases are bundled: one run hosts several faults in sequence (each armed on its own slot and
+incarnation), on 3 replicas of a tiny model. The lighthouse needs 2 replica groups for a quorum
+(the job's floor): with 1, a restarted replica whose peers are held up in a round with a stopped
+one may form a quorum alone and commit its own state (torchft's split brain, a documented
+limitation), which is not what these cases test.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Any
+
+import pytest
+
+from distoptim.ft import inject
+from distoptim.ft.local import Controls, ReplicaRun, run_replicas
+from tests.ft import workloads
+
+RUN_TIMEOUT = 600  # a bound on a hung case (a case takes 1-4 min on 2 loaded cores)
+FAR = 96  # steps between the scenario's "stop at" and where the replicas are when it says so
+
+
+class _Injected:
+    """Responds to each ``inject`` event with the response ``responses`` gives its slot and
+    incarnation (``"SLOT.INC"``, or ``"SLOT"`` for the first incarnation):
+
+    * ``"kill"``: SIGKILL the stopped replica and restart its slot (a new incarnation heals);
+    * ``"kill-final"``: SIGKILL it and do not restart it (a fault inside ``finish()``);
+    * ``"kill-once"``: the same as ``"kill"`` for the first replica that answers with it,
+      ``"cont"`` after (e.g. whichever of two possible donors serves first);
+    * ``"stop"``: leave it frozen until the others committed two more rounds, then SIGCONT it;
+    * ``"cont"``: SIGCONT it at once.
+
+    Ends the run (``finish_at``) once ``expected`` injections happened and every replica taken
+    down contributed to a commit after coming back.
+    """
+
+    def __init__(self, responses: dict[str, str], expected: int, key: str) -> None:
+        self.responses = responses
+        self.expected = expected
+        self.key = key  # "syncs" (DiLoCo family) or "step" (CrossShard)
+        self.top = 0
+        self.frozen: dict[int, int] = {}  # slot -> the others' round when it was frozen
+        self.down: dict[int, tuple[int, int]] = {}  # slot -> (incarnation back, contributed)
+        self.injected: list[tuple[int, int, str, str, str]] = []
+        self.once_used = False
+        self.ended = False
+
+    def _response(self, e: dict[str, Any]) -> str:
+        r = self.responses.get(f"{e['slot']}.{e['inc']}")
+        if r is None and e["inc"] == 0:
+            r = self.responses.get(str(e["slot"]))
+        r = r or "cont"
+        if r == "kill-once":
+            r, self.once_used = ("cont" if self.once_used else "kill"), True
+        return r
+
+    def __call__(self, e: dict[str, Any], c: Controls) -> None:
+        slot = e["slot"]
+        if e["kind"] == "commit":
+            self.top = max(self.top, e["step"])
+            for s, mark in list(self.frozen.items()):
+                if s != slot and e[self.key] >= mark + 2:
+                    del self.frozen[s]
+                    c.cont(s)
+            back = self.down.get(slot)
+            if back is not None and e["inc"] >= back[0] and e["contributed"] > back[1]:
+                del self.down[slot]
+        if e["kind"] == "inject":
+            response = self._response(e)
+            self.injected.append((slot, e["inc"], e["point"], e["role"], response))
+            assert c.stop(slot)  # already stopped by itself: registers it with the controls
+            if response == "kill":
+                assert c.kill(slot)
+                c.restart(slot)
+                self.down[slot] = (e["inc"] + 1, 0)
+            elif response == "kill-final":  # inside finish(): the run is ending, no restart
+                assert c.kill(slot)
+            elif response == "stop":
+                rounds = [h[self.key] for h in c.history if h["kind"] == "commit"]
+                self.frozen[slot] = max(rounds, default=0)
+                self.down[slot] = (e["inc"], e["contributed"])
+            else:
+                c.cont(slot)
+        done = len(self.injected) >= self.expected and not self.down and not self.frozen
+        if not self.ended and done:
+            c.finish_at(self.top + FAR)
+            self.ended = True
+
+
+def _commits_agree(run: ReplicaRun, key: str) -> dict[int, set[int]]:
+    by: dict[int, set[int]] = defaultdict(set)
+    for e in run.events:
+        if e["kind"] == "commit":
+            by[e[key]].add(e["state"])
+    bad = {k: v for k, v in by.items() if len(v) > 1}
+    assert not bad, f"replicas committed different states at {sorted(bad)[:5]}"
+    return by
+
+
+TIMES: dict[str, float] = {}
+
+
+def _case(
+    name: str,
+    fn: Any,
+    args: tuple,
+    faults: dict[str, str],
+    responses: dict[str, str],
+    expected: int,
+) -> list[tuple[int, int, str, str, str]]:
+    """Run one bundle of faults; check the survivors, the rejoins and every commit's state."""
+    key = "step" if fn is workloads.cross_shard else "syncs"
+    scenario = _Injected(responses, expected, key)
+    start = time.monotonic()
+    run = run_replicas(
+        fn, 3, args=(*args, faults), on_event=scenario, timeout=RUN_TIMEOUT, min_replicas=2
+    )
+    took = time.monotonic() - start
+    print(f"\n[fault matrix] {name}: {took:.1f} s, injected {scenario.injected}")
+    assert scenario.ended, (scenario.injected, scenario.down, scenario.frozen)
+    killed_finally = {(slot, r) for slot, _, _, _, r in scenario.injected}
+    finals = [v for s, v in enumerate(run.values) if (s, "kill-final") not in killed_finally]
+    assert all(v is not None and "refused" not in v for v in finals), finals
+    assert len({v["state"] for v in finals}) == 1  # one synchronised state, bit for bit
+    assert len({v["step"] for v in finals}) == 1
+    if key == "syncs":
+        assert len({v["model"] for v in finals}) == 1  # after finish(): the model too
+    _commits_agree(run, key)
+    return scenario.injected
+
+
+# what each bundle arms, per slot and incarnation, and how the scenario answers
+# 1. a contributor stopped after its quorum, killed; its restart killed inside its heal (as
+#    joiner); the first donor that serves the next heal killed too (a joiner whose donor dies);
+#    then both restarted replicas heal, possibly in the same quorum
+KILLS = (
+    {"1": "after_quorum:contributor@3", "1.1": "heal_joiner", "0": "heal_donor", "2": "heal_donor"},
+    {"1": "kill", "1.1": "kill", "0": "kill-once", "2": "kill-once"},
+    4,
+)
+# 2. two contributors killed at the same quorum (two joiners); once back, one of them frozen
+#    between should_commit and the apply, past the lighthouse's heartbeat timeout, and thawed;
+#    the other frozen after a quorum (its peers' collectives time out), and thawed
+TWO = (
+    {
+        "1": "after_quorum:contributor@3",
+        "2": "after_quorum:contributor@3",
+        "1.1": "before_apply:contributor@2",
+        "2.1": "after_quorum:contributor@4",
+    },
+    {"1": "kill", "2": "kill", "1.1": "stop", "2.1": "stop"},
+    4,
+)
+# 3. (tau >= 1) a contributor killed with its fragment's sync in flight; its restart killed with
+#    its first (healing) sync in flight; at the end a replica killed inside finish()
+FLIGHT = (
+    {"1": "in_flight:contributor@3", "1.1": "in_flight:joiner", "0": "finish"},
+    {"1": "kill", "1.1": "kill", "0": "kill-final"},
+    2,
+)
+
+
+def _points(injected: list[tuple[int, int, str, str, str]]) -> set[tuple[str, str]]:
+    return {(point, role) for _, _, point, role, _ in injected}
+
+
+# ---- the matrix: every algorithm under each bundle ---------------------------------------
+CASES = [
+    ("diloco-int8", workloads.diloco, ("int8",), KILLS),
+    ("diloco-int8", workloads.diloco, ("int8",), TWO),
+    ("diloco-topk", workloads.diloco, ("topk:0.1+int4",), KILLS),
+    ("streaming-int8", workloads.streaming_diloco, ("int8",), KILLS),
+    ("streaming-int8", workloads.streaming_diloco, ("int8",), TWO),
+    ("streaming-int8", workloads.streaming_diloco, ("int8",), FLIGHT),
+    ("local-sgd", workloads.local_sgd, (), KILLS),
+    ("local-sgd", workloads.local_sgd, (), TWO),
+    ("cross-shard", workloads.cross_shard, (16,), KILLS),
+    ("cross-shard", workloads.cross_shard, (16,), TWO),
+]
+BUNDLES = {id(KILLS): "kills", id(TWO): "two-joiners-stops", id(FLIGHT): "in-flight-finish"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("fn", "args", "bundle"),
+    [pytest.param(fn, args, b, id=f"{name}-{BUNDLES[id(b)]}") for name, fn, args, b in CASES],
+)
+def test_fault_matrix(fn, args, bundle, request):
+    faults, responses, expected = bundle
+    injected = _case(request.node.callspec.id, fn, args, faults, responses, expected)
+    assert len(injected) >= expected
+    assert {r for _, _, _, _, r in injected} >= {"kill"}
+
+
+# ---- only the odd one fails ------------------------------------------------------------------
+class _OddOnes:
+    """Restart ``slot`` each time its incarnation returns (refused), up to ``last``; kill and
+    restart every replica that injects; end once incarnation ``last`` returned."""
+
+    def __init__(self, slot: int, last: int) -> None:
+        self.slot, self.last = slot, last
+        self.top = 0
+        self.ended = False
+
+    def __call__(self, e: dict[str, Any], c: Controls) -> None:
+        if e["kind"] == "commit":
+            self.top = max(self.top, e["step"])
+        elif e["kind"] == "inject":
+            assert c.stop(e["slot"]) and c.kill(e["slot"])
+            c.restart(e["slot"])
+        elif e["kind"] == "returned" and e["slot"] == self.slot and not self.ended:
+            if e["inc"] < self.last:
+                c.restart(self.slot)
+            else:
+                c.finish_at(self.top + FAR)
+                self.ended = True
+
+
+def _odd_case(name: str, odd: dict, faults: dict, slot: int, last: int) -> list[Any]:
+    scenario = _OddOnes(slot, last)
+    start = time.monotonic()
+    run = run_replicas(
+        workloads.odd_outer,
+        3,
+        args=("diloco", "int8", odd, faults),
+        on_event=scenario,
+        timeout=RUN_TIMEOUT,
+        min_replicas=2,
+    )
+    print(f"\n[fault matrix] {name}: {time.monotonic() - start:.1f} s")
+    assert scenario.ended
+    good = [v for s, v in enumerate(run.values) if s != slot]
+    assert all("refused" not in v for v in good), good
+    assert len({v["state"] for v in good}) == 1 and len({v["model"] for v in good}) == 1
+    assert all(v["contributed"] > 0 for v in good)
+    _commits_agree(run, "syncs")
+    returned = [e["inc"] for e in run.events if e["kind"] == "returned" and e["slot"] == slot]
+    assert returned and returned[-1] == last, returned
+    return run.values
+
+
+@pytest.mark.slow
+def test_diloco_refuses_only_the_odd_replica_wider_model_then_joiners_with_other_options():
+    odd = {
+        "2": {"width": 32},  # at the first sync: every replica is a contributor
+        "2.1": {"wire": "int4"},  # joiners: healing, refused as strangers
+        "2.2": {"sync_every": 4},
+        "2.3": {"fragments": 2},
+    }
+    values = _odd_case("diloco int8: odd replica, 4 incarnations", odd, {}, 2, 3)
+    assert "ParameterMismatchError" in values[2]["refused"], values[2]
+
+
+@pytest.mark.slow
+def test_diloco_refuses_only_a_healed_joiner_with_a_stale_learning_rate():
+    values = _odd_case(
+        "diloco int8: stale-lr joiner",
+        {"1.1": {"stale_lr": 3e-3}},
+        {"1": "after_quorum:contributor@3"},
+        1,
+        1,
+    )
+    refused = values[1]["refused"]
+    assert "ParameterMismatchError" in refused and "lr" in refused, refused
+    assert "is refused before it contributes" in refused
+
+
+# ---- the hook itself (one process) ---------------------------------------------------------
+def test_inject_fires_at_the_nth_arrival_in_its_role_once_and_costs_nothing_unarmed():
+    assert not inject.ARMED  # nothing armed unless the environment says so
+    inject.hit("after_quorum", "contributor")  # unarmed: nothing happens
+    fired: list[tuple[str, str]] = []
+    try:
+        inject.arm("after_quorum:joiner@2,heal_donor", action=lambda p, r: fired.append((p, r)))
+        assert inject.ARMED
+        for role in ("contributor", "joiner", "contributor", "joiner", "joiner"):
+            inject.hit("after_quorum", role)
+        inject.hit("heal_donor", "donor")
+        inject.hit("heal_donor", "donor")
+        assert fired == [("after_quorum", "joiner"), ("heal_donor", "donor")]
+    finally:
+        inject.disarm()
+    assert not inject.ARMED
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ("after_sync", r"point 'after_sync' is not one of"),
+        ("heal_donor:leader", r"role 'leader' is not one of"),
+        ("finish@0", r"@N must be an integer >= 1"),
+        ("finish@x", r"@N must be an integer >= 1"),
+        ("finish=pause", r"action 'pause' is not one of"),
+    ],
+)
+def test_inject_specs_are_checked_before_anything_is_armed(spec, match):
+    with pytest.raises(ValueError, match=match):
+        inject.arm(f"after_quorum,{spec}")
+    assert not inject.ARMED
+    with pytest.raises(TypeError, match=r"must be a str"):
+        inject.parse(3)  # type: ignore[arg-type]
