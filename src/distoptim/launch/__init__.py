@@ -125,3 +125,16 @@ __all__ = [
     "torchrun_env",
     "torchrun_main",
 ]
+
+# The public classes live in submodules; they are named (in tracebacks, reprs and pickles) as
+# what users import: distoptim.launch.RankFailedError, not distoptim.launch.failures.
+for _cls in (
+    MainGuardError,
+    PeerFailureError,
+    ProcessOutcome,
+    ProcessSupervisor,
+    ProcessTimeoutError,
+    RankFailedError,
+):
+    _cls.__module__ = __name__
+del _cls

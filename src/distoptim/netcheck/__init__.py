@@ -276,3 +276,9 @@ def check_torchrun_network(
     state = _CHECKED.setdefault(rendezvous, _Checked(set()))
     state.transports.update(todo)
     state.rounds = rounds + exchange
+
+
+# Named (in tracebacks, reprs and pickles) as what users import from here.
+for _cls in (BindAddress, NetworkConfigError):
+    _cls.__module__ = __name__
+del _cls
