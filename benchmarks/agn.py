@@ -43,8 +43,9 @@ configurations: 1 and 2 shards with p2p's shared memory (same machine), 1 shard 
 buffers on the gloo pair (``DISTOPTIM_AGN_SHM=0``: what p2p does across machines), and the
 first and third with streamed commits.
 ``--quick`` (a smoke run that checks every section still works, not a measurement) runs each
-section once in its smallest form: the round trip (1 shard, shared memory, 3 reps) and the
-throughput (1 worker, 0.5 s phases) in one cluster, and the fault scenarios with one worker each;
+section once in its smallest form: the passes and the round trip (1 shard, shared memory) 2
+reps each, the throughput (1 worker, 0.2 s phases) in the round trip's cluster, and the fault
+scenarios with one worker each (the shard killed at step 4, after its checkpoint at step 3);
 process starts are most of its time.
 """
 
@@ -411,7 +412,7 @@ def _faults(trials: int, quick: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {}
     workers = 1 if quick else 2
     with tempfile.TemporaryDirectory() as d:
-        every, steps, kill_at = (5, 16, 6) if quick else (10, 60, 25)
+        every, steps, kill_at = (3, 8, 4) if quick else (10, 60, 25)
         ckpt = os.path.join(d, "ckpt")
         with LocalCluster(
             _restart_fn,
@@ -548,8 +549,8 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=None, help="real-cause trials per launcher")
     args = bench.parse()
     sections = args.only or list(SECTIONS)
-    reps = args.reps or (3 if args.quick else 20)
-    seconds = args.seconds or (0.5 if args.quick else 5.0)
+    reps = args.reps or (2 if args.quick else 20)
+    seconds = args.seconds or (0.2 if args.quick else 5.0)
     trials = args.trials or (1 if args.quick else 6)
     configs = ((1, True, False),)  # (shards, shared memory, streamed commits)
     if not args.quick:
@@ -570,7 +571,7 @@ def main() -> None:
     if "passes" in sections:
         start = load()
         print("passes over the 19.2 MB payload, one thread, medians:", flush=True)
-        results["passes_ms"] = _passes(max(5, reps))
+        results["passes_ms"] = _passes(reps if args.quick else max(5, reps))
         for k, v in results["passes_ms"].items():
             print(f"  {k:32s} {v:7.2f} ms", flush=True)
         loads["passes"] = {"start": start, "end": load()}

@@ -33,7 +33,7 @@ Run::
 
     python benchmarks/compare_runs.py           # 3 runs each of digits and mnist5k (~1 h on 2
                                                 # shared cores)
-    python benchmarks/compare_runs.py --quick   # 2 runs of sync and LocalSGD, 2 epochs (smoke)
+    python benchmarks/compare_runs.py --quick   # 2 runs of sync and LocalSGD, 1 epoch (smoke)
 
 Prints a Markdown table per dataset (the README's) and writes
 ``benchmarks/results/compare_runs.json`` (``--quick``: ``benchmarks/results/quick/``, never
@@ -229,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     algos, extra, datasets, runs = ALGOS.split(","), [], args.datasets.split(","), args.runs
     if args.quick:
         algos, extra, datasets, runs = ["sync", "localsgd"], ["--workers", "2"], ["digits"], 2
-        extra += ["--epochs", "2"]
+        extra += ["--epochs", "1", "--eval-points", "5"]
     rng = random.Random(args.seed)
     recorded: dict[str, list[dict[str, Any]]] = {d: [] for d in datasets}
     with tempfile.TemporaryDirectory(prefix="compare-runs-") as tmp:

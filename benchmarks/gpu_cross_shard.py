@@ -237,7 +237,7 @@ def run_dtype(args: argparse.Namespace, dtype_name: str, deadline: float) -> dic
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     bench = Bench(
         __file__,
         __doc__,
@@ -253,7 +253,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--reps", type=int, default=50, help="timed rounds per dtype at most")
     parser.add_argument("--time-limit", type=float, default=150.0, help="seconds, all dtypes")
-    args = bench.parse()
+    args = bench.parse(argv)
     result: dict[str, Any] = {"settings": vars(args) | {}}
     result["settings"]["out"] = str(args.out)
     if args.device.startswith("cuda") and not torch.cuda.is_available():

@@ -55,7 +55,7 @@ the median step time per contender, and the paired ratio to DDP (the median over
 Run::
 
     python benchmarks/lm.py            # ~25-40 min on 2 shared cores
-    python benchmarks/lm.py --quick    # a smoke run: 2 replicas, 16 steps, H = 8
+    python benchmarks/lm.py --quick    # a smoke run: 2 replicas, 8 steps, H = 8
     python benchmarks/lm.py --resume benchmarks/results/lm.json --skip-step-time   # add the
                                        # contenders the recorded run lacks
 
@@ -82,15 +82,25 @@ from _common import Bench, load, machine
 
 import distoptim
 from distoptim.cli.gpt import GPTConfig, build_gpt
-from distoptim.cli.lm import WindowPlan, evaluate_lm, lm_loss, validation_starts, windows
+from distoptim.cli.lm import (
+    VAL_WINDOWS,
+    WindowPlan,
+    evaluate_lm,
+    lm_loss,
+    validation_starts,
+    windows,
+)
 from distoptim.cli.shakespeare import load_corpus
 from distoptim.launch import spawn
 
 BATCH = 16
 LR = 3e-3
 SIZE = {"layers": 2, "width": 128, "heads": 4, "context": 64}
-QUICK = {"world": 2, "steps": 16, "eval_every": 8, "sync_every": 8, "rounds": 2}
-"""The defaults ``--quick`` changes (arguments given explicitly still win)."""
+QUICK = {"world": 2, "steps": 8, "eval_every": 8, "sync_every": 8, "rounds": 1}
+"""The defaults ``--quick`` changes (arguments given explicitly still win): one sync of every
+DiLoCo contender, every fragment of the streaming ones, one round of part 2."""
+QUICK_VAL_WINDOWS = 32
+"""``--quick``'s validation windows (the real runs score the CLI's fixed subset)."""
 GOALS = {
     "streaming": {"max_loss_gap": 0.02, "min_bytes_ratio": 400.0},
     "topk_lowbit": {"max_loss_gap": 0.02, "min_bytes_ratio": 1000.0},
@@ -170,7 +180,7 @@ def _quality_run(
     model = _model(corpus.vocab_size)
     opt = _optimizer(model, kwargs, cfg["outer"])
     scratch = _model(corpus.vocab_size)
-    val = validation_starts(corpus.val.numel(), context)
+    val = validation_starts(corpus.val.numel(), context, cfg["val_windows"])
     plan = WindowPlan(corpus.train.numel(), context, BATCH, world, 0)
     batches = plan.batch_starts(rank, cfg["steps"] / plan.steps_per_epoch)
     history: list[dict[str, Any]] = []
@@ -350,6 +360,7 @@ def _quality(
         "h": args.sync_every,
         "fragments": 4,
         "outer": outer,
+        "val_windows": QUICK_VAL_WINDOWS if args.quick else VAL_WINDOWS,
     }
     shape = {
         "world": args.world,
@@ -427,7 +438,7 @@ def _step_time(
 
 
 def main() -> None:
-    bench = Bench(__file__, __doc__, quick="2 replicas, 16 steps, H = 8", quick_defaults=QUICK)
+    bench = Bench(__file__, __doc__, quick="2 replicas, 8 steps, H = 8", quick_defaults=QUICK)
     parser = bench.parser
     parser.add_argument("--world", type=int, default=4, help="replicas of part 1 (default 4)")
     parser.add_argument("--steps", type=int, default=1000, help="local steps per worker")
