@@ -5,32 +5,35 @@ The first ``--num-ps`` ranks are parameter-server shards; the others are workers
 classification set (Gaussian blobs) with AdamW (the inner optimizer) and, every ``--period``
 steps, commits its pseudo-gradient ``θ_pulled - θ``; the shard applies the outer optimizer --
 Nesterov SGD, lr 0.7, momentum 0.9, built on the shard from a picklable factory -- and replies
-with the new center. Nobody waits for anybody. ``--delayed-momentum N`` turns the outer
-optimizer into Delayed Nesterov (momentum updated once every N commits), ``--dylu`` gives each
-worker a number of local steps proportional to its measured speed, and ``--straggler T:F`` makes
-worker T's steps F times slower so DyLU has something to do.
+with the new center. Nobody waits for anybody. By default the outer optimizer is Delayed
+Nesterov (``--delayed-momentum n``: momentum updated once every N = the number of workers
+commits; ``0`` applies Nesterov to every commit, which is fragile at lr 0.7, momentum 0.9) and
+each worker takes a number of local steps proportional to its measured speed (Dynamic Local
+Updates; ``--no-dylu`` turns it off); ``--straggler T:F`` makes worker T's steps F times slower
+so DyLU has something to do. Each process prints whole lines (one write each), so the lines of
+processes that share a terminal never run together.
 
 Under torchrun, one node: 1 PS + 3 workers::
 
-    torchrun --standalone --nproc-per-node 4 examples/async_diloco_torchrun.py \\
-             --delayed-momentum 3 --dylu --straggler 2:3
+    torchrun --standalone --nproc-per-node 4 examples/async_diloco_torchrun.py --straggler 2:3
 
 Several nodes: on node n (address HOSTn; ``is_host=true`` on node 0 only; rank 0, the PS, lands
 on the node whose address sorts first; ``docs/multinode.md`` says why each flag)::
 
     GLOO_SOCKET_IFNAME=eth0 torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d \\
         --rdzv-endpoint HOST0:29500 --rdzv-conf is_host=true --local-addr HOSTn \\
-        examples/async_diloco_torchrun.py --delayed-momentum 7 --dylu
+        examples/async_diloco_torchrun.py
 
 Locally without torchrun (``distoptim.agn.spawn``: the same code path, local processes)::
 
-    python examples/async_diloco_torchrun.py --local 3 --delayed-momentum 3 --dylu --straggler 2:3
+    python examples/async_diloco_torchrun.py --local 3 --straggler 2:3
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import os
 import time
 
 import torch
@@ -67,7 +70,7 @@ def train(ctx: Cluster, args: argparse.Namespace) -> dict:
         ctx.custom_getter,
         communication_period=args.period,
         outer_optimizer=OUTER,
-        delayed_momentum=args.delayed_momentum,
+        delayed_momentum=ctx.num_worker if args.delayed_momentum == "n" else args.delayed_momentum,
         dynamic_local_updates=args.dylu,
     )
     hook = opt.make_session_run_hook(ctx.is_chief, ctx.task_index)
@@ -94,6 +97,22 @@ def train(ctx: Cluster, args: argparse.Namespace) -> dict:
     return {"commits": opt.commits, "period": opt.period, "accuracy": accuracy}
 
 
+def _say(line: str) -> None:
+    """Print ``line`` with one write of the whole line (a line up to 4 KiB reaches a pipe or a
+    terminal in one piece, even when other processes write to it too)."""
+    os.write(1, (line + "\n").encode())
+
+
+def _delayed_momentum(text: str) -> int | str:
+    """``n`` (the number of workers) or an integer ``N >= 0``."""
+    if text.strip().lower() == "n":
+        return "n"
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is not allowed: give 'n' or an integer >= 0")
+    return value
+
+
 def _straggler(text: str) -> tuple[int, float]:
     task, _, factor = text.partition(":")
     return int(task), float(factor)
@@ -104,8 +123,20 @@ def main() -> None:
     ap.add_argument("--num-ps", type=int, default=1, help="parameter-server shards")
     ap.add_argument("--steps", type=int, default=400, help="steps per worker")
     ap.add_argument("--period", type=int, default=20, help="H, local steps between commits")
-    ap.add_argument("--delayed-momentum", type=int, default=0, metavar="N", help="Delayed Nesterov")
-    ap.add_argument("--dylu", action="store_true", help="Dynamic Local Updates")
+    ap.add_argument(
+        "--delayed-momentum",
+        type=_delayed_momentum,
+        default="n",
+        metavar="n|N",
+        help="Delayed Nesterov: the outer momentum every N commits; n: the number of workers "
+        "(default); 0: Nesterov on every commit (fragile)",
+    )
+    ap.add_argument(
+        "--dylu",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Dynamic Local Updates (default on)",
+    )
     ap.add_argument("--straggler", type=_straggler, default=None, metavar="TASK:FACTOR")
     ap.add_argument("--local", type=int, default=0, metavar="N", help="spawn N local workers")
     ap.add_argument("--transport", choices=("p2p", "rpc"), default="p2p", help="worker <-> PS")
@@ -116,19 +147,19 @@ def main() -> None:
             train, args.local, num_ps=args.num_ps, args=(args,), transport=args.transport
         )
         for task, out in enumerate(result.worker_results):
-            print(f"worker {task}: {out}")
-        print(f"commits per worker (server): {result.stats.commits_per_worker}")
+            _say(f"worker {task}: {out}")
+        _say(f"commits per worker (server): {result.stats.commits_per_worker}")
         return
 
     cluster = Cluster.from_env(num_ps=args.num_ps, transport=args.transport)
     if cluster.is_ps:
         report = cluster.serve()
         cluster.shutdown()
-        print(f"[ps {report.shard}] done: commits {report.stats.commits_per_worker}", flush=True)
+        _say(f"[ps {report.shard}] done: commits {report.stats.commits_per_worker}")
         return
     with cluster:  # tells the shards this worker finished (or failed), then leaves
         out = train(cluster, args)
-    print(f"[worker {cluster.task_index}] {out}", flush=True)
+    _say(f"[worker {cluster.task_index}] {out}")
 
 
 if __name__ == "__main__":

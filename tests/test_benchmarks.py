@@ -149,13 +149,19 @@ def _lm_size(r: dict[str, Any]) -> None:
 
 
 def _ft(r: dict[str, Any]) -> None:
-    assert {"machine", "config", "goodput", "overhead", "load_before"} <= r.keys()
-    for g in r["goodput"].values():
+    assert {"machine", "config", "load_before", "load_after", "cpu_s"} <= r.keys()
+    assert "vs_torchft" in r or "goodput" in r  # --quick: the per-step comparison
+    for pair in ("sync", "diloco") if "vs_torchft" in r else ():
+        v = r["vs_torchft"][pair]
+        assert _positive(v["ours_step_ms"]) and _positive(v["theirs_step_ms"])
+        assert v["paired_ratios"] and all(_positive(x) for x in v["paired_ratios"])
+        assert _positive(v["check"]["slice_ms"]) and _positive(v["check_share_of_step"])
+    for g in r.get("goodput", {}).values():
         for run in (g["fault_free"], g["faulty"]):
             assert run["states_equal"] and run["commits"] > 0 and _positive(run["goodput"])
         assert g["faulty"]["faults"]  # the schedule dealt at least one fault
         assert _positive(g["goodput_ratio"])
-    for o in r["overhead"].values():
+    for o in r.get("overhead", {}).values():
         assert _positive(o["plain_step_ms"]) and _positive(o["managed_step_ms"])
 
 

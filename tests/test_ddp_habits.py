@@ -9,8 +9,9 @@
 * a model wrapped in DDP (its gradients reduced twice) warns once on every rank;
 * hyperparameters that differ between ranks (an LR scheduler stepped on rank 0 only, another
   momentum) raise ``DesyncError`` on every rank, nothing applied;
-* collective calls made on some ranks only (sharded ``state_dict()`` / ``get_slot()``,
-  ``save_sharded()``, ``finish()``) raise ``DesyncError`` within seconds on every rank involved;
+* collective calls made on some ranks only (``consolidate_state_dict()``, sharded
+  ``get_slot()``, ``save_sharded()``, ``finish()``) raise ``DesyncError`` within seconds on
+  every rank involved;
 * sparse gradients are densified in every mode; a backward that reaches none of the pass
   counter's sentinels is no false alarm; a wrong-shaped ``.grad`` and an absurd
   ``bucket_cap_mb`` are named.
@@ -19,8 +20,8 @@ Two 2-rank spawns run every multi-rank case (as ``tests/test_desync.py`` does: a
 raises leaves the group paired, checked by one all-reduce after it): one for what must be right
 or raise in the round where it shows, one for the collective calls made on some ranks only
 (which hung until the process group's timeout before), ending with the case that ends the group
-(a lone ``state_dict()`` whose peer returned). Each part of a bundle records an unexpected
-exception instead of raising, so each test fails for its own reason.
+(a lone ``consolidate_state_dict()`` whose peer returned). Each part of a bundle records an
+unexpected exception instead of raising, so each test fails for its own reason.
 """
 
 from __future__ import annotations
@@ -283,7 +284,7 @@ def _lone_call(call: str) -> Callable[[int, dict[str, Any]], Callable[[], None]]
                 step(it)
             if rank == 0:
                 {
-                    "state_dict": opt.state_dict,
+                    "consolidate": opt.consolidate_state_dict,
                     "get_slot": lambda: opt.get_slot(model[0].weight, "exp_avg"),
                     "finish": opt.finish,
                     "save_sharded": lambda: _save_alone(opt),
@@ -318,8 +319,8 @@ RAISING: dict[str, tuple[Maker, type]] = {
     "wrong_shaped_grad": (_wrong_shape, ValueError),
 }
 CALLS: dict[str, tuple[Maker, type]] = {
-    "state_dict_on_rank0": (_lone_call("state_dict"), DesyncError),
-    "state_dict_on_rank0/peer_finishes": (_lone_call("state_dict/peer_finishes"), DesyncError),
+    "consolidate_on_rank0": (_lone_call("consolidate"), DesyncError),
+    "consolidate_on_rank0/peer_finishes": (_lone_call("consolidate/peer_finishes"), DesyncError),
     "get_slot_on_rank0": (_lone_call("get_slot"), DesyncError),
     "finish_on_rank0": (_lone_call("finish"), DesyncError),
     "save_sharded_on_rank0": (_lone_call("save_sharded"), DesyncError),
@@ -480,7 +481,7 @@ def _calls_bundle(rank: int, world: int) -> dict[str, Any]:
     if rank == 0:
         t0 = time.perf_counter()
         try:
-            opt.state_dict()
+            opt.consolidate_state_dict()
         except DesyncError as exc:
             out["lone"] = {"error": str(exc), "seconds": time.perf_counter() - t0}
     return out
@@ -608,8 +609,8 @@ def test_a_collective_call_on_some_ranks_raises_on_every_rank_quickly(
 ) -> None:
     _intact(calls, _calls)
     message = _raised(calls, name, mode, CALLS[name][1])
-    words = {"state": "state_dict()", "get_slot": "get_slot()", "finish": "finish()",
-             "save_sharded": "save_sharded()"}  # fmt: skip
+    words = {"consolidate": "consolidate_state_dict()", "get_slot": "get_slot()",
+             "finish": "finish()", "save_sharded": "save_sharded()"}  # fmt: skip
     word = next(v for k, v in words.items() if name.startswith(k))
     assert word in message and "called on rank(s) [0] only" in message
     assert "every rank must call it" in message
@@ -622,7 +623,10 @@ def test_a_lone_collective_call_whose_peer_left_ends_at_once(
 ) -> None:
     lone = calls[0]["lone"]
     assert lone["error"] is not None and lone["seconds"] < FAST_S, lone
-    assert "state_dict() -- a collective: every rank of the group must call it" in lone["error"]
+    assert (
+        "consolidate_state_dict() -- a collective: every rank of the group must call it"
+        in lone["error"]
+    )
     assert calls[1]["lone"]["error"] is None
 
 

@@ -175,6 +175,7 @@ def _add_group_on_rank0(run: Run, rank: int, it: int) -> None:
 
 def _checkpoint_on_rank1(run: Run, rank: int, it: int) -> None:
     if it == 2:  # saved on every rank (gathering a sharded state is a collective) ...
+        run.opt.consolidate_state_dict(to=None)
         sd = run.opt.state_dict()
         if rank == 1:  # ... but loaded on some ranks only
             sd["iterations"] = 0

@@ -162,6 +162,7 @@ def _pair(
         if shard:
             _use_transport(opt, transport)
         _train(opt, model, x[:, rows], y[:, rows])
+        opt.consolidate_state_dict(to=None)  # every rank reads the gathered state
         out.append((_flat(model), opt.state_dict(), opt))
         opt.remove_hooks()
     return out[0][:2], out[1][:2], out[1][2]
@@ -275,6 +276,7 @@ def _presence_and_replans(rank: int, world: int, out: dict[str, Any]) -> None:
             opt.zero_grad()
             model.loss(x[k, rows], y[k, rows], use_b=rank == 1 and k != 1).backward()
             opt.step()
+        opt.consolidate_state_dict(to=None)
         results[shard] = (_flat(model), opt.state_dict())
         out[f"presence/unused_slot/{shard}"] = opt.get_slot(model.unused.weight, "exp_avg")
     out["presence"] = (
@@ -298,6 +300,7 @@ def _presence_and_replans(rank: int, world: int, out: dict[str, Any]) -> None:
             opt.zero_grad()
             F.mse_loss(model(x[k, rows]), y[k, rows]).backward()
             opt.step()
+        opt.consolidate_state_dict(to=None)
         results[shard] = (_flat(model), opt.state_dict(), opt.comm_stats.repeated_rounds)
     out["replan"] = (
         torch.equal(results[False][0], results[True][0]),
@@ -319,6 +322,7 @@ def _checkpoints(rank: int, world: int, out: dict[str, Any]) -> None:
             )
         )
     _train(opts[0], models[0], x[:, rows], y[:, rows], schedule=False)
+    opts[0].consolidate_state_dict(to=None)
     sd = copy.deepcopy(opts[0].state_dict())  # sharded -> unsharded format
     with torch.no_grad():
         for m in models[1:]:

@@ -18,6 +18,7 @@ _EXPORTS: dict[str, str] = {
     "CrossShardOptimizer": "distoptim.sync.optimizer",
     "Reduction": "distoptim.sync.optimizer",
     "DesyncError": "distoptim.comm.guard",
+    "CheckpointError": "distoptim.sync.sharded_checkpoint",
     "AGNOptimizer": "distoptim.agn.agn",
     "AGNCustomGetter": "distoptim.agn.getter",
     "AsyncDiLoCoOptimizer": "distoptim.agn.async_diloco",
@@ -50,6 +51,7 @@ __all__ = [
     "AGNCustomGetter",
     "AGNOptimizer",
     "AsyncDiLoCoOptimizer",
+    "CheckpointError",
     "CrossShardOptimizer",
     "DesyncError",
     "DiLoCo",
@@ -77,6 +79,7 @@ if _typing.TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from distoptim.outer.localsgd import LocalSGD
     from distoptim.protocol import TFOptimizerProtocol, WrappedOptimizer
     from distoptim.sync.optimizer import CrossShardOptimizer, Reduction
+    from distoptim.sync.sharded_checkpoint import CheckpointError
 
 
 def __getattr__(name: str) -> object:

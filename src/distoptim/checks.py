@@ -20,7 +20,9 @@ from typing import Any
 import torch
 
 __all__ = [
+    "MAX_BUCKET_CAP_MB",
     "check_bool",
+    "check_bucket_cap_mb",
     "check_choice",
     "check_finite_hyperparameters",
     "check_int",
@@ -146,6 +148,22 @@ def check_real(
     else:
         where = ""
     raise ValueError(f"{name} must be a finite number{where}, got {value!r}")
+
+
+MAX_BUCKET_CAP_MB = float(1 << 20)
+"""The largest ``bucket_cap_mb`` accepted: 1 TiB (one bucket per dtype and device beyond any
+real model; larger values only overflow the byte count)."""
+
+
+def check_bucket_cap_mb(value: Any) -> float:
+    """``bucket_cap_mb`` (every bucketed optimizer's) as a float in ``(0, MAX_BUCKET_CAP_MB]``."""
+    try:
+        return check_real("bucket_cap_mb", value, 0.0, MAX_BUCKET_CAP_MB, low_open=True)
+    except ValueError:
+        raise ValueError(
+            f"bucket_cap_mb must be a finite number of MiB in (0, {MAX_BUCKET_CAP_MB:.0f}] "
+            f"(at most 1 TiB per bucket), got {value!r}"
+        ) from None
 
 
 def check_seconds(name: str, value: Any, *, allow_zero: bool = False) -> float:

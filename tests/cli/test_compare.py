@@ -3,14 +3,9 @@ the console script, the real cause of a failed run, Ctrl-C and SIGTERM, torchrun
 
 from __future__ import annotations
 
-import json
 import os
-import selectors
 import shutil
 import signal
-import subprocess
-import sys
-import time
 from datetime import timedelta
 
 import pytest
@@ -20,26 +15,29 @@ import torch.distributed as dist
 from distoptim.cli import run as cli_run
 from distoptim.cli.main import main
 from distoptim.launch import torchrun_main
+from tests.cli.helpers import (
+    command,
+    console_script,
+    read_until,
+    results,
+    run_command,
+    start_command,
+    wait_gone,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def test_compare_every_algorithm_from_the_console_script(tmp_path):
     # what a fresh install runs: the console script, the default --algos (every algorithm)
-    script = shutil.which("distoptim")
-    assert script, "the distoptim console script is missing: pip install -e '.[dev,cli]'"
     out = tmp_path / "out"
-    cmd = [script, "compare", "--workers", "2", "--communication-period", "4", "--epochs", "3"]
+    cmd = [console_script(), "compare", "--workers", "2", "--communication-period", "4"]
+    cmd += ["--epochs", "3"]
     cmd += ["--agn-rule", "tf,paper", "--moving-rate", "tf", "--straggler", "1:2"]
-    proc = subprocess.run(
-        [*cmd, "--eval-points", "6", "--progress", "plain", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=280,
-    )
+    proc = run_command([*cmd, "--eval-points", "6", "--progress", "plain", "--out", str(out)], 280)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "warning" not in proc.stderr
-    doc = json.loads((out / "results.json").read_text())
+    doc = results(out)
     assert doc["status"] == "complete" and doc["oversubscription"]["processes"] == 3
     runs = {(r["config"]["algo"], r["config"]["agn_rule"]): r for r in doc["runs"]}
     algos = ["sync", "localsgd", "diloco", "streaming-diloco", "agn", "agn", "downpour"]
@@ -62,14 +60,16 @@ def test_compare_every_algorithm_from_the_console_script(tmp_path):
         if r["time_to_target_s"] is not None:
             assert 0 <= r["bytes_to_target"] <= r["bytes_moved"]
     assert sync["temporal_efficiency"] == pytest.approx(1.0)
-    # the DiLoCo family syncs every H = 4 of each worker's 135 steps; its bytes are measured
+    # the DiLoCo family syncs every H = 4 of each worker's 135 steps, and once more at the end
+    # (finish(): the 3 steps after the last periodic sync, each fragment of Streaming DiLoCo's
+    # two); its bytes are measured
     for algo in ("localsgd", "diloco", "streaming-diloco"):
         r = runs[algo, "paper"]
         assert r["communication_kind"] == "syncs" and r["bytes_history"] == "measured"
         assert r["time_to_target_s"] is not None, algo
-    assert runs["localsgd", "paper"]["communications"] == 135 // 4
-    assert runs["diloco", "paper"]["communications"] == 135 // 4
-    assert runs["streaming-diloco", "paper"]["communications"] == 135 // 2  # F = 2 fragments
+    assert runs["localsgd", "paper"]["communications"] == 135 // 4 + 1
+    assert runs["diloco", "paper"]["communications"] == 135 // 4 + 1
+    assert runs["streaming-diloco", "paper"]["communications"] == 135 // 2 + 2  # F = 2
     assert runs["diloco", "paper"]["bytes_moved"] * 3 < sync["bytes_moved"]
     assert (
         runs["streaming-diloco", "paper"]["bytes_moved"] * 2
@@ -140,7 +140,7 @@ def test_compare_sweeps_the_lambda_grid(tmp_path, capsys):
     argv = ["compare", "--algos", "easgd", "--workers", "1,2", "--communication-period", "2,5"]
     argv += ["--epochs", "2", "--eval-points", "5", "--moving-rate", "0.3"]
     assert main([*argv, "--progress", "none", "--out", str(out)]) == 0
-    doc = json.loads((out / "results.json").read_text())
+    doc = results(out)
     cells = [(r["algorithm"], r["workers"], r["communication_period"]) for r in doc["summary"]]
     assert cells == [("easgd", 1, 2), ("easgd", 1, 5), ("easgd", 2, 2), ("easgd", 2, 5)]
     commits = [r["communications"] for r in doc["runs"]]
@@ -193,7 +193,7 @@ def test_a_failed_run_reports_the_rank_that_raised_not_its_peers_connection_erro
     err = capsys.readouterr().err
     cause = "RankFailedError: rank 1 failed: ValueError: the real cause on rank 1"
     assert f"run 'sync n=2' failed: {cause}" in err, err
-    doc = json.loads((out / "results.json").read_text())
+    doc = results(out)
     assert doc["runs"][0]["status"] == "failed" and doc["runs"][0]["error"] == cause
 
 
@@ -234,50 +234,15 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def _wait_gone(pids: set[int], timeout: float) -> bool:
-    """Wait (on pidfds, not by polling) until every pid has exited; False on timeout."""
-    deadline = time.monotonic() + timeout
-    for pid in pids:
-        try:
-            fd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            continue
-        try:
-            sel = selectors.DefaultSelector()
-            sel.register(fd, selectors.EVENT_READ)
-            if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
-                return False
-        finally:
-            os.close(fd)
-    return True
-
-
-def _read_until(proc: subprocess.Popen, needle: str, timeout: float) -> str:
-    """Read the child's stderr line by line until ``needle`` shows up (bounded)."""
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stderr, selectors.EVENT_READ)
-    seen = ""
-    deadline = time.monotonic() + timeout
-    while needle not in seen:
-        left = deadline - time.monotonic()
-        assert left > 0, f"no {needle!r} within {timeout}s; got:\n{seen}"
-        if sel.select(timeout=left):
-            line = proc.stderr.readline()
-            assert line, f"the command ended before {needle!r}:\n{seen}"
-            seen += line
-    return seen
-
-
 @pytest.mark.parametrize(
     ("algo", "sig", "code"), [("sync", signal.SIGINT, 130), ("agn", signal.SIGTERM, 143)]
 )
 def test_ctrl_c_and_sigterm_stop_every_worker_and_keep_partial_results(tmp_path, algo, sig, code):
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "distoptim.cli.main", "compare", "--algos", f"{algo},easgd"]
-    cmd += ["--workers", "2", "--epochs", "100000", "--progress", "plain", "--out", str(out)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cmd = command("compare", "--algos", f"{algo},easgd", "--workers", "2", "--epochs", "100000")
+    proc = start_command([*cmd, "--progress", "plain", "--out", str(out)])
     try:
-        _read_until(proc, "training started", timeout=120)
+        read_until(proc.stderr, "training started", timeout=120)
         spawned = _descendants(proc.pid)
         helpers = {p for p in spawned if "resource_tracker" in _cmdline(p)}
         workers = spawned - helpers
@@ -294,8 +259,8 @@ def test_ctrl_c_and_sigterm_stop_every_worker_and_keep_partial_results(tmp_path,
     # the parent reaps its workers before it exits; multiprocessing's resource tracker leaves
     # by itself when the parent's end of its pipe closes -- wait for that exit, bounded
     assert not [p for p in workers if _alive(p)], "worker processes outlived the signal"
-    assert _wait_gone(helpers, timeout=30), "multiprocessing helper outlived the command"
-    doc = json.loads((out / "results.json").read_text())
+    assert wait_gone(helpers, timeout=30), "multiprocessing helper outlived the command"
+    doc = results(out)
     assert doc["status"] == "interrupted"
     assert [r["status"] for r in doc["runs"]] == ["interrupted"]  # easgd never started
     partial = doc["runs"][0]
@@ -311,9 +276,9 @@ def test_train_module_under_torchrun(tmp_path, algo, procs):
     out = tmp_path / "out"
     cmd = ["torchrun", "--standalone", "--nproc-per-node", str(procs), "-m", "distoptim.cli.train"]
     cmd += ["--algo", algo, "--epochs", "2", "--eval-points", "5", "--progress", "plain"]
-    proc = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True, timeout=180)
+    proc = run_command([*cmd, "--out", str(out)], 180)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    doc = json.loads((out / "results.json").read_text())
+    doc = results(out)
     run = doc["runs"][0]
     assert run["config"]["workers"] == 2 and run["status"] == "ok" and run["val_acc"] > 0.3
     assert run["history"] and run["samples"] == 2 * 1438

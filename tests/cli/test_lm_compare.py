@@ -5,13 +5,12 @@ language model's metrics, the same token budget per worker, and every file it wr
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 import os
-import shutil
-import subprocess
 
 import pytest
+
+from tests.cli.helpers import console_script, results, run_command
 
 pytestmark = [
     pytest.mark.slow,
@@ -23,16 +22,15 @@ pytestmark = [
 
 
 def test_compare_shakespeare_from_the_console_script(tmp_path):
-    script = shutil.which("distoptim")
-    assert script, "the distoptim console script is missing: pip install -e '.[dev,cli]'"
     out = tmp_path / "out"
     algos = "sync,diloco@topk:0.02+int2,streaming-diloco@INT4,async-diloco"
-    cmd = [script, "compare", "--dataset", "shakespeare", "--epochs", "0.01", "--workers", "2"]
-    cmd += ["--algos", algos, "-l", "4", "--eval-points", "3", "--progress", "plain"]
-    proc = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True, timeout=400)
+    cmd = [console_script(), "compare", "--dataset", "shakespeare", "--epochs", "0.01"]
+    cmd += ["--workers", "2", "--algos", algos, "-l", "4", "--eval-points", "3"]
+    cmd += ["--progress", "plain"]
+    proc = run_command([*cmd, "--out", str(out)], 400)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "warning" not in proc.stderr
-    doc = json.loads((out / "results.json").read_text())
+    doc = results(out)
     assert doc["status"] == "complete" and doc["metric"] == "loss"
     assert doc["dataset"]["name"] == "shakespeare" and doc["dataset"]["unit"] == "tokens"
     assert doc["dataset"]["unigram_val_loss"] == pytest.approx(3.312, abs=1e-3)
@@ -61,7 +59,8 @@ def test_compare_shakespeare_from_the_console_script(tmp_path):
     assert sync["time_to_target_s"] is not None and sync["temporal_efficiency"] == 1.0
     topk, streaming = runs["diloco@topk:0.02+int2 λ=4 n=2"], runs["streaming-diloco@int4 λ=4 n=2"]
     assert topk["settings"]["wire"] == "topk:0.02+int2" and streaming["settings"]["wire"] == "int4"
-    assert topk["communications"] == 21 // 4 and streaming["communications"] == 21 // 2
+    # every H = 4 steps (Streaming: a fragment every 2), and finish() at step 21 (both fragments)
+    assert topk["communications"] == 21 // 4 + 1 and streaming["communications"] == 21 // 2 + 2
     for r in (topk, streaming):
         assert r["bytes_history"] == "measured" and r["bytes_moved"] * 20 < sync["bytes_moved"]
     table = proc.stdout

@@ -11,11 +11,11 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from distoptim.cli.arguments import build_parser, make_plan
 from distoptim.cli.pool import Task
 from distoptim.cli.progress import ProgressDisplay
 from distoptim.cli.report import render_table, summarize
 from distoptim.cli.session import _start_pool, _Timing
+from tests.cli.helpers import plan_of
 from tests.cli.test_report import _rec
 
 
@@ -44,9 +44,7 @@ def _store_wait_that_times_out(context, port: int) -> float:
 @pytest.mark.timeout(180)
 def test_the_worker_processes_print_no_cpp_warnings(tmp_path, capfd, monkeypatch):
     monkeypatch.delenv("TORCH_CPP_LOG_LEVEL", raising=False)
-    args = build_parser().parse_args(["compare", "--algos", "sync", "-n", "1"])
-    args.out = str(tmp_path / "out")
-    plan = make_plan(args)
+    plan = plan_of("compare", "--algos", "sync", "-n", "1", "--out", str(tmp_path / "out"))
     display = ProgressDisplay("none")
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     pool, events = _start_pool(plan, _Timing(1, None), display, None, None)

@@ -4,13 +4,10 @@ what finished, and exit 128 + the signal. The pool's start-up is a phase like th
 
 from __future__ import annotations
 
-import json
 import os
 import pty
-import selectors
 import signal
 import subprocess
-import sys
 import termios
 import time
 import uuid
@@ -19,22 +16,20 @@ from pathlib import Path
 import pytest
 
 from distoptim.cli.stopping import signals_held
+from tests.cli.helpers import command, environment, read_until, results, start_command, wait_gone
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def _command(out: Path, *extra: str) -> list[str]:
-    cmd = [sys.executable, "-m", "distoptim.cli.main", "compare", "--algos", "sync,easgd"]
-    return [*cmd, "--workers", "2", "--progress", "plain", "--out", str(out), *extra]
+    cmd = command("compare", "--algos", "sync,easgd", "--workers", "2", "--progress", "plain")
+    return [*cmd, "--out", str(out), *extra]
 
 
 def _env(mark: str) -> dict[str, str]:
     """The command's environment, marked so that its processes can be found after it ended
     (every process it starts inherits the mark, whoever its parent is by then)."""
-    path = os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])
-    return {**os.environ, "PYTHONPATH": path, "DISTOPTIM_TEST_MARK": mark}
+    return environment(DISTOPTIM_TEST_MARK=mark)
 
 
 def _marked(mark: str) -> set[int]:
@@ -64,39 +59,11 @@ def _children_started(pid: int, mark: str, count: int, timeout: float) -> None:
         time.sleep(0.05)  # polling /proc for the children to appear: no event says so
 
 
-def _read_until(stream, needle: str, timeout: float) -> str:
-    sel = selectors.DefaultSelector()
-    sel.register(stream, selectors.EVENT_READ)
-    seen = ""
-    deadline = time.monotonic() + timeout
-    while needle not in seen:
-        left = deadline - time.monotonic()
-        assert left > 0, f"no {needle!r} within {timeout}s; got:\n{seen}"
-        if sel.select(timeout=left):
-            line = stream.readline()
-            assert line, f"the command ended before {needle!r}:\n{seen}"
-            seen += line
-    return seen
-
-
 def _gone(mark: str, timeout: float) -> bool:
     """Every marked process has ended within ``timeout`` (waiting on pidfds, not polling;
     multiprocessing's resource tracker leaves by itself when the command's end of its pipe
     closes)."""
-    deadline = time.monotonic() + timeout
-    for pid in _marked(mark):
-        try:
-            fd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            continue
-        try:
-            sel = selectors.DefaultSelector()
-            sel.register(fd, selectors.EVENT_READ)
-            if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
-                return False
-        finally:
-            os.close(fd)
-    return True
+    return wait_gone(_marked(mark), timeout)
 
 
 @pytest.mark.parametrize(
@@ -109,16 +76,9 @@ def _gone(mark: str, timeout: float) -> bool:
 )
 def test_a_signal_while_the_pool_starts_stops_it_and_writes_results(tmp_path, sig, group, code):
     out, mark = tmp_path / "out", uuid.uuid4().hex
-    proc = subprocess.Popen(
-        _command(out, "--epochs", "100000"),
-        env=_env(mark),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    proc = start_command(_command(out, "--epochs", "100000"), _env(mark), start_new_session=True)
     try:
-        _read_until(proc.stderr, "starting 3 worker processes", timeout=120)
+        read_until(proc.stderr, "starting 3 worker processes", timeout=120)
         _children_started(proc.pid, mark, 3, timeout=60)  # starting: importing torch
         sent = time.monotonic()
         os.killpg(proc.pid, sig) if group else proc.send_signal(sig)
@@ -134,7 +94,7 @@ def test_a_signal_while_the_pool_starts_stops_it_and_writes_results(tmp_path, si
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
     assert "leaked semaphore" not in stderr
     assert _gone(mark, timeout=30), "a process of the command outlived it"
-    doc = json.loads((out / "results.json").read_text())
+    doc = results(out)
     assert doc["status"] == "interrupted" and doc["runs"] == []
     assert "interrupted" in stderr and f"results: {out / 'results.json'}" in stdout
 
@@ -148,16 +108,9 @@ def _results_after_a_signal_mid_run(doc: dict, said: str) -> None:
 
 def test_sighup_mid_run_keeps_the_results(tmp_path):
     out, mark = tmp_path / "out", uuid.uuid4().hex
-    proc = subprocess.Popen(
-        _command(out, "--epochs", "100000"),
-        env=_env(mark),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    proc = start_command(_command(out, "--epochs", "100000"), _env(mark), start_new_session=True)
     try:
-        _read_until(proc.stderr, "training started", timeout=180)
+        read_until(proc.stderr, "training started", timeout=180)
         proc.send_signal(signal.SIGHUP)
         stdout, stderr = proc.communicate(timeout=60)
     finally:
@@ -167,7 +120,7 @@ def test_sighup_mid_run_keeps_the_results(tmp_path):
     assert proc.returncode == 129, stderr
     assert "Traceback" not in stderr and "leaked semaphore" not in stderr, stderr
     assert _gone(mark, timeout=30), "a process of the command outlived it"
-    _results_after_a_signal_mid_run(json.loads((out / "results.json").read_text()), "SIGHUP")
+    _results_after_a_signal_mid_run(results(out), "SIGHUP")
     assert "interrupted" in stdout  # the table marks the row
 
 
@@ -195,7 +148,7 @@ def test_a_closed_terminal_stops_the_run_and_keeps_the_results(tmp_path):
     os.close(slave)
     try:
         reader = os.fdopen(master, "r", errors="replace", closefd=False)
-        _read_until(reader, "training started", timeout=180)
+        read_until(reader, "training started", timeout=180)
         os.close(master)  # the terminal is gone
         proc.wait(timeout=60)
     finally:
@@ -204,7 +157,7 @@ def test_a_closed_terminal_stops_the_run_and_keeps_the_results(tmp_path):
             proc.wait()
     assert proc.returncode == 129
     assert _gone(mark, timeout=30), "a process of the command outlived it"
-    _results_after_a_signal_mid_run(json.loads((out / "results.json").read_text()), "SIGHUP")
+    _results_after_a_signal_mid_run(results(out), "SIGHUP")
 
 
 def test_a_signal_while_results_are_written_is_kept_not_lost():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
@@ -15,6 +14,7 @@ from distoptim.cli.runconfig import RunConfig
 from distoptim.cli.training import collective_rank
 from distoptim.comm.link import ENV_VAR
 from distoptim.launch import spawn
+from tests.cli.helpers import results
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -24,7 +24,7 @@ def test_pool_reuse_gives_the_results_of_fresh_processes(tmp_path, capsys):
     argv = ["compare", "--algos", "sync", "--workers", "1,2", "--repeats", "2", "--epochs", "2"]
     code = main([*argv, "--seed", "3", "--progress", "none", "--out", str(out)])
     assert code == 0
-    doc = json.loads((out / "results.json").read_text())
+    doc = results(out)
     assert doc["status"] == "complete"
     assert len(doc["timing"]["pool_start_s"]) == 1  # four runs, one pool of two processes
     runs = doc["runs"]
@@ -80,7 +80,7 @@ def test_train_on_a_user_npz(tmp_path, capsys, monkeypatch):
     assert code == 0, err
     assert "warning" not in err  # 2 workers on 1 core: recorded, under the table
     oversubscribed = "oversubscribed: runs of up to 2 processes (2 training) on 1 CPU core(s)"
-    doc = json.loads((out / "results.json").read_text())
+    doc = results(out)
     assert doc["dataset"] == {
         "name": "blobs.npz",
         "train_samples": 192,
@@ -105,7 +105,7 @@ def test_a_failed_run_is_recorded_and_the_next_one_still_runs(tmp_path, capsys):
     assert main([*argv, "--progress", "none", "--out", str(out)]) == 1
     err = capsys.readouterr().err
     assert err.count("failed: ProcessTimeoutError") == 2  # the second run was still attempted
-    doc = json.loads((out / "results.json").read_text())
+    doc = results(out)
     assert doc["status"] == "failed"
     assert [r["status"] for r in doc["runs"]] == ["failed", "failed"]
     # the user's own limit, named as such: not presented as a hang

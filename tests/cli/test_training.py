@@ -100,3 +100,52 @@ def test_a_straggler_waits_factor_minus_one_times_its_forward_backward_after_eac
         before = clock.now
         inner.step()  # the hooks are gone: they would read the clock
         assert clock.now == before
+
+
+def _local_sgd_reference(cfg: RunConfig, data: Dataset) -> list[torch.Tensor]:
+    """LocalSGD by hand, in one process: each worker its own model and inner optimizer on its
+    own shard, every H steps and after the last step every parameter set to the mean over the
+    workers (the inner optimizers' state stays local). The global model at the end."""
+    from distoptim.cli.algorithms import make_torch_optimizer
+    from distoptim.cli.workloads import as_workload
+
+    workload = as_workload(data)
+    models = [workload.build_model(cfg) for _ in range(cfg.workers)]
+    inners = [make_torch_optimizer(cfg.optimizer, m.parameters(), cfg.lr) for m in models]
+    streams = [workload.batches(cfg, rank) for rank in range(cfg.workers)]
+
+    def average() -> None:
+        with torch.no_grad():
+            for tensors in zip(*(m.parameters() for m in models), strict=True):
+                mean = torch.stack(tensors).mean(0)
+                for t in tensors:
+                    t.copy_(mean)
+
+    total = workload.total_steps(cfg)
+    for step in range(1, total + 1):
+        for model, inner, stream in zip(models, inners, streams, strict=True):
+            x, y = next(stream)
+            inner.zero_grad(set_to_none=True)
+            workload.loss(model, x, y).backward()
+            inner.step()
+        if step % cfg.communication_period == 0 or step == total:
+            average()
+    return [p.detach().clone() for p in models[0].parameters()]
+
+
+@pytest.mark.timeout(240)
+def test_the_diloco_familys_evaluated_model_includes_the_steps_after_the_last_sync():
+    from distoptim.cli.datasets import load_dataset
+    from distoptim.cli.training import collective_rank
+    from distoptim.launch import spawn
+
+    # 45 steps per worker (719 digits each), a sync every 7: the last periodic one at 42
+    cfg = RunConfig("localsgd", 2, 7, 1, 16, "adam", 0.001, 0)
+    data = load_dataset("digits")
+    outs = spawn(collective_rank, 2, (cfg, data, None, None), timeout=180)
+    for rank, out in enumerate(outs):
+        assert out["steps"] == 45, rank
+        assert out["syncs"] == 45 // 7 + 1, rank  # 6 periodic and the last one, on every rank
+    reference = _local_sgd_reference(cfg, data)
+    for got, want in zip(outs[0]["params"], reference, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)

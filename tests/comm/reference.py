@@ -8,6 +8,7 @@ plain loops over chunks, so the codecs and the averaging schemes can be checked 
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import torch
 
@@ -17,30 +18,81 @@ DENSE_CHUNK = 256
 TOPK_CHUNK = 4096
 
 
-def cast(x: torch.Tensor, name: str) -> torch.Tensor:
-    """``D(Q(x))`` of a cast: rounded to the wire dtype, finite values saturating."""
-    dtype = CASTS[name]
-    if dtype is None:
-        return x.clone()
+FORMATS = {  # significant bits, smallest normal exponent
+    torch.float16: (11, -14),
+    torch.bfloat16: (8, -126),
+    torch.float32: (24, -126),
+}
+FLT_MAX = torch.finfo(torch.float32).max
+
+
+def round_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` rounded once to nearest (ties to even) in ``dtype``, finite values saturating at
+    its largest finite value, NaN and ±inf passing: computed exactly in float64 (returned as
+    float64) from the format's bits -- no dtype conversion rounds here."""
+    y = x.to(torch.float64)  # exact from every float dtype
+    if dtype == torch.float64:
+        return y
+    bits, emin = FORMATS[dtype]
     big = torch.finfo(dtype).max
-    y = x.clone()
-    finite = torch.isfinite(y)
-    y[finite] = y[finite].clamp(-big, big)
-    return y.to(dtype).to(x.dtype)
+    y = torch.where(torch.isfinite(y), y.clamp(-big, big), y)
+    _, e = torch.frexp(y)  # |y| in [2^(e-1), 2^e): spacing 2^(e - bits), 2^(emin+1-bits) below
+    ulp = e.clamp(min=emin + 1) - bits
+    return torch.ldexp(torch.ldexp(y, -ulp).round(), ulp)  # power-of-two scalings: exact
 
 
-def absmax(x: torch.Tensor, name: str) -> torch.Tensor:
-    """``D(Q(x))`` of one group: scale ``s = max|x| / L`` (float32), ``q = round(x / s)``."""
-    levels = LEVELS[name]
-    s = (x.abs().max() / levels).to(torch.float32).to(x.dtype)
+def cast(x: torch.Tensor, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``D(Q(x))`` of a cast decoded into ``dtype`` (``x``'s by default): rounded to the wire
+    dtype (``fp32``: ``x``'s own), then into ``dtype`` (both saturating)."""
+    dtype = x.dtype if dtype is None else dtype
+    wire = CASTS[name] or x.dtype
+    return round_to(round_to(x, wire), dtype).to(dtype)
+
+
+def _next32(v: float, toward: float) -> float:
+    t = torch.tensor(v, dtype=torch.float32)
+    return float(torch.nextafter(t, torch.tensor(toward, dtype=torch.float32)))
+
+
+def scale(a: float, levels: int) -> float:
+    """The smallest float32 ``s`` with ``s·L >= a`` (exact rationals), at most FLT_MAX."""
+    if not math.isfinite(a):
+        return a
+    target = Fraction(a) / levels
+    if target >= FLT_MAX:
+        return FLT_MAX
+    s = float(torch.tensor(min(float(target), FLT_MAX), dtype=torch.float32))
+    while Fraction(s) < target:
+        s = _next32(s, math.inf)
+    while s > 0 and Fraction(_next32(s, 0.0)) >= target:
+        s = _next32(s, 0.0)
+    return s
+
+
+def codes(x: torch.Tensor, s: float, levels: int) -> torch.Tensor:
+    """``q`` = the integer nearest the exact ``x / s`` (ties to even), clamped to ``[-L, L]``."""
     if s == 0:
-        return torch.zeros_like(x)
-    return torch.clamp(torch.round(x / s), -levels, levels) * s
+        return torch.zeros(x.shape, dtype=torch.float64)
+    x64 = x.to(torch.float64)
+    q = (x64 / s).round()
+    for i in ((x64 / s - q).abs() == 0.5).nonzero().flatten().tolist():
+        q[i] = round(Fraction(float(x64[i])) / Fraction(s))  # float64 cannot decide: exactly
+    return q.clamp(-levels, levels)
 
 
-def values(x: torch.Tensor, name: str) -> torch.Tensor:
-    """``D(Q(x))`` of a group of values in format ``name``."""
-    return cast(x, name) if name in CASTS else absmax(x, name)
+def absmax(x: torch.Tensor, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``D(Q(x))`` of one group decoded into ``dtype`` (``x``'s by default): ``q·s`` (exact in
+    float64) rounded once into it, ``s`` = :func:`scale` of ``max |x|``, ``q`` = :func:`codes`."""
+    dtype = x.dtype if dtype is None else dtype
+    if x.numel() == 0:
+        return torch.zeros(0, dtype=dtype)
+    s = scale(float(x.to(torch.float64).abs().max()), LEVELS[name])
+    return round_to(codes(x, s, LEVELS[name]) * s, dtype).to(dtype)
+
+
+def values(x: torch.Tensor, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``D(Q(x))`` of a group of values in format ``name``, decoded into ``dtype``."""
+    return cast(x, name, dtype) if name in CASTS else absmax(x, name, dtype)
 
 
 def dense_chunk(numel: int, shards: int) -> int:

@@ -155,7 +155,10 @@ def test_different_hyperparameters_are_a_desync_naming_the_sides() -> None:
 
 def test_collective_calls_on_some_ranks_are_named() -> None:
     cases = [
-        (RoundKind.STATE, "state_dict() called on rank(s) [1] only while the others are in step()"),
+        (
+            RoundKind.STATE,
+            "consolidate_state_dict() called on rank(s) [1] only while the others are in step()",
+        ),
         (RoundKind.SLOTS, "get_slot()/get_slot_names()/variables() called on rank(s) [1] only"),
         (RoundKind.FINISH, "finish() called on rank(s) [1] only"),
         (RoundKind.SYNC, "synchronize() called on rank(s) [1] only"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import subprocess
 import sys
 import time
@@ -23,7 +24,8 @@ def test_torchft_is_the_pinned_release():
 
 
 def test_pinned_internals_answer_on_a_real_quorum():
-    """Manager._pg, its parent's rank/size and Manager._healing: what distoptim reads."""
+    """Manager._pg, its parent's rank/size, Manager._healing and Manager._quorum_future: what
+    distoptim reads."""
     with Lighthouse(min_replicas=1, join_timeout=0.2) as lighthouse:
         manager = make_manager(
             lighthouse.address,
@@ -37,7 +39,11 @@ def test_pinned_internals_answer_on_a_real_quorum():
         )
         try:
             manager.start_quorum()
+            future = _torchft.quorum_future(manager)
+            assert isinstance(future, concurrent.futures.Future)
+            future.result(timeout=10)  # the quorum wait_quorum() waits for
             manager.wait_quorum()
+            assert future.done()
             assert _torchft.quorum_rank_and_size(manager) == (0, 1)
             assert _torchft.is_healing(manager) is False
             group = _torchft.quorum_group(manager)

@@ -91,6 +91,10 @@ class Algorithm:
       default the model's own): what is evaluated during training and at the end.
     * ``check(cfg, model)``: raise ``ValueError`` if ``cfg`` cannot be built, before any
       process starts (``model`` is a freshly built model of the run), or None.
+    * ``finish(opt)``: what every rank does after its last step, before the run's model is
+      read (``collective`` family), or None: the DiLoCo family's ``finish()``, a last sync of
+      what changed since the last periodic one, so the evaluated global model includes every
+      inner step that was trained and counted.
     """
 
     name: str
@@ -107,6 +111,7 @@ class Algorithm:
         default=lambda opt, model: list(model.parameters())
     )
     check: Callable[[RunConfig, torch.nn.Module], None] | None = None
+    finish: Callable[[Any], None] | None = None
     default_wire: str | None = None
     """The wire format it sends when none is given (None: it takes no ``wire``)."""
 
@@ -305,6 +310,11 @@ def _global_copy(opt: Any, model: torch.nn.Module) -> Sequence[torch.Tensor]:
     return opt.global_parameters
 
 
+def _finish(opt: Any) -> None:
+    """The DiLoCo family's end of training: ``opt.finish()`` on every rank (a collective)."""
+    opt.finish()
+
+
 def _outer_settings(cfg: RunConfig) -> dict[str, Any]:
     return {"sync_every": cfg.communication_period, "outer": _outer_spec(cfg), "wire": _wire(cfg)}
 
@@ -388,6 +398,7 @@ register(
         settings=lambda cfg: {"sync_every": cfg.communication_period},
         model=_global_copy,
         check=_built_alone(_localsgd),
+        finish=_finish,
     )
 )
 register(
@@ -403,6 +414,7 @@ register(
         note=_outer_note,
         model=_global_copy,
         check=_built_alone(_diloco),
+        finish=_finish,
         default_wire="fp32",
     )
 )
@@ -431,6 +443,7 @@ register(
         ),
         model=_global_copy,
         check=_built_alone(_streaming),
+        finish=_finish,
         default_wire="int8",
     )
 )

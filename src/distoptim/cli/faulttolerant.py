@@ -56,7 +56,8 @@ class FaultTolerantSpec:
     """One fault-tolerant run: the algorithm, its options, the model, the data, the schedule.
 
     ``steps``: committed steps (inner steps for the DiLoCo family) every replica trains;
-    ``replicas``: replica groups (one process each); ``chaos``: the fault schedule or None.
+    ``replicas``: replica groups (one process each); ``chaos``: the fault schedule or None;
+    ``spares``: warm spare processes that take a killed group's slot at once.
     ``collective_timeout``: the manager's timeout (collectives, commits, heals). A replica that
     dies can leave a survivor waiting in a collective with a live peer that already gave the
     round up: that wait ends only at this timeout, so it is the main cost of a fault here; 3 s
@@ -82,6 +83,7 @@ class FaultTolerantSpec:
     step_ms: float = 0.0
     timeout: float = 1800.0
     collective_timeout: float = 3.0
+    spares: int = 0
 
     def __post_init__(self) -> None:
         if self.algo not in FT_ALGORITHMS:
@@ -208,7 +210,9 @@ def replica_main(ctx: ReplicaContext, spec: FaultTolerantSpec, data: Dataset) ->
         if stats.commits > before[1]:
             count, synced = _synced(opt)
             useful = pending if stats.contributed > before[0] else 0  # healing: not its work
-            ctx.log("commit", n=count, samples=useful, state=state_checksum(synced))
+            ctx.log(
+                "commit", n=count, step=opt.iterations, samples=useful, state=state_checksum(synced)
+            )
             pending = 0
         elif stats.failed > before[3]:  # a round that did not commit: its work is lost
             ctx.log("failed")
@@ -233,11 +237,15 @@ def replica_main(ctx: ReplicaContext, spec: FaultTolerantSpec, data: Dataset) ->
 
 def run_fault_tolerant(spec: FaultTolerantSpec, data: Dataset) -> FaultTolerantRecord:
     """Run ``spec`` (see the module docstring) and summarise its events."""
+    chaos = spec.chaos
+    if chaos is not None and chaos.by_step is None:  # a short run meets a fault too
+        chaos = dataclasses.replace(chaos, by_step=max(1, spec.steps // 3))
     run = run_replicas(
         replica_main,
         spec.replicas,
         args=(spec, data),
-        chaos=spec.chaos,
+        chaos=chaos,
+        spares=spec.spares,
         timeout=spec.timeout,
         join_timeout=_join_timeout(spec),
     )
@@ -256,7 +264,11 @@ def summarise(spec: FaultTolerantSpec, run: ReplicaRun) -> FaultTolerantRecord:
     events = run.events
     readies = [e["t"] for e in events if e["kind"] == "ready" and e["inc"] == 0]
     start = max(readies) if readies else run.started_at
-    end = max((e["t"] for e in events if e["kind"] == "returned"), default=run.ended_at)
+    # a restarted replica that never joined (the run ended first) did no training: its
+    # process start does not lengthen the run
+    trained = {(e["slot"], e["inc"]) for e in events if e["kind"] == "commit"}
+    ends = [e["t"] for e in events if e["kind"] == "returned" and (e["slot"], e["inc"]) in trained]
+    end = max(ends, default=run.ended_at)
     wall = max(end - start, 1e-9)
     useful = sum(e["samples"] for e in events if e["kind"] == "commit")
     states: dict[int, set[int]] = {}

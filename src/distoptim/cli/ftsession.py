@@ -34,8 +34,10 @@ __all__ = ["run_fault_tolerant_plan", "spec_of"]
 RESULTS_JSON = "results.json"
 
 
-def spec_of(cfg: RunConfig, steps: int, chaos: Any, step_ms: float) -> FaultTolerantSpec:
-    """The fault-tolerant run of ``cfg`` (``steps`` per replica)."""
+def spec_of(
+    cfg: RunConfig, steps: int, chaos: Any, step_ms: float, spares: int = 0
+) -> FaultTolerantSpec:
+    """The fault-tolerant run of ``cfg`` (``steps`` per replica, ``spares`` warm spares)."""
     return FaultTolerantSpec(
         algo=cfg.algo,
         replicas=cfg.workers,
@@ -55,6 +57,7 @@ def spec_of(cfg: RunConfig, steps: int, chaos: Any, step_ms: float) -> FaultTole
         chaos=chaos,
         step_ms=step_ms,
         timeout=cfg.timeout,
+        spares=spares,
     )
 
 
@@ -67,6 +70,8 @@ def _steps(cfg: RunConfig, num_train: int) -> int:
 def _row(label: str, rec: FaultTolerantRecord, free: FaultTolerantRecord | None) -> list[str]:
     heal = f"{statistics.median(rec.heal_s):.2f}" if rec.heal_s else "-"
     ratio = f"{100 * rec.goodput / free.goodput:.1f} %" if free is not None else "-"
+    if rec.spec.get("chaos") and not rec.faults:
+        ratio = "no fault dealt"  # a fault-free run is no evidence of surviving one
     acc = "-" if rec.final_val_acc is None else f"{rec.final_val_acc:.4f}"
     return [
         label,
@@ -114,7 +119,11 @@ def _write(plan: Plan, argv: Sequence[str], runs: list[dict[str, Any]], status: 
         "argv": list(argv),
         "status": status,
         "dataset": plan.data.describe(),
-        "fault_tolerant": {"chaos": str(ft.get("chaos")), "step_ms": ft.get("step_ms")},
+        "fault_tolerant": {
+            "chaos": str(ft.get("chaos")),
+            "step_ms": ft.get("step_ms"),
+            "spares": ft.get("spares", 0),
+        },
         "loadavg": [round(x, 2) for x in os.getloadavg()],
     }
     with signals_held(), open(path + ".tmp", "w", encoding="utf-8") as f:
@@ -148,7 +157,8 @@ def run_fault_tolerant_plan(
                 groups = f"{cfg.workers} replica groups, {steps} steps"
                 print_or_drop(f"distoptim: {name}: {groups}", stderr)
                 try:
-                    rec = run_fault_tolerant(spec_of(cfg, steps, chaos, ft["step_ms"]), data)
+                    spec = spec_of(cfg, steps, chaos, ft["step_ms"], ft.get("spares", 0))
+                    rec = run_fault_tolerant(spec, data)
                 except Exception as exc:  # a run that failed is recorded; the others run
                     failed = True
                     print_or_drop(f"distoptim: run '{name}' failed: {exc}", stderr)

@@ -1,7 +1,9 @@
 """A small causal transformer (GPT) for character-level language modelling, in plain PyTorch.
 
-Owns: the model's size (:class:`GPTConfig`, checked before anything is built), its layers and
-its seeded GPT-2-style initialization (:func:`build_gpt`).
+Owns: the model's size (:class:`GPTConfig`, checked before anything is built), the bounds the
+command line puts on it (:data:`SIZE_LIMITS`, :data:`MAX_PARAMETERS`) and its estimate of a
+training step's memory (:meth:`GPTConfig.training_floats`), its layers and its seeded
+GPT-2-style initialization (:func:`build_gpt`).
 
 The model maps ``T <= context`` token indices to ``T`` rows of next-token logits::
 
@@ -34,9 +36,27 @@ from torch import nn
 
 from distoptim.checks import check_int
 
-__all__ = ["GPT", "GPTConfig", "build_gpt"]
+__all__ = ["MAX_PARAMETERS", "SIZE_LIMITS", "GPT", "GPTConfig", "build_gpt"]
 
 _STD = 0.02
+
+SIZE_LIMITS: dict[str, tuple[int, int]] = {
+    "layers": (1, 64),
+    "width": (1, 4096),
+    "heads": (1, 256),
+    "context": (1, 4096),
+}
+"""The range the command line allows each size of its GPT (``--layers`` etc.), inclusive: a
+small model that CPU worker processes train (the default is 2 x 128, 4 heads, context 64)."""
+
+MAX_PARAMETERS = 150_000_000
+"""The most parameters the command line's GPT may have (GPT-2 small has 124 M): within the
+:data:`SIZE_LIMITS`, depth and width together can still make billions."""
+
+_COPIES = 8
+"""Float32 copies of the parameters a training worker may hold at once, for the memory
+estimate: the parameters, their gradients, Adam's two moments, the DiLoCo family's global copy
+and outer momentum, error feedback and a wire buffer."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +87,19 @@ class GPTConfig:
         final norm (the head is the token embedding)."""
         d = self.width
         return self.vocab_size * d + self.context * d + self.layers * (12 * d * d + 13 * d) + 2 * d
+
+    def training_floats(self, batch: int) -> int:
+        """An estimate (float32 values) of what one worker holds during a training step on
+        ``batch`` windows of ``context`` tokens: :data:`_COPIES` copies of the
+        :meth:`num_parameters`, plus the activations autograd keeps, per token
+        ``layers * (20 * width + 2 * heads * context)`` (each block's norms, q/k/v, attention
+        and MLP values, and attention weights where they are materialized) and ``3 *
+        vocab_size`` (the logits, their softmax and its gradient). An estimate for refusing a
+        run that cannot fit, not a measurement."""
+        check_int("batch", batch, 1)
+        per_token = self.layers * (20 * self.width + 2 * self.heads * self.context)
+        per_token += 3 * self.vocab_size
+        return _COPIES * self.num_parameters() + batch * self.context * per_token
 
 
 class _CausalSelfAttention(nn.Module):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import sys
 import time
@@ -66,13 +67,16 @@ def train_loop(
     reporter: Reporter,
     evaluator: Callable[[], tuple[float, float]] | None,
     inner: torch.optim.Optimizer | None = None,
+    finish: Callable[[], None] | None = None,
 ) -> int:
     """Run every local step; report progress; ``evaluator`` (on one worker) scores as it goes.
 
     The workers without an evaluator report a ``mark`` at the evaluation steps when their
     reporter counts bytes (``collective`` runs). A straggler (``cfg.stragglers``) waits after
     each step (module doc); ``inner`` is the torch optimizer whose ``step()`` counts as its
-    compute (None: ``opt`` itself). Returns the number of local steps taken.
+    compute (None: ``opt`` itself). ``finish`` (every worker, or none) runs after the last
+    step and before the ``finish`` event, so its time and bytes are the run's. Returns the
+    number of local steps taken.
     """
     workload = as_workload(data)
     total = workload.total_steps(cfg)
@@ -106,6 +110,8 @@ def train_loop(
                 reporter.tick()
             if step % eval_every == 0 and step != total:
                 score()
+        if finish is not None:
+            finish()
         reporter.finish()
     return step
 
@@ -155,7 +161,9 @@ def collective_rank(
 
     Returns its progress events and communication counters; rank 0 also the run's final model
     (the parameters the algorithm's ``model`` names: sync's parameters, which every rank
-    shares, or the DiLoCo family's global copy). Rank 0 evaluates that model as it goes.
+    shares, or the DiLoCo family's global copy, read after the algorithm's ``finish``, so it
+    includes the inner steps after the last periodic sync). Rank 0 evaluates that model as it
+    goes.
     """
     import torch.distributed as dist
 
@@ -171,7 +179,8 @@ def collective_rank(
 
     dist.barrier()  # the clock starts when every rank is ready
     evaluator = score if rank == 0 else None
-    steps = train_loop(model, opt, cfg, workload, rank, reporter, evaluator, inner)
+    finish = None if algo.finish is None else functools.partial(algo.finish, opt)
+    steps = train_loop(model, opt, cfg, workload, rank, reporter, evaluator, inner, finish)
     stats = opt.comm_stats
     final = [t.detach().clone() for t in algo.model(opt, model)] if rank == 0 else None
     return {

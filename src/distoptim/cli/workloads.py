@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import abc
 import math
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -274,15 +275,25 @@ class LanguageModel(Workload):
         return float(score.accuracy), score.loss
 
     def check(self, configs: Sequence[RunConfig]) -> list[str]:
-        """Each run's model size and window plan can be built, one validation window fits; a
-        note for a run too short for its algorithm to communicate."""
+        """Each run's model size and window plan can be built, one validation window fits, a
+        batch is no larger than a worker's shard, and the model and a training step fit
+        (:func:`_check_size`); a note for a run too short for its algorithm to communicate."""
         from distoptim.cli import algorithms
         from distoptim.cli.lm import validation_starts
 
         notes = []
         for cfg in configs:
-            self.gpt_config(cfg)
+            gpt = self.gpt_config(cfg)
             plan = self.window_plan(cfg)
+            if cfg.batch_size > plan.windows_per_worker:
+                raise ValueError(
+                    f"--batch-size {cfg.batch_size} is larger than a worker's shard: "
+                    f"{plan.num_tokens} training characters make {plan.windows_per_epoch} "
+                    f"windows of --context {cfg.context}, over {cfg.workers} workers "
+                    f"{plan.windows_per_worker} each per epoch (use --batch-size <= "
+                    f"{plan.windows_per_worker}, a shorter --context or fewer workers)"
+                )
+            _check_size(gpt, cfg)
             validation_starts(int(self.corpus.val.numel()), cfg.context)
             steps = plan.total_steps(cfg.epochs)
             if algorithms.get(cfg.algo).periodic and steps < cfg.communication_period:
@@ -301,6 +312,40 @@ class LanguageModel(Workload):
             f"e^loss; the unigram baseline scores {self.unigram:.3f} nats "
             f"({self.unigram / math.log(2):.3f} bits/char)"
         ]
+
+
+def _check_size(gpt: Any, cfg: RunConfig) -> None:
+    """``ValueError`` naming the options if the GPT has more than
+    :data:`~distoptim.cli.gpt.MAX_PARAMETERS` parameters, or if its workers' training steps
+    would need more memory than this machine has (the estimate of
+    :meth:`~distoptim.cli.gpt.GPTConfig.training_floats`, times the workers)."""
+    from distoptim.cli.gpt import MAX_PARAMETERS
+
+    sizes = f"--layers {cfg.layers} --width {cfg.width} --heads {cfg.heads} --context {cfg.context}"
+    params = gpt.num_parameters()
+    if params > MAX_PARAMETERS:
+        raise ValueError(
+            f"{sizes}: the GPT would have {params / 1e6:,.1f} M parameters, more than the "
+            f"{MAX_PARAMETERS / 1e6:g} M this command trains (fewer --layers or a smaller --width)"
+        )
+    memory = _physical_memory()
+    need = 4 * cfg.workers * gpt.training_floats(cfg.batch_size)
+    if memory is not None and need > memory:
+        raise ValueError(
+            f"{sizes} --batch-size {cfg.batch_size} on {cfg.workers} workers: training would "
+            f"need about {need / 2**30:,.1f} GiB (estimated: every worker's parameters, their "
+            f"optimizer copies and a batch's activations), more than this machine's "
+            f"{memory / 2**30:,.1f} GiB (a smaller --batch-size, --context, --width or "
+            "--layers, or fewer workers)"
+        )
+
+
+def _physical_memory() -> int | None:
+    """This machine's memory in bytes (None where the system does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def load_workload(spec: str) -> Workload:

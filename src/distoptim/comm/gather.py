@@ -33,7 +33,7 @@ import torch
 
 from distoptim.comm.averaging import Mean, MeanBuffers, Pending
 from distoptim.comm.channel import Channel, Handle
-from distoptim.comm.codecs import SparseLayout, TopKCodec
+from distoptim.comm.codecs import SparseLayout, TopKCodec, narrow, work_dtype
 from distoptim.comm.feedback import feedback_for
 from distoptim.comm.stats import CommStats
 
@@ -108,13 +108,13 @@ class GatheredMean(Mean):
                 raise ValueError("this pending mean has neither a launched gather nor a result")
             pending.work.wait()
             layout = pending.layout
-            acc = torch.promote_types(layout.dtype, torch.float32)
+            acc = work_dtype(layout.dtype)
             positions, values = self.codec.decode(pending.received, acc, layout)
             values.div_(self.channel.contributors)  # each copy divided before the sum
             dense = torch.zeros(layout.padded, dtype=acc, device=values.device)
             for r in range(self.group_size):  # rank order: the same sum on every rank
                 dense.index_add_(0, positions[r], values[r])
-            out.copy_(dense[: layout.numel])
+            out.copy_(narrow(dense[: layout.numel], out.dtype))  # 16-bit sums saturate
             pending.result = out
             pending.work = None
             pending.received = None

@@ -19,8 +19,9 @@ Verdict (the same on every rank, because every rank reads the same table):
 
 * ranks disagree on the parameter fingerprint -> :class:`ParameterMismatchError`;
 * ranks disagree on the round's kind (``step()``, ``apply_gradients``, ``finish()``,
-  ``state_dict()``, ...), or, with the sequence check on, on the step counter or the number of
-  backward passes since the last ``step()`` -> :class:`DesyncError`, naming every rank's words.
+  ``consolidate_state_dict()``, ...), or, with the sequence check on, on the step counter or
+  the number of backward passes since the last ``step()`` -> :class:`DesyncError`, naming
+  every rank's words.
   A rank whose pass counter saw no pass although its gradients changed since its last round
   (*uncounted*: its backward reached none of the watched parameters) had at least one pass: it
   agrees with any count >= 1;
@@ -85,7 +86,7 @@ class RoundKind(enum.IntEnum):
     FINISH = 4  # finish(): this rank takes no more steps
     ABANDON = 5  # a round launched in backward, closed by remove_hooks() without step()
     SYNC = 6  # synchronize(): the reduction of .grad, applied by the next step()
-    STATE = 7  # state_dict() gathering sharded state (a collective)
+    STATE = 7  # consolidate_state_dict() gathering sharded state (a collective)
     SLOTS = 8  # get_slot() / get_slot_names() / variables() gathering sharded state
     CHECKPOINT = 9  # save_sharded() / load_sharded(): DCP's collectives (a per-rank checkpoint)
 
@@ -106,7 +107,7 @@ _KIND_TEXT = {
     RoundKind.FINISH: "finish()",
     RoundKind.ABANDON: "remove_hooks() after a backward() without step()",
     RoundKind.SYNC: "synchronize()",
-    RoundKind.STATE: "state_dict()",
+    RoundKind.STATE: "consolidate_state_dict()",
     RoundKind.SLOTS: "get_slot()/get_slot_names()/variables()",
     RoundKind.CHECKPOINT: "save_sharded()/load_sharded()",
 }
@@ -311,7 +312,7 @@ def check_round(
             + table_lines(table, ranks)
             + "\nEvery rank must call step() the same number of times, after the same number "
             "of backward() calls (backward_passes_per_step of them), and every collective call "
-            "(finish(); with shard_optimizer_state also state_dict(), get_slot(), "
+            "(finish(); with shard_optimizer_state also consolidate_state_dict(), get_slot(), "
             "get_slot_names(), variables()) on every rank.",
             table,
         )

@@ -10,7 +10,8 @@ all-reduce is a reduce-scatter followed by an all-gather:
    ``all_to_all`` hands shard ``j`` of every rank to rank ``j``;
 2. rank ``j`` decodes the ``n`` copies of its shard, averages them in full precision (at least
    float32) -- ``m_j = Σ_r (D(Q(x_r))_j / c)``, each copy divided by ``c`` before the sum, so
-   finite copies give a finite mean -- and encodes ``m_j`` once more (``c`` is the channel's
+   finite copies give a finite mean, rounded once into the buffer's dtype (saturating: a
+   16-bit buffer's mean is never ``inf``) -- and encodes ``m_j`` once more (``c`` is the channel's
    ``contributors``: ``n`` on a plain group; :mod:`~distoptim.comm.channel`);
 3. *gather*: an ``all_gather`` gives every rank every encoded ``m_j``; all decode the same codes,
    so the result is bit-identical on every rank.
@@ -40,7 +41,7 @@ import torch
 
 from distoptim.comm.averaging import Mean, MeanBuffers, Pending
 from distoptim.comm.channel import Channel, Handle
-from distoptim.comm.codecs import DenseCodec, ShardLayout
+from distoptim.comm.codecs import DenseCodec, ShardLayout, narrow, work_dtype
 from distoptim.comm.feedback import feedback_for
 from distoptim.comm.stats import CommStats
 
@@ -125,14 +126,13 @@ class QuantizedMean(Mean):
                 raise ValueError("this pending mean has neither a launched phase 1 nor a result")
             pending.work.wait()
             layout = pending.layout
-            acc = torch.promote_types(layout.dtype, torch.float32)
-            copies = self.codec.decode(pending.received, acc, layout)
+            copies = self.codec.decode(pending.received, work_dtype(layout.dtype), layout)
             # divide before summing: n finite copies of at most FLT_MAX / n each cannot
             # overflow, while their sum (divided afterwards) could
             mean = copies.div_(self.channel.contributors).sum(dim=0)
             if out is None:
                 out = torch.empty(layout.shard, dtype=layout.dtype, device=mean.device)
-            out.copy_(mean)
+            out.copy_(narrow(mean, layout.dtype))  # a 16-bit buffer's mean saturates
             pending.shard_mean = out
             pending.work = None
             pending.received = None

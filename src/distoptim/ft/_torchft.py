@@ -11,7 +11,9 @@ torchft upgrade that moves them breaks one small module and its test
   collectives that are not a plain all-reduce (all-gather, all-to-all of the lossy wire
   formats), in which every member of the quorum, healing ones included, takes part;
 * whether the manager is healing in the current quorum (``Manager._healing``), so a replica
-  that is about to receive a peer's state contributes nothing to this step's mean.
+  that is about to receive a peer's state contributes nothing to this step's mean;
+* the future of the quorum in progress (``Manager._quorum_future``), so a replica can wait for
+  it in slices and say why it does not come (``wait_quorum()`` takes no timeout).
 
 ``TORCHFT_VERSION`` is the version these were read from (``pyproject.toml`` pins it).
 """
@@ -28,6 +30,7 @@ __all__ = [
     "TORCHFT_VERSION",
     "MissingExtraError",
     "is_healing",
+    "quorum_future",
     "min_replica_size",
     "quorum_id",
     "quorum_timeout_seconds",
@@ -71,6 +74,12 @@ def quorum_rank_and_size(manager: Any) -> tuple[int, int]:
     """
     inner = manager._pg.parent
     return inner.rank(), inner.size()
+
+
+def quorum_future(manager: Any) -> Any:
+    """The ``concurrent.futures.Future`` of ``manager``'s quorum in progress (after
+    ``start_quorum()``); ``manager.wait_quorum()`` waits for the same future."""
+    return manager._quorum_future
 
 
 def is_healing(manager: Any) -> bool:

@@ -10,13 +10,15 @@ included: they say so, and their state is not judged) writes :class:`ReplicaWord
 the operation, its step counter, the 48-bit fingerprint of its parameter list and options, the
 parameter count, a 32-bit digest of the hyperparameters everyone must share, and the 64-bit
 :func:`~distoptim.comm.checksum.state_checksum` of its synchronised state as the last commit
-or heal left it -- packed into :data:`ROW` bytes, one byte per float32 element, into slots
-``[r ROW, (r + 1) ROW)`` of a zero tensor. One SUM all-reduce over the quorum's group gives
-every member the table of every member's words; bytes are integers below 256, exact in
-float32. It rides with the round's payload (launched after it, no extra round trip) -- except
-in the first round of a new membership, where it goes *before* the payload: a joiner built
-with another model would otherwise reach the bucket all-reduces with buckets of other sizes,
-which gloo answers by aborting every process.
+or heal left it (of the whole state, or of slice ``part`` of ``parts``: see
+:mod:`distoptim.sync.replicated` for when a slice is enough) -- packed into :data:`ROW`
+bytes, one byte per float32 element, into slots ``[r ROW, (r + 1) ROW)`` of a zero tensor.
+One SUM all-reduce over the quorum's group gives every member the table of every member's
+words; bytes are integers below 256, exact in float32. It rides with the round's payload
+(launched after it, no extra round trip) -- except in the first round of a new membership,
+where it goes *before* the payload: a joiner built with another model would otherwise reach
+the bucket all-reduces with buckets of other sizes, which gloo answers by aborting every
+process.
 
 Verdict (the same on every participant, since every one reads the same table):
 
@@ -26,6 +28,9 @@ Verdict (the same on every participant, since every one reads the same table):
   :class:`~distoptim.comm.guard.ParameterMismatchError` (a replica group built with another
   model joined: it is refused by name before any commit; a healing member is judged on this
   alone); the others do not commit this round and go on without it;
+* the members checked different slices of the state (``part``/``parts`` differ: they disagree
+  on whether the last round was clean, which only a round none of them committed can cause)
+  -> nobody commits this round, and the next one checks the whole state;
 * the state checksum or the hyperparameter digest differs -> the same, as
   :class:`~distoptim.comm.guard.DesyncError`: the replicas whose state differs from the
   majority's raise, naming themselves and the majority; with no strict majority every
@@ -68,6 +73,8 @@ _FIELDS: tuple[tuple[str, int], ...] = (
     ("params", 3),
     ("hparams", 4),
     ("state", 8),
+    ("part", 1),
+    ("parts", 1),
     ("void", 1),
     ("healing", 1),
 )
@@ -87,11 +94,14 @@ class ReplicaWords:
     state: int
     void: bool = False  # this participant's contribution is not valid (see judge)
     healing: bool = False  # this member receives a peer's state at the commit (stale state)
+    part: int = 0  # state is the checksum of slice `part` of `parts` of the synchronised state
+    parts: int = 1
 
     def describe(self) -> str:
         return (
             f"{self.kind.describe()} at step {self.step}, {self.params} parameters (plan "
             f"{self.plan:012x}), hyperparameters {self.hparams:08x}, state {self.state:016x}"
+            + (f" (slice {self.part} of {self.parts})" if self.parts > 1 else "")
             + (", contribution void" if self.void else "")
         )
 
@@ -191,6 +201,13 @@ def judge(everyone: Sequence[ReplicaWords], rank: int, owner: str) -> AgreementV
         ("state", DesyncError, "synchronised state (a bitwise checksum)"),
     ):
         values = [getattr(w, field) for w in table]
+        if field == "state" and len({(w.part, w.parts) for w in table}) > 1:
+            return AgreementVerdict(
+                False,
+                f"{owner}: the members checked different slices of their state (they disagree "
+                "on whether the last round was clean): the round is not committed, the next "
+                "one checks the whole state:\n" + _lines(everyone),
+            )
         if len(set(values)) == 1:
             continue
         counts = Counter(values).most_common()

@@ -20,19 +20,64 @@ What its three times mean (torchft's semantics, in seconds here):
 ``min_replicas`` is the lighthouse's floor: no quorum forms with fewer replica groups (each
 manager's ``min_replica_size`` is a second, per-step floor: a step with fewer participants is
 not committed).
+
+Also owns :func:`lighthouse_status`: what a replica waiting for a quorum can learn about the
+lighthouse -- whether it answers at all, its current quorum id and how many replica groups
+heartbeat -- read from the status page torchft's lighthouse serves on its own port (``/status``,
+its dashboard), the one place that reports them.
 """
 
 from __future__ import annotations
 
+import re
 import signal
 import threading
+import urllib.error
+import urllib.request
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from distoptim import checks
 from distoptim.ft._torchft import require
 
-__all__ = ["Lighthouse", "main", "serve"]
+__all__ = ["Lighthouse", "LighthouseStatus", "lighthouse_status", "main", "serve"]
+
+
+@dataclass(frozen=True)
+class LighthouseStatus:
+    """What the lighthouse's status page says (``None``: the page did not say).
+
+    ``quorum_id``: the last quorum it issued (0: none yet, since it started);
+    ``heartbeating``: replica groups whose heartbeats are recent (within its heartbeat timeout).
+    """
+
+    quorum_id: int | None
+    heartbeating: int | None
+
+
+_QUORUM_ID = re.compile(r"Current quorum_id:\s*(\d+)")
+_HEARTBEATING = re.compile(r"\[(\d+) heartbeating\]")
+
+
+def lighthouse_status(address: str, timeout: float = 1.0) -> LighthouseStatus | None:
+    """The status of the lighthouse at ``address`` (``http://host:port``), or ``None`` when
+    nothing answers there within ``timeout`` seconds (it is gone, or never was).
+
+    Reads torchft's dashboard (``GET /status``); a page in another format gives a status of
+    ``None`` fields (answering, nothing known), never an error.
+    """
+    try:
+        with urllib.request.urlopen(address.rstrip("/") + "/status", timeout=timeout) as r:
+            page = r.read(1 << 16).decode("utf-8", "replace")
+    except urllib.error.HTTPError:
+        return LighthouseStatus(None, None)  # something answers: not gone
+    except (OSError, ValueError):
+        return None
+    qid, beats = _QUORUM_ID.search(page), _HEARTBEATING.search(page)
+    return LighthouseStatus(
+        int(qid.group(1)) if qid else None, int(beats.group(1)) if beats else None
+    )
 
 
 def _ms(name: str, seconds: Any) -> int:

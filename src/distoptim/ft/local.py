@@ -8,6 +8,12 @@ killed slot after a pause. Every replica process runs ``fn(ctx, *args)`` with a
 :class:`ReplicaContext` (its slot, its incarnation, the lighthouse's address, an event log);
 what the last incarnation of each slot returns comes back in :class:`ReplicaRun`.
 
+Warm spares (``spares=N``): processes started with the replicas that import what a replica
+needs and wait; a killed slot that restarts is handed to one of them (its next incarnation
+runs there at once) and a new spare takes its place. Replica and spare processes get
+``OMP_NUM_THREADS`` (``num_threads``) unless the user set it. A scenario may also stop the
+run's lighthouse and start a new one on its address (:class:`Controls`).
+
 Events. A replica appends one JSON line per event to its slot's log (``ctx.log("commit",
 step=...)``); each line carries the wall-clock time. Lines survive a SIGKILL (each is flushed),
 so a run's timeline -- starts, heals, commits, the chaos actions -- is complete afterwards
@@ -53,11 +59,16 @@ class Chaos:
     at a time: a period whose previous victim has not logged a ``commit`` since its fault (it
     is still restarting or healing) deals none, so a schedule faster than a restart never takes
     every replica down at once.
+
+    ``by_step``: with it, the first fault comes at the latest when some replica logs a
+    ``commit`` whose ``step`` reaches it (so a run shorter than ``every`` still meets a fault:
+    the CLI sets a third of the run's steps); the later ones every ``every`` seconds.
     """
 
     action: str
     every: float
     pause: float
+    by_step: int | None = None
 
     @classmethod
     def parse(cls, text: object) -> Chaos:
@@ -171,11 +182,35 @@ class ReplicaRun:
 
 def _replica_main(fn: Callable[..., Any], ctx: ReplicaContext, args: tuple[Any, ...]) -> Any:
     ctx.log("process", spawned_at=ctx.spawned_at)
+    return _run_slot(fn, ctx, args)
+
+
+def _run_slot(fn: Callable[..., Any], ctx: ReplicaContext, args: tuple[Any, ...]) -> Any:
     value = fn(ctx, *args)
     ctx.log("returned")
     with open(ctx._ending_path, "a", encoding="utf-8"):  # no more faults, no more joiners
         pass
     return value
+
+
+def _spare_main(
+    fn: Callable[..., Any], args: tuple[Any, ...], handoff: Any, ending_path: str
+) -> Any:
+    """A warm spare: imported and waiting; it runs ``fn`` for the slot it is handed, or
+    returns None once the run is ending (no slot will need it)."""
+    with contextlib.suppress(ImportError):  # what a replica's manager needs, loaded ahead
+        import torchft  # noqa: F401
+
+        import distoptim.ft.replica  # noqa: F401
+    warm_since = time.time()
+    while True:
+        if not handoff.empty():
+            ctx = handoff.get()
+            ctx.log("process", spawned_at=ctx.spawned_at, spare=True, warm_since=warm_since)
+            return _run_slot(fn, ctx, args)
+        if os.path.exists(ending_path):
+            return None
+        time.sleep(0.05)  # polls the hand-off queue and the run's end marker
 
 
 class _Chaos(threading.Thread):
@@ -196,7 +231,7 @@ class _Chaos(threading.Thread):
             except threading.BrokenBarrierError:
                 return  # the run is failing at its start: the supervisor reports why
             victim = 0
-            while not self.done.wait(self.chaos.every):
+            while not self._wait_period(first=victim == 0):
                 if self.run_state.recovering():
                     continue  # one fault at a time: the last one has not healed yet
                 slot = victim % self.run_state.num_slots
@@ -215,6 +250,20 @@ class _Chaos(threading.Thread):
         except BaseException as exc:  # surfaced by run_replicas
             self.error = exc
 
+    def _wait_period(self, first: bool) -> bool:
+        """Wait ``every`` seconds (the first period: or until a commit reaches ``by_step``);
+        True when the run is over."""
+        by_step = self.chaos.by_step
+        if not first or by_step is None:
+            return self.done.wait(self.chaos.every)
+        deadline = time.monotonic() + self.chaos.every
+        while time.monotonic() < deadline:
+            if self.run_state.top_step() >= by_step:
+                return self.done.is_set()
+            if self.done.wait(min(0.2, max(0.0, deadline - time.monotonic()))):
+                return True
+        return self.done.is_set()
+
 
 class Controls:
     """What a scenario (``run_replicas(on_event=...)``) may do to the run's replicas.
@@ -222,6 +271,8 @@ class Controls:
     Every action is recorded in :attr:`ReplicaRun.chaos`. ``kill`` takes a slot down
     (SIGKILL); ``restart`` starts its next incarnation; ``stop``/``cont`` freeze and thaw its
     process (SIGSTOP/SIGCONT). Each returns False when the slot has no live process.
+    ``stop_lighthouse``/``restart_lighthouse`` take the run's lighthouse down and bring a new
+    one up on its address.
     """
 
     def __init__(self, run: _Run) -> None:
@@ -262,6 +313,14 @@ class Controls:
     def seen(self, predicate: Callable[[dict[str, Any]], bool]) -> bool:
         """Whether some event delivered so far satisfies ``predicate``."""
         return any(predicate(e) for e in self.history)
+
+    def stop_lighthouse(self) -> None:
+        """Stop the run's lighthouse (its port stays reserved for :meth:`restart_lighthouse`)."""
+        self._run.lighthouse.stop()
+
+    def restart_lighthouse(self) -> None:
+        """Start a new lighthouse on the stopped one's address (the replicas rejoin it)."""
+        self._run.lighthouse.restart()
 
     def release(self) -> None:
         """Thaw every stopped process (the scenario is over)."""
@@ -310,6 +369,30 @@ class _Watcher(threading.Thread):
             self.controls.release()
 
 
+class _LocalLighthouse:
+    """The run's lighthouse, which a scenario may stop and restart on the same port."""
+
+    def __init__(self, **options: Any) -> None:
+        self._options = options
+        self._server: Lighthouse | None = Lighthouse(**options)
+        self.address, self.port = self._server.address, self._server.port
+
+    def stop(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
+
+    def restart(self) -> None:
+        self.stop()
+        self._server = Lighthouse(**{**self._options, "port": self.port})
+
+    def __enter__(self) -> _LocalLighthouse:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
 class _Run:
     """The parent's bookkeeping of one local run (slots, their processes, expected deaths)."""
 
@@ -339,9 +422,41 @@ class _Run:
         # the replicas' start line; with chaos the schedule's clock waits on it too
         self.barrier = multiprocessing.get_context("spawn").Barrier(num_slots + int(chaos))
         self.start_timeout = start_timeout
+        self.lighthouse: Any = None  # the run's _LocalLighthouse
+        self._read_to: dict[int, int] = {}  # top_step(): bytes of each log read so far
+        self.spares: list[tuple[int, Any]] = []  # waiting spares: (process index, hand-off)
+        self.spare_indices: list[int] = []  # every spare ever started
+        self._top_step = -1
+
+    @property
+    def _ending_path(self) -> str:
+        return os.path.join(self.workdir, "ENDING")
 
     def log_path(self, slot: int) -> str:
         return os.path.join(self.workdir, f"replica_{slot}.jsonl")
+
+    def _env(self) -> dict[str, str]:
+        """``OMP_NUM_THREADS`` for a replica process (unless the user set it): OpenMP reads it
+        as torch loads, before ``torch.set_num_threads`` can act. On a machine with fewer cores
+        than replicas, one thread per group ran 300 steps in 14 s; every core per group, 135 s."""
+        threads = self.supervisor.num_threads
+        if threads is None or "OMP_NUM_THREADS" in os.environ:
+            return {}
+        return {"OMP_NUM_THREADS": str(threads)}
+
+    def start_spare(self) -> None:
+        """Start a warm spare: a process that imports what a replica needs, then waits."""
+        handoff = multiprocessing.get_context("spawn").SimpleQueue()
+        index = self.supervisor.add(
+            _spare_main,
+            (self.fn, self.args, handoff, self._ending_path),
+            name=f"spare {len(self.spare_indices)}",
+            env=self._env(),
+            critical=False,
+        )
+        with self.lock:
+            self.spare_indices.append(index)
+            self.spares.append((index, handoff))
 
     def start(self, slot: int) -> None:
         ctx = ReplicaContext(
@@ -353,17 +468,44 @@ class _Run:
             time.time(),
             self.barrier if self.incarnations[slot] == 0 else None,
         )
-        index = self.supervisor.add(
-            _replica_main,
-            (self.fn, ctx, self.args),
-            name=f"replica {slot}" + (f" (restart {ctx.incarnation})" if ctx.incarnation else ""),
-            critical=False,
-        )
+        spare = None
+        with self.lock:
+            if ctx.incarnation and self.spares and not self.ending():
+                spare = self.spares.pop(0)
+        if spare is not None:  # a warm process takes the slot; a new spare replaces it
+            index, handoff = spare
+            handoff.put(ctx)
+            self.start_spare()
+        else:
+            index = self.supervisor.add(
+                _replica_main,
+                (self.fn, ctx, self.args),
+                name=f"replica {slot}"
+                + (f" (restart {ctx.incarnation})" if ctx.incarnation else ""),
+                env=self._env(),
+                critical=False,
+            )
         with self.lock:
             if slot < len(self.index_of):
                 self.index_of[slot] = index
             else:
                 self.index_of.append(index)
+
+    def top_step(self) -> int:
+        """The highest ``step`` any replica's ``commit`` event carries so far (-1: none)."""
+        for slot in range(self.num_slots):
+            path = self.log_path(slot)
+            with contextlib.suppress(FileNotFoundError), open(path, encoding="utf-8") as f:
+                f.seek(self._read_to.get(slot, 0))
+                data = f.read()
+                end = data.rfind("\n") + 1
+                self._read_to[slot] = self._read_to.get(slot, 0) + len(data[:end].encode())
+                for line in data[:end].splitlines():
+                    with contextlib.suppress(json.JSONDecodeError, KeyError, TypeError):
+                        event = json.loads(line)
+                        if event["kind"] == "commit" and "step" in event:
+                            self._top_step = max(self._top_step, int(event["step"]))
+        return self._top_step
 
     def recovering(self) -> bool:
         """Has a slot the chaos faulted not logged a ``commit`` since (it is still healing)?"""
@@ -439,6 +581,7 @@ def run_replicas(
     join_timeout: float = 10.0,
     num_threads: int | None = 1,
     workdir: str | None = None,
+    spares: int = 0,
 ) -> ReplicaRun:
     """Run ``fn(ctx, *args)`` in ``num_replicas`` replica processes around a local lighthouse.
 
@@ -448,13 +591,20 @@ def run_replicas(
     controls)``: a scenario, called (from a thread of this process) with every event the
     replicas log, in time order, that may act on them (:class:`Controls`): faults triggered
     by what happens, not by the clock. ``heartbeat_timeout``,
-    ``join_timeout``: the lighthouse's (seconds). ``workdir``: where the event logs go (a
-    temporary folder, removed afterwards, when None). Raises
+    ``join_timeout``: the lighthouse's (seconds). ``num_threads``: torch threads per replica
+    process (and its ``OMP_NUM_THREADS`` unless set; None: torch's default). ``workdir``: where
+    the event logs go (a
+    temporary folder, removed afterwards, when None). ``spares``: warm spares -- processes
+    started with the replicas, imported and waiting; a killed slot that restarts is handed to
+    one at once (it logs ``process`` with ``spare=True`` and ``warm_since``, when it was ready)
+    and a new spare is started in its place, so recovery costs the heal, not a process start
+    and an import. Spares left over return when the run ends. Raises
     :class:`~distoptim.launch.RankFailedError` for a replica that failed on its own and
     :class:`~distoptim.launch.ProcessTimeoutError` after ``timeout`` seconds.
     """
     num_replicas = checks.check_int("num_replicas", num_replicas, 1)
     min_replicas = checks.check_int("min_replicas", min_replicas, 1)
+    spares = checks.check_int("spares", spares, 0)
     if chaos is not None and not isinstance(chaos, Chaos):
         raise TypeError(f"chaos must be a Chaos (Chaos.parse('kill:30')), got {chaos!r}")
     if chaos is not None and num_replicas < 2:
@@ -469,7 +619,11 @@ def run_replicas(
         if workdir is None:
             workdir = holder.enter_context(tempfile.TemporaryDirectory(prefix="distoptim-ft-"))
         lighthouse = holder.enter_context(
-            Lighthouse(min_replicas, heartbeat_timeout=heartbeat_timeout, join_timeout=join_timeout)
+            _LocalLighthouse(
+                min_replicas=min_replicas,
+                heartbeat_timeout=heartbeat_timeout,
+                join_timeout=join_timeout,
+            )
         )
         run: _Run | None = None
         supervisor = ProcessSupervisor(
@@ -487,12 +641,15 @@ def run_replicas(
             chaos is not None,
             timeout,
         )
+        run.lighthouse = lighthouse
         started = time.time()
         dealer = _Chaos(run, chaos) if chaos is not None else None
         watcher = _Watcher(run, on_event) if on_event is not None else None
         try:
             for slot in range(num_replicas):
                 run.start(slot)
+            for _ in range(spares):
+                run.start_spare()
             for thread in (dealer, watcher):
                 if thread is not None:
                     thread.start()

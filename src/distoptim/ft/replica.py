@@ -6,22 +6,102 @@ timeout, a checkpoint transport that advertises a reachable address, torchft's l
 quiet) with distoptim's defaults, and a clear error when the lighthouse is not there. Users may
 equally build ``torchft.Manager`` themselves, as torchft documents; everything distoptim does
 with a manager goes through its public contract (see :mod:`distoptim.ft`).
+
+Also owns :class:`LighthouseWatch`, what a manager built here carries so that a replica waiting
+for a quorum learns why it waits in vain, within the manager's ``connect_timeout``: the
+lighthouse stopped answering (:class:`LighthouseGoneError`), or it answers but no other replica
+group is left after a job ran (:class:`NoPeersError`). A lighthouse restarted on the same
+address before that is rejoined: torchft's manager retries its quorum request
+(``quorum_retries``).
 """
 
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Callable
 from typing import Any
 
 from distoptim import checks
 from distoptim.ft._torchft import advertised_http_transport, quiet, require
+from distoptim.ft.lighthouse import lighthouse_status
 
-__all__ = ["LighthouseUnreachableError", "make_manager"]
+__all__ = [
+    "LighthouseGoneError",
+    "LighthouseUnreachableError",
+    "LighthouseWatch",
+    "NoPeersError",
+    "make_manager",
+]
 
 
 class LighthouseUnreachableError(ConnectionError):
     """No torchft lighthouse answered at the given address within the connect timeout."""
+
+
+class LighthouseGoneError(LighthouseUnreachableError):
+    """The lighthouse stopped answering while this replica waited for a quorum."""
+
+
+class NoPeersError(RuntimeError):
+    """The lighthouse answers, but no other replica group is left to form a quorum with."""
+
+
+class LighthouseWatch:
+    """Why a quorum does not come (see the module): :meth:`check` is called while waiting.
+
+    ``patience`` (the manager's ``connect_timeout``) is how long the lighthouse must stay
+    unreachable, or a joining replica group stay the only one heartbeating after a quorum was
+    issued, before :meth:`check` raises. At a job's start (no quorum issued yet) the others may
+    still be starting: waiting for them is not an error here.
+    """
+
+    def __init__(self, address: str, replica_id: str, patience: float) -> None:
+        self.address, self.replica_id, self.patience = address, replica_id, patience
+        self._gone_since: float | None = None
+        self._alone_since: float | None = None
+
+    def reset(self) -> None:
+        """A quorum came: forget what was seen while waiting."""
+        self._gone_since = self._alone_since = None
+
+    def check(self, waited: float, joining: bool = True) -> None:
+        """Raise :class:`LighthouseGoneError` / :class:`NoPeersError` once either has lasted
+        ``patience`` seconds; ``waited``: seconds this replica has waited for its quorum.
+        ``joining``: it has not been in a quorum yet (only a joiner is told that nobody is
+        left: a survivor's peer may be restarting, and it waits for it up to its
+        ``quorum_timeout``)."""
+        now = time.monotonic()
+        status = lighthouse_status(self.address, timeout=min(1.0, self.patience))
+        if status is None:
+            self._alone_since = None
+            self._gone_since = self._gone_since or now
+            if now - self._gone_since >= self.patience:
+                raise LighthouseGoneError(
+                    f"replica {self.replica_id!r}: the torchft lighthouse at {self.address} is "
+                    f"gone: it has not answered for {now - self._gone_since:.0f} s while this "
+                    f"replica group waited {waited:.0f} s for a quorum (connect_timeout="
+                    f"{self.patience:g}s). Its state is that of its last committed step. Restart "
+                    "the lighthouse on the same address (`distoptim lighthouse --port PORT "
+                    "--min-replicas N`) within connect_timeout and the replica groups rejoin it; "
+                    "otherwise restart the job from its checkpoints."
+                )
+            return
+        self._gone_since = None
+        alone = status.quorum_id and status.heartbeating is not None and status.heartbeating <= 1
+        if joining and alone:
+            self._alone_since = self._alone_since or now
+            if now - self._alone_since >= self.patience:
+                raise NoPeersError(
+                    f"replica {self.replica_id!r}: no other replica group is left: the "
+                    f"lighthouse at {self.address} has issued quorums (the last, "
+                    f"{status.quorum_id}) but for {now - self._alone_since:.0f} s has heard from "
+                    f"no replica group but this one, which waited {waited:.0f} s for a quorum. "
+                    "The job has finished (or every other group died): there is nobody to heal "
+                    "from or train with. Start it again with its peers."
+                )
+            return
+        self._alone_since = None
 
 
 def _seconds(name: str, value: Any) -> datetime.timedelta:
@@ -45,6 +125,7 @@ def make_manager(
     connect_timeout: float = 10.0,
     use_async_quorum: bool = True,
     init_sync: bool = True,
+    quorum_retries: int = 100,
 ) -> Any:
     """A ``torchft.Manager`` for this process of one replica group.
 
@@ -69,6 +150,13 @@ def make_manager(
             its first step and takes a peer's state at ``should_commit``.
         init_sync: torchft's: at step 0 every replica takes replica 0's weights. With models
             built identically (seeded), pass False: distoptim then checks they are equal.
+        quorum_retries: torchft's: how often the manager asks the lighthouse again after a
+            failed request (a few seconds apart), within one quorum's ``quorum_timeout``: what
+            lets a restarted lighthouse be rejoined.
+
+    A wait for a quorum that cannot come is reported within ``connect_timeout``
+    (:class:`LighthouseWatch`): :class:`LighthouseGoneError` if the lighthouse stopped
+    answering, :class:`NoPeersError` if no other replica group is left.
     """
     lighthouse = checks.check_str("lighthouse", lighthouse)
     replica_id = checks.check_str("replica_id", replica_id)
@@ -78,6 +166,7 @@ def make_manager(
     host = checks.check_str("host", host)
     use_async_quorum = checks.check_bool("use_async_quorum", use_async_quorum)
     init_sync = checks.check_bool("init_sync", init_sync)
+    quorum_retries = checks.check_int("quorum_retries", quorum_retries, 0)
     timeouts = {
         "timeout": _seconds("timeout", timeout),
         "quorum_timeout": _seconds("quorum_timeout", quorum_timeout),
@@ -115,6 +204,7 @@ def make_manager(
             hostname=host,
             checkpoint_transport=advertised_http_transport(host, timeouts["timeout"]),
             init_sync=init_sync,
+            quorum_retries=quorum_retries,
             **timeouts,
         )
     except RuntimeError as exc:
@@ -126,4 +216,5 @@ def make_manager(
             ) from exc
         raise
     manager._distoptim_store = keepalive  # the replica group's store lives as long as it
+    manager._distoptim_watch = LighthouseWatch(lighthouse, replica_id, float(connect_timeout))
     return manager

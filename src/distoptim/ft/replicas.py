@@ -33,6 +33,7 @@ failed only for lack of replicas, :meth:`commit` raises :class:`InsufficientRepl
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import time
 from collections.abc import Callable
@@ -153,7 +154,7 @@ class ManagedReplicas:
         self.start()
         if self._quorum is None:
             manager = self.manager
-            manager.wait_quorum()
+            self._wait_quorum()
             # a quorum whose process group could not be set up (a peer gone while it formed)
             # is already failed: no collective is issued, the round will not commit
             rank, size = (0, 0) if manager.errored() else _torchft.quorum_rank_and_size(manager)
@@ -170,6 +171,19 @@ class ManagedReplicas:
                 self.stats.quorum_changes += self._last_quorum_id is not None
                 self._last_quorum_id = qid
         return self._quorum
+
+    def _wait_quorum(self) -> None:
+        """``manager.wait_quorum()``; with a manager built by ``make_manager``, in slices, each
+        asking its :class:`~distoptim.ft.replica.LighthouseWatch` why the quorum does not come
+        (a lighthouse gone, or no peer left: raised by name within ``connect_timeout``)."""
+        watch = getattr(self.manager, "_distoptim_watch", None)
+        future = _torchft.quorum_future(self.manager)
+        if watch is not None and future is not None:
+            began = time.monotonic()
+            while not concurrent.futures.wait([future], timeout=1.0).done:
+                watch.check(time.monotonic() - began, joining=self._last_quorum_id is None)
+            watch.reset()
+        self.manager.wait_quorum()
 
     def errored(self) -> BaseException | None:
         """The failure torchft recorded in this round (None: none so far)."""

@@ -16,8 +16,9 @@ and the verdict every replica derives from it. Each replica sends one :class:`He
          4      4  params    the number of parameters
          8      8  step      the inner step t (``iterations``)
         16      8  plan      64-bit fingerprint of the parameters (order, shapes, dtypes,
-                             requires_grad) and the options (H, F, τ, alpha, wire, error feedback,
-                             bucket cap, number of replicas)
+                             requires_grad, as they are at this header; which were replaced
+                             in the inner optimizer since construction) and the options
+                             (H, F, τ, alpha, wire, error feedback, bucket cap, replicas)
         24      8  outer     64-bit fingerprint of the algorithm (DiLoCo, LocalSGD) and of the
                              outer optimizer's type and hyperparameters, group by group
         32      8  inner     the same for the inner optimizer (a scheduler moves it every step;
@@ -62,6 +63,7 @@ on every rank, before any size-dependent collective. Cost per header: ``(n - 1)`
 from __future__ import annotations
 
 import json
+import operator
 import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -98,6 +100,7 @@ NO_FRAGMENT = 0xFFFF
 _KINDS = {RoundKind.STEP: "step()", RoundKind.FINISH: "finish()"}
 _FINITE = 1
 _HEALING = 2
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 @dataclass(frozen=True)
@@ -154,10 +157,17 @@ class ReplicaIdentity:
     """What a replica's headers say about it: the fingerprints and, on a mismatch, the
     description they summarize.
 
-    ``algorithm`` names the optimizer (``"DiLoCo"``, ``"LocalSGD"``); ``params`` and
-    ``options`` are fixed at construction (the plan fingerprint), and so is which parameters
-    each param group of the inner and outer optimizers holds; their hyperparameters are read at
-    every header (schedulers move them).
+    ``algorithm`` names the optimizer (``"DiLoCo"``, ``"LocalSGD"``); ``params`` (the
+    parameters the optimizer was built over) and ``options`` are fixed at construction, and so
+    is which parameters each param group of the inner and outer optimizers holds; their
+    hyperparameters are read at every header (schedulers move them). The plan fingerprint
+    covers the inner optimizer's parameters *as they are now*: it is recomputed at a header
+    whenever a parameter's ``requires_grad`` changed or the inner optimizer holds another
+    tensor than the one it was built with (a parameter replaced in its param groups, which the
+    fingerprint then marks), so a parameter frozen or replaced on some replicas only is a
+    ``ParameterMismatchError`` on every replica at the next sync. The check per header is one
+    ``(id, requires_grad)`` pair per parameter, compared with the last ones (:meth:`refresh`);
+    the digest runs again only when it changed.
     """
 
     def __init__(
@@ -173,10 +183,37 @@ class ReplicaIdentity:
         self.options = dict(options)
         self.inner = inner
         self.outer = outer
-        self.plan = int.from_bytes(digest(self.params, self.options)[:8], "little")
+        self.plan = 0
+        self._key: tuple[list[int], list[bool]] | None = None
+        self._current = self.params
+        self.refresh()
         self._members = {
             id(opt): group_members(opt, self.params) for opt in (self.inner, self.outer)
         }
+
+    def refresh(self) -> None:
+        """Recompute the plan fingerprint if ``requires_grad`` or a parameter object changed.
+
+        ``plan`` digests the current parameters' shapes, dtypes and ``requires_grad`` and the
+        options (:func:`~distoptim.comm.fingerprint.digest`), plus the positions of parameters
+        that are not the tensors the optimizer was built with (only when there are some).
+        """
+        current = [p for g in self.inner.param_groups for p in g["params"]]
+        key = (list(map(id, current)), list(map(_REQUIRES_GRAD, current)))  # C loops: cheap
+        if key == self._key:
+            return
+        self._key, self._current = key, current
+        options = dict(self.options)
+        replaced = self._replaced()
+        if replaced:
+            options["replaced parameters"] = replaced
+        self.plan = int.from_bytes(digest(current, options)[:8], "little")
+
+    def _replaced(self) -> list[int]:
+        """Positions whose tensor is not the one the optimizer was built with."""
+        built = self.params
+        out = [i for i, (p, q) in enumerate(zip(self._current, built)) if p is not q]
+        return out + list(range(min(len(built), len(self._current)), len(self._current)))
 
     def header(
         self,
@@ -188,11 +225,12 @@ class ReplicaIdentity:
         state: int = 0,
     ) -> Header:
         """This replica's header for a sync of ``fragment`` (``None``: no payload follows)."""
+        self.refresh()
         return Header(
             kind,
             step,
             fragment,
-            len(self.params),
+            len(self._current),
             self.plan,
             fingerprint(self._outer()),
             fingerprint(self._describe(self.inner)),
@@ -212,11 +250,13 @@ class ReplicaIdentity:
 
     def describe(self) -> dict[str, Any]:
         """Everything the fingerprints cover, as JSON-able data (sent only on a mismatch)."""
+        replaced = set(self._replaced())
         return {
             "algorithm": self.algorithm,
             "parameters": [
                 f"{tuple(p.shape)} {p.dtype}{'' if p.requires_grad else ' frozen'}"
-                for p in self.params
+                f"{' replaced' if i in replaced else ''}"
+                for i, p in enumerate(self._current)
             ],
             "options": self.options,
             "outer optimizer": self._describe(self.outer),

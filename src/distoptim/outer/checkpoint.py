@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from distoptim.protocol import check_inner_state_dict
 
 __all__ = [
     "NEWER_KEYS",
+    "ExchangeLayout",
     "WRAPPER_KEYS",
     "check_tensors",
     "check_wrapper_state",
@@ -34,9 +36,20 @@ __all__ = [
 
 WRAPPER_KEYS = ("config", "global", "outer", "residuals", "pending", "syncs")
 """The keys every checkpoint's wrapper entry holds."""
-NEWER_KEYS = ("rank", "synced_at", "closed_at")
+NEWER_KEYS = ("rank", "synced_at", "closed_at", "layout")
 """Keys written since the replica's rank is checked; a checkpoint without them still loads
-(no rank check, no fragment counted as synced, nothing closed early)."""
+(no rank check, no fragment counted as synced, nothing closed early; residuals checked against
+the exchanges' current layout). ``layout``: per fragment, the ``[size, rank]`` of the channel
+its residuals and slots were laid out for (checked by the optimizer: a managed one restores it)."""
+
+
+@dataclass(frozen=True)
+class ExchangeLayout:
+    """The residuals and payload slots a fragment's exchange has over some channel layout
+    (what a checkpoint's entries are checked against when it is not the current one)."""
+
+    residuals: list[dict[str, torch.Tensor]]
+    slots: list[torch.Tensor]
 
 
 def check_wrapper_state(
@@ -46,7 +59,7 @@ def check_wrapper_state(
     config: dict[str, Any],
     global_: Sequence[torch.Tensor],
     outer: torch.optim.Optimizer,
-    exchanges: Sequence[FragmentExchange],
+    exchanges: Sequence[FragmentExchange | ExchangeLayout],
     schedule: FragmentSchedule,
     step: int,
     rank: int,
@@ -55,7 +68,8 @@ def check_wrapper_state(
     fits this optimizer: its ``config``, this replica's ``rank`` in its group, global copy
     ``global_``, ``outer`` optimizer, the ``exchanges``' residuals and payload slots, and the
     sync ``schedule`` has in flight after ``step`` (the checkpoint's step) unless the checkpoint
-    says it was closed early. ``owner`` names the optimizer. Changes nothing.
+    says it was closed early. ``owner`` names the optimizer. ``exchanges`` give each fragment's
+    residuals and slots in the layout the checkpoint's are checked against. Changes nothing.
     """
     where = "state_dict['wrapper']"
     if not isinstance(state, dict):
@@ -141,7 +155,7 @@ def _check_rank(saved: Any, rank: int, replicas: Any, owner: str) -> None:
 
 def _check_pending(
     pending: Any,
-    exchanges: Sequence[FragmentExchange],
+    exchanges: Sequence[FragmentExchange | ExchangeLayout],
     schedule: FragmentSchedule,
     step: int,
     closed_at: int,

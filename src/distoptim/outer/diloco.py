@@ -52,9 +52,9 @@ import torch.distributed as dist
 
 from distoptim.checks import (
     check_bool,
+    check_bucket_cap_mb,
     check_finite_hyperparameters,
     check_int,
-    check_positive,
     type_name,
 )
 from distoptim.comm.channel import Channel, GroupChannel
@@ -181,7 +181,7 @@ class DiLoCo(DiLoCoState, WrappedOptimizer):
         alpha = _check_alpha(fragment_update_alpha)
         wire_format = parse_wire(wire)
         error_feedback = check_bool("error_feedback", error_feedback)
-        cap = check_positive("bucket_cap_mb", bucket_cap_mb, "MiB")
+        cap = check_bucket_cap_mb(bucket_cap_mb)
         params = [p for g in inner.param_groups for p in g["params"]]
         _check_same_parameters(owner, params, outer)
         if fragments > len(params):

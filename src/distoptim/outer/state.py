@@ -5,6 +5,15 @@ Owns the wrapper state of :class:`~distoptim.outer.diloco.DiLoCo` (as the
 residuals, the sync in flight settled into its payload slots, counters), checking a loaded one
 (:func:`~distoptim.outer.checkpoint.check_wrapper_state`), and restoring it, a sync in flight
 included (:class:`PendingSync`). The semantics are the optimizer's (``docs/diloco.md``).
+
+The error-feedback residuals and payload slots have the layout of the channel the fragment's
+exchange was last bound to (its size and this member's rank: a two-phase mean's shard, a
+gather's rows); the checkpoint records that layout per fragment (``"layout"``). Under a torchft
+manager the channel is the quorum's, which a freshly built optimizer has not met yet: it loads
+residuals of another layout by binding its exchanges to an :class:`UnboundChannel` of the saved
+layout (buffers of those shapes, no collective). The first sync's quorum then rebinds them to
+its channel: with the saved layout (the same membership) the residuals are kept, exactly as an
+uninterrupted run keeps them; with another they restart from zero, as they would have there.
 """
 
 from __future__ import annotations
@@ -14,11 +23,50 @@ from typing import Any
 
 import torch
 
-from distoptim.outer.checkpoint import check_wrapper_state, warn_between_syncs
+from distoptim.comm.channel import Channel, Handle
+from distoptim.comm.stats import CommStats
+from distoptim.comm.wire import parse_wire
+from distoptim.outer.checkpoint import ExchangeLayout, check_wrapper_state, warn_between_syncs
 from distoptim.outer.exchange import FragmentExchange, InFlight
 from distoptim.outer.fragments import Fragment, FragmentSchedule
 
-__all__ = ["DiLoCoState", "PendingSync"]
+__all__ = ["DiLoCoState", "PendingSync", "UnboundChannel"]
+
+
+class UnboundChannel(Channel):
+    """A channel layout (``size`` members, this one ``rank``) with no members behind it.
+
+    What a managed optimizer's exchanges are bound to after loading a checkpoint, until the
+    first sync's quorum rebinds them: their buffers get the saved layout's shapes. Any
+    collective over it is a bug (a sync always begins by binding its quorum) and raises.
+    """
+
+    def __init__(self, size: int, rank: int) -> None:
+        if not 0 <= rank < size:
+            raise ValueError(f"an unbound channel needs 0 <= rank < size, got {rank}, {size}")
+        self._size, self._rank = size, rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    def _unbound(self) -> Handle:
+        raise RuntimeError(
+            "a collective over a restored channel layout: the sync's quorum must bind it first"
+        )
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> Handle:
+        return self._unbound()
+
+    def all_gather_single(self, out: torch.Tensor, tensor: torch.Tensor) -> Handle:
+        return self._unbound()
+
+    def all_to_all_single(self, out: torch.Tensor, tensor: torch.Tensor) -> Handle:
+        return self._unbound()
 
 
 @dataclass
@@ -50,6 +98,9 @@ class DiLoCoState:
     _step_being_loaded: int | None
     _managed: Any
     _channel: Any
+    wire: str
+    error_feedback: bool
+    fragment_sync_delay: int
 
     def _wrapper_state_dict(self) -> dict[str, Any]:
         """Global copy, outer state, residuals, the sync in flight (settled) and counters.
@@ -89,6 +140,7 @@ class DiLoCoState:
                 "payload": [list(e.slots) for e in self._exchanges],
             },
             "syncs": self._syncs,
+            "layout": [[e.channel.size, e.channel.rank] for e in self._exchanges],
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -112,10 +164,60 @@ class DiLoCoState:
             config=self._config(),
             global_=self._global,
             outer=self._outer,
-            exchanges=self._exchanges,
+            exchanges=self._saved_layouts(state),
             schedule=self._schedule,
             step=step,
             rank=0 if self._managed is not None else self._channel.rank,
+        )
+
+    def _saved_layouts(self, state: Any) -> list[FragmentExchange | ExchangeLayout]:
+        """What each fragment's residuals and slots are checked against: the exchange itself,
+        or (managed, another layout saved) the buffers it would have with the saved layout."""
+        layouts = self._layouts_to_restore(state)
+        return [
+            exchange if layout is None else self._template(exchange, layout)
+            for exchange, layout in zip(self._exchanges, layouts)
+        ]
+
+    def _layouts_to_restore(self, state: Any) -> list[tuple[int, int] | None]:
+        """Per fragment, the saved ``(size, rank)`` when it differs from its exchange's and the
+        optimizer is managed (a plain group's layout is fixed: config and rank say so)."""
+        saved = state.get("layout") if isinstance(state, dict) else None
+        none: list[tuple[int, int] | None] = [None] * len(self._exchanges)
+        if self._managed is None or saved is None:
+            return none
+        if not isinstance(saved, list) or len(saved) != len(self._exchanges):
+            raise ValueError(
+                f"state_dict['wrapper']['layout'] must be a list of {len(self._exchanges)} "
+                f"[size, rank] pairs, got {saved!r}"
+            )
+        out: list[tuple[int, int] | None] = []
+        for entry, exchange in zip(saved, self._exchanges):
+            if (
+                not isinstance(entry, (list, tuple))
+                or len(entry) != 2
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in entry)
+                or not 0 <= entry[1] < entry[0]
+            ):
+                raise ValueError(
+                    "state_dict['wrapper']['layout'] must hold [size, rank] pairs with "
+                    f"0 <= rank < size, got {entry!r}"
+                )
+            here = (exchange.channel.size, exchange.channel.rank)
+            out.append(None if tuple(entry) == here else (entry[0], entry[1]))
+        return out
+
+    def _template(self, exchange: FragmentExchange, layout: tuple[int, int]) -> ExchangeLayout:
+        """The residuals and slots ``exchange`` would have over a channel of ``layout``."""
+        mean = parse_wire(self.wire).mean(UnboundChannel(*layout), CommStats(), self.error_feedback)
+        keep = self.fragment_sync_delay > 0
+        buffers = [
+            mean.buffers(torch.empty(b.numel, dtype=b.dtype, device=b.device), keep)
+            for b in exchange.plan.buckets
+        ]
+        return ExchangeLayout(
+            residuals=[b.residuals for b in buffers if b.residuals],
+            slots=[b.slot for b in buffers if b.slot is not None],
         )
 
     def _load_wrapper_state_dict(self, state: dict[str, Any]) -> None:
@@ -123,6 +225,9 @@ class DiLoCoState:
             with self._peer_guard("waiting for the sync in flight", self.iterations):
                 self._exchanges[self._in_flight.fragment.index].settle(self._in_flight.flight)
             self._in_flight = None
+        for exchange, layout in zip(self._exchanges, self._layouts_to_restore(state)):
+            if layout is not None:  # the saved layout, until the first quorum rebinds it
+                exchange.rebind(UnboundChannel(*layout))
         pending = state["pending"]
         with torch.no_grad():
             torch._foreach_copy_(self._global, list(state["global"]))

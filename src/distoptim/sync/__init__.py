@@ -2,8 +2,10 @@
 
 Down the floors a ``step()`` takes:
 
-* :mod:`distoptim.sync.optimizer` -- the optimizer class (options, ``step``, ``zero_grad``,
-  the TF path, the state dict), thin; :mod:`distoptim.sync.options` -- its validated options;
+* :mod:`distoptim.sync.optimizer` -- the optimizer class (options, ``step``, ``zero_grad``),
+  thin, with its mixins :mod:`~distoptim.sync.tf_path` (the TF path) and
+  :mod:`~distoptim.sync.state` (the state dict, per-rank checkpoints);
+  :mod:`distoptim.sync.options` -- its validated options;
 * :mod:`distoptim.sync.rounds` -- the round driver: the bucket plan every rank agreed on, and
   each round's launch, agreement (the sequence guard's words) and settling;
   :mod:`distoptim.sync.notices` -- the one-time warnings every rank gives about what some

@@ -1,8 +1,10 @@
 """CrossShardOptimizer: synchronous data parallelism around any ``torch.optim.Optimizer``.
 
 Owns the user-facing semantics of ``tf.compat.v1.tpu.CrossShardOptimizer``
-(``docs/cross_shard.md``): the options, loss scaling on the TF path, ``step()`` on the PyTorch
-path, ``zero_grad``, ``finish()`` and the state dict. The machinery lives one floor down:
+(``docs/cross_shard.md``): the options, ``step()`` on the PyTorch path, ``synchronize``,
+``zero_grad`` and ``finish()``; the TF path's hooks are :mod:`distoptim.sync.tf_path`, the state
+dict and the per-rank checkpoints :mod:`distoptim.sync.state` (mixins the class inherits). The
+machinery lives one floor down:
 :mod:`distoptim.sync.rounds` (the rounds every rank agrees on), :mod:`distoptim.sync.apply`
 (how a round's result reaches the parameters: packed ``.grad``, bucket views, or weight-update
 sharding), :mod:`distoptim.sync.collectives` (every collective) and :mod:`distoptim.comm`.
@@ -46,7 +48,6 @@ A step's way down: ``step()`` -> :meth:`RoundDriver.reduce_grads
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -56,14 +57,16 @@ from distoptim import checks
 from distoptim.comm.bucket import BucketPlan
 from distoptim.comm.guard import DesyncError, RoundKind
 from distoptim.comm.stats import CommStats
-from distoptim.protocol import GradsAndVars, WrappedOptimizer, run_closure, swapped_grads
+from distoptim.protocol import WrappedOptimizer, run_closure
 from distoptim.sync.apply import ApplyStrategy
 from distoptim.sync.collectives import Collectives, Replicas
-from distoptim.sync.options import Reduction, SyncOptions, check_saved_hyperparameters
+from distoptim.sync.options import Reduction, SyncOptions
 from distoptim.sync.packed import PackedApply, TensorGrads
 from distoptim.sync.replicated import ReplicatedRounds
 from distoptim.sync.rounds import RoundDriver
 from distoptim.sync.sharded import ShardedApply
+from distoptim.sync.state import CrossShardState
+from distoptim.sync.tf_path import CrossShardTFPath
 from distoptim.sync.views import BucketViews, ViewsApply
 
 __all__ = ["CrossShardOptimizer", "DesyncError", "Reduction"]
@@ -97,7 +100,7 @@ def _check_managed(manager: Any, options: SyncOptions) -> None:
         )
 
 
-class CrossShardOptimizer(WrappedOptimizer):
+class CrossShardOptimizer(CrossShardTFPath, CrossShardState, WrappedOptimizer):
     """Reduce gradients across replicas, then run ``opt`` (TF's ``CrossShardOptimizer``).
 
     Args:
@@ -139,9 +142,10 @@ class CrossShardOptimizer(WrappedOptimizer):
             element-wise (SGD, Adam, AdamW, ... or a class marked with
             :func:`~distoptim.elementwise_rule.elementwise`); ``.grad`` keeps the local
             gradient (also with bucket views). The parameters' storage moves into flat
-            buffers at the first step. ``state_dict()``, ``get_slot()``, ``get_slot_names()``
-            and ``variables()`` gather the full per-parameter state: collectives, call them
-            on every rank (a call on some ranks only is a ``DesyncError`` on every rank
+            buffers at the first step. ``consolidate_state_dict()`` (then ``state_dict()``,
+            local, on the rank it consolidated to), ``get_slot()``, ``get_slot_names()`` and
+            ``variables()`` gather the full per-parameter state: collectives, call them on
+            every rank (a call on some ranks only is a ``DesyncError`` on every rank
             involved). The state dict has the unsharded format (either loads into either);
             :meth:`save_sharded` / :meth:`load_sharded` write and read each rank's own part
             instead, through ``torch.distributed.checkpoint``, resharding on load.
@@ -205,6 +209,7 @@ class CrossShardOptimizer(WrappedOptimizer):
         comm = Collectives(replicas, options.wire, CommStats())
         self._apply = _choose_apply(options, opt, self._all_params, comm)
         self._applying_pairs = False
+        self._consolidated = None  # consolidate_state_dict()'s state, until the next step
         self._rounds = RoundDriver(
             self._all_params,
             lambda: self.iterations,
@@ -325,6 +330,7 @@ class CrossShardOptimizer(WrappedOptimizer):
         """
         if self._applying_pairs:  # TF path: the swapped-in grads are already reduced
             return super().step(closure)
+        self._consolidated = None  # the state it gathered is about to change
         loss = run_closure(closure)
         if self._replicated is not None:
             self._managed_step()
@@ -452,135 +458,6 @@ class CrossShardOptimizer(WrappedOptimizer):
             self._rounds.note_zeroed()  # an in-place reduction in flight read other values
         else:
             super().zero_grad(set_to_none)
-
-    # ---- TF path: compute_gradients / apply_gradients -----------------------------------------
-    def _scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        if self.reduction is Reduction.MEAN and self.num_shards > 1:
-            return loss / self.num_shards
-        return loss
-
-    def _apply_pairs(self, pairs: GradsAndVars) -> None:
-        """SUM the given gradients across the group into fresh tensors, then apply them once."""
-        if self._replicated is not None:
-            raise NotImplementedError(
-                "CrossShardOptimizer(manager=...) reduces .grad in step(); the TF path "
-                "(apply_gradients/minimize) is not fault-tolerant: use backward() and step()"
-            )
-        for _, v in pairs:
-            if not v.requires_grad:
-                raise ValueError(
-                    f"CrossShardOptimizer reduces gradients of trainable parameters only; a var "
-                    f"of shape {tuple(v.shape)} has requires_grad=False"
-                )
-        self._rounds.refresh()
-        reduced = self._apply.apply_pairs(pairs, self._rounds)
-        if reduced is None:  # the strategy applied them (weight-update sharding)
-            self.iterations += 1
-            return
-        # max_grad_norm; on one shard the pairs are the caller's own tensors: clip copies
-        reduced = self._apply.clip_pairs(reduced, copy=self.num_shards == 1)
-        self._applying_pairs = True
-        try:
-            with swapped_grads(self._all_params(), reduced):
-                self.step()
-        finally:
-            self._applying_pairs = False
-
-    # ---- state: the full per-parameter state, also when it is sharded ----------------------
-    def _announce(self, kind: RoundKind) -> None:
-        """Before gathering sharded state: every rank of the group must be in the same call."""
-        if self._apply.state_is_collective:
-            self._rounds.announce(kind)
-
-    def _slot_state(self) -> Any:
-        """The state slots are read from; with sharding, gathered (call on every rank)."""
-        self._announce(RoundKind.SLOTS)
-        return self._apply.full_state()
-
-    def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's state dict plus ``iterations`` (see ``WrappedOptimizer``).
-
-        With ``shard_optimizer_state=True`` the per-parameter state is gathered from every
-        rank into the unsharded format (a collective: call it on every rank, then save on
-        one); it loads into a sharded or an unsharded optimizer alike. A round of zeros whose
-        words say ``state_dict()`` goes first: when only some ranks call it, every rank
-        involved raises ``DesyncError`` -- peers in a ``step()`` or ``finish()`` at once, the
-        callers as soon as their peers' rounds (or their exit) arrive.
-        """
-        self._announce(RoundKind.STATE)
-        with self._apply.gathered_state():
-            return super().state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict; everything is checked before anything changes.
-
-        Besides the structure (``WrappedOptimizer``), every hyperparameter in the saved param
-        groups must be finite. With ``shard_optimizer_state=True``, each rank keeps its own
-        slice of every parameter's state (local: no communication).
-        """
-        if isinstance(state_dict, dict):
-            check_saved_hyperparameters(self._wrapped, state_dict.get("param_groups"))
-        super().load_state_dict(state_dict)
-        self._apply.after_load()
-
-    # ---- per-rank checkpoints through torch.distributed.checkpoint --------------------------
-    def sharded_state_dict(self) -> dict[str, Any]:
-        """This rank's part of the optimizer state, as a state dict DCP saves per rank.
-
-        Local (no gather): with sharding this rank's ``1/n`` of the per-element state as
-        ``ShardedTensor`` pieces, else the whole state (DCP writes it once). Save it with
-        ``dcp.save`` on every rank, alone or beside the model's (``{"model": ..., "optim":
-        opt.sharded_state_dict()}``); load it with :meth:`load_sharded` on any number of ranks.
-        Format: :mod:`distoptim.sync.sharded_checkpoint`.
-        """
-        from distoptim.sync import sharded_checkpoint  # imports DCP: seconds, on first use
-
-        self._rounds.refresh()
-        return sharded_checkpoint.state_dict_of(
-            self._wrapped, self._apply, self.iterations, self._rounds.comm.replicas.group
-        )
-
-    def save_sharded(self, checkpoint_id: str | os.PathLike[str]) -> None:
-        """``torch.distributed.checkpoint.save(self.sharded_state_dict(), checkpoint_id=...)``:
-        every rank writes only what it holds. A collective: call it on every rank (announced
-        first: a call on some ranks only is a ``DesyncError`` on all, as for ``state_dict()``)."""
-        import torch.distributed.checkpoint as dcp
-
-        checks.check_type("checkpoint_id", checkpoint_id, (str, os.PathLike), "a path")
-        self._announce_checkpoint()
-        dcp.save(self.sharded_state_dict(), checkpoint_id=checkpoint_id)
-
-    def _announce_checkpoint(self) -> None:
-        """Before DCP's collectives: every rank in the same call, the parameter list agreed."""
-        self._rounds.refresh()
-        if self._rounds.size > 1:
-            self._rounds.announce(RoundKind.CHECKPOINT)
-
-    def load_sharded(self, checkpoint_id: str | os.PathLike[str], prefix: str = "") -> None:
-        """Load a per-rank checkpoint (:meth:`sharded_state_dict`) written by any number of ranks.
-
-        Every rank reads only the state it holds in its current layout (resharding from the
-        saved one). ``prefix``: where the optimizer's entries sit when it was saved nested
-        (``"optim"`` for ``{"optim": opt.sharded_state_dict()}``). Checks that the
-        checkpoint fits (format, parameter groups, hyperparameters, sizes) before anything
-        changes. A collective: call it on every rank (announced and the parameter list agreed
-        first, as for :meth:`save_sharded`; with sharding, the parameters move into their flat
-        buffers).
-        """
-        from distoptim.sync import sharded_checkpoint
-
-        checks.check_type("checkpoint_id", checkpoint_id, (str, os.PathLike), "a path")
-        checks.check_type("prefix", prefix, str, "a str")
-        self._announce_checkpoint()
-        if self._rounds.size == 1:
-            self._rounds.solo_plan()
-        group = self._rounds.comm.replicas.group
-        iterations, groups, owned = sharded_checkpoint.read(
-            self._wrapped, self._apply, group, checkpoint_id, prefix
-        )
-        # hyperparameters and iterations through the checked path (the state comes next)
-        self.load_state_dict({"state": {}, "param_groups": groups, "iterations": iterations})
-        self._apply.load_owned(owned)
 
     def __repr__(self) -> str:
         return (

@@ -34,9 +34,8 @@ __all__ = [
 MIB = 1 << 20
 """Bytes in a MiB (``bucket_cap_mb`` counts them)."""
 
-MAX_BUCKET_CAP_MB = float(1 << 20)
-"""The largest ``bucket_cap_mb`` accepted: 1 TiB (one bucket per dtype and device beyond any
-real model; larger values only overflow the byte count)."""
+MAX_BUCKET_CAP_MB = checks.MAX_BUCKET_CAP_MB
+"""The largest ``bucket_cap_mb`` accepted: 1 TiB (:func:`distoptim.checks.check_bucket_cap_mb`)."""
 
 
 class Reduction(str, enum.Enum):
@@ -103,7 +102,7 @@ class SyncOptions:
             )
         red = Reduction.parse(reduction)
         checks.check_str("name", name)
-        cap = _check_cap(bucket_cap_mb)
+        cap = checks.check_bucket_cap_mb(bucket_cap_mb)
         clip = None
         if max_grad_norm is not None:
             clip = checks.check_positive("max_grad_norm", max_grad_norm)
@@ -159,17 +158,6 @@ class SyncOptions:
             "shard_optimizer_state": self.shard_optimizer_state,
             "max_grad_norm": self.max_grad_norm,
         }
-
-
-def _check_cap(value: object) -> float:
-    """``bucket_cap_mb`` as a float in ``(0, MAX_BUCKET_CAP_MB]``; ``ValueError`` otherwise."""
-    try:
-        return checks.check_real("bucket_cap_mb", value, 0.0, MAX_BUCKET_CAP_MB, low_open=True)
-    except ValueError:
-        raise ValueError(
-            f"bucket_cap_mb must be a finite number of MiB in (0, {MAX_BUCKET_CAP_MB:.0f}] "
-            f"(at most 1 TiB per bucket), got {value!r}"
-        ) from None
 
 
 def check_saved_hyperparameters(opt: torch.optim.Optimizer, groups: object) -> None:

@@ -18,6 +18,22 @@ optimizer state at ``should_commit()`` applies the same update -- so it leaves t
 bit-for-bit equal to the others, which the next round's words check (the checksum of the
 parameters the last commit or heal left).
 
+The state check, amortized. The words carry the checksum of the parameters the last commit
+or heal left (:func:`~distoptim.comm.checksum.state_checksum`, computed on their device). A
+round checks the *whole* state unless the previous round of this replica was *clean*: in the
+same quorum (the same members), committed, with no member healing or void. A clean round's
+successor checks only slice ``step mod K`` of ``K`` (:func:`state_slices`: about
+:data:`SLICE_LIMBS` 16-bit limbs a round, at most :data:`MAX_SLICES` slices). Why every commit's
+members still agree on the whole state: the members of a clean round held equal states
+(checked, wholly or by slice, and by induction from the last whole check) and applied the same
+committed update, deterministically, so they leave it equal; a state that nevertheless drifts
+(a fault outside the protocol: a bad memory, a non-deterministic kernel) differs in some slice,
+which a round within the next ``K`` steps compares. What a heal or a membership change brings
+in -- a healed replica's loaded state, a new member -- is checked whole in the next round, the
+first in which that member's state is judged. Every member takes the same decision (the same
+quorum, the same commit vote, the same table of words); if they ever did not, the words say
+which slice each checked, and the round is not committed (so the next one is whole again).
+
 Each process of a replica group all-reduces the whole (identical) buckets with its counterpart
 in the other groups (torchft connects equal group ranks), so a group of ``k`` processes moves
 ``k`` times the bytes of one (HSDP's reduce-scatter within the group first would cut that; not
@@ -45,7 +61,18 @@ from distoptim.comm.stats import CommStats, ring_allreduce_bytes
 from distoptim.ft.agreement import ReplicaWords, decode, encode, hparams_digest, judge
 from distoptim.ft.replicas import ManagedReplicas
 
-__all__ = ["ReplicatedRounds"]
+__all__ = ["MAX_SLICES", "SLICE_LIMBS", "ReplicatedRounds", "state_slices"]
+
+SLICE_LIMBS = 1 << 16
+"""About this many 16-bit limbs of state (128 KiB) are checked per clean round."""
+MAX_SLICES = 64
+"""A whole check at least every this many clean rounds, whatever the state's size."""
+
+
+def state_slices(params: Sequence[torch.Tensor]) -> int:
+    """``K``: the number of slices a clean round's state check cycles through (>= 1)."""
+    limbs = sum(p.numel() * max(p.element_size() // 2, 1) for p in params)
+    return max(1, min(MAX_SLICES, -(-limbs // SLICE_LIMBS)))
 
 
 class ReplicatedRounds:
@@ -76,6 +103,9 @@ class ReplicatedRounds:
         self._started_early = False
         self._heals_at_start = 0
         self._agreed_quorum: int | None = None  # the membership whose plans were checked
+        self._clean_quorum: int | None = None  # the last round was clean, in this quorum
+        self._clean_table = False  # the table this round judged had no healing or void member
+        self._slices: tuple[int, int] | None = None  # (parameter count, K), cached
 
     def start(self, early: bool) -> None:
         """Start this step's quorum (``early``: from ``zero_grad()``, before the forward pass)."""
@@ -86,22 +116,35 @@ class ReplicatedRounds:
         self._started_early = early
         self._heals_at_start = heals
 
-    def _words(
-        self, kind: RoundKind, step: int, plan: int, count: int, healing: bool
-    ) -> ReplicaWords:
+    def _words(self, kind: RoundKind, step: int, plan: int, count: int, q: Any) -> ReplicaWords:
         # a synchronous-quorum manager heals inside start_quorum(): when that happened in
         # step(), after this replica computed its gradient, its contribution is stale
         healed_late = not self._started_early and self.replicas.stats.heals > self._heals_at_start
+        healing = not q.contributes
+        part, parts, state = 0, 1, 0
+        if not healing:  # a healing member's state is about to be replaced: not judged
+            params = self.params()
+            if q.quorum_id == self._clean_quorum:  # see the module docstring
+                parts = self._num_slices(params)
+                part = step % parts
+            state = state_checksum(params, part, parts)
         return ReplicaWords(
             kind,
             step=step,
             plan=plan,
             params=count,
             hparams=hparams_digest(self.opt.param_groups),
-            state=state_checksum(self.params()),
+            state=state,
             void=healed_late,
             healing=healing,
+            part=part,
+            parts=parts,
         )
+
+    def _num_slices(self, params: list[torch.Tensor]) -> int:
+        if self._slices is None or self._slices[0] != len(params):
+            self._slices = (len(params), state_slices(params))
+        return self._slices[1]
 
     def _agree(self, words: ReplicaWords, q: Any) -> bool:
         """Launch-and-judge one table of every member's ``words``; False: do not commit."""
@@ -113,7 +156,9 @@ class ReplicatedRounds:
     def _judge(self, table: torch.Tensor, q: Any) -> bool:
         if self.replicas.errored() is not None:
             return False
-        verdict = judge(decode(table, q.group_size, self.owner), q.group_rank, self.owner)
+        everyone = decode(table, q.group_size, self.owner)
+        self._clean_table = not any(w.healing or w.void for w in everyone)
+        verdict = judge(everyone, q.group_rank, self.owner)
         if not verdict.ok:
             self.replicas.manager.report_error(RuntimeError(verdict.reason))
         return verdict.ok
@@ -132,7 +177,8 @@ class ReplicatedRounds:
         replicas = self.replicas
         q = replicas.quorum()
         count = len(rnd.plan.params) if rnd is not None else 0
-        words = self._words(kind, step, plan, count, healing=not q.contributes)
+        words = self._words(kind, step, plan, count, q)
+        self._clean_table = False
         if not q.failed and q.quorum_id != self._agreed_quorum:
             # a new membership: agree before any sized collective (see ft.agreement)
             if self._agree(words, q):
@@ -158,4 +204,7 @@ class ReplicatedRounds:
                 self.wire.decode(wire, head)
             done.wait()
             self._judge(table, q)
-        return replicas.commit()
+        committed = replicas.commit()
+        clean = committed and self._clean_table and not q.failed
+        self._clean_quorum = q.quorum_id if clean else None
+        return committed

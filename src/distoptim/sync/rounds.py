@@ -38,10 +38,10 @@ the model looks wrapped in ``DistributedDataParallel``, which reduces every grad
 time).
 
 Calls that must be made on every rank although they are no step -- ``finish()``, and the
-gathers of sharded state (``state_dict()``, ``get_slot()``, ...) -- first run a round of zeros
-over the agreed plan whose words name the call (:meth:`RoundDriver.announce`): peers in a
-``step()`` (or another call) raise ``DesyncError`` together with the caller, and a caller whose
-peers left gets one at once, instead of a collective that pairs with nothing.
+gathers of sharded state (``consolidate_state_dict()``, ``get_slot()``, ...) -- first run a
+round of zeros over the agreed plan whose words name the call (:meth:`RoundDriver.announce`):
+peers in a ``step()`` (or another call) raise ``DesyncError`` together with the caller, and a
+caller whose peers left gets one at once, instead of a collective that pairs with nothing.
 
 The round's result (the reduced buffers) goes back to the caller, who hands it to the apply
 strategy. Every collective goes through :class:`~distoptim.sync.collectives.Collectives`.

@@ -240,9 +240,14 @@ class ShardedApply(ApplyStrategy):
         out = {p: Owned.whole(p, s) for p, s in self.parked.values() if s}
         for member, (piece, elements, scalars) in update.owned().items():
             out[update.plan.params[member]] = Owned(
-                piece.first, piece.numel, elements, scalars, holders[member]
+                piece.first, piece.numel, elements, scalars, self._shared(holders[member])
             )
         return out
+
+    def _shared(self, holders: list[tuple[int, int, int]]) -> list[tuple[int, int, int]] | None:
+        """A parameter's holders, or None on one shard (it holds the whole state: outside a
+        process group too, where no ``ShardedTensor`` can be built)."""
+        return holders if self.comm.replicas.size > 1 else None
 
     def slots(self, params: Sequence[torch.Tensor]) -> dict[torch.Tensor, Owned]:
         """This rank's pieces of the agreed plan's parameters; the others whole."""
@@ -257,7 +262,9 @@ class ShardedApply(ApplyStrategy):
         for pieces in update.layout.pieces:
             for piece in pieces:
                 p = update.plan.params[piece.member]
-                out[p] = Owned(piece.first, piece.numel, holders=holders[piece.member])
+                out[p] = Owned(
+                    piece.first, piece.numel, holders=self._shared(holders[piece.member])
+                )
         return out
 
     def load_owned(self, owned: dict[torch.Tensor, Owned]) -> None:

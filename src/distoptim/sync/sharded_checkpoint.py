@@ -8,11 +8,13 @@ keeps the gathered, unsharded format of the wrapped optimizer; this is the other
 Format: a state dict DCP understands (:func:`state_dict_of`), saved by ``dcp.save`` alone or
 nested in a larger one (the model's next to it)::
 
-    {"distoptim": (FORMAT, iterations, param_groups),   # replicated: DCP writes it once
+    {"distoptim": (FORMAT, iterations, param_groups, layout),   # replicated: written once
      "state": {"<i>": {key: value}}}
 
 ``i`` is the parameter's index in torch's optimizer state dict (the parameters of every param
-group, in order), ``param_groups`` torch's own (hyperparameters and those indices). Per-element
+group, in order), ``param_groups`` torch's own (hyperparameters and those indices), ``layout``
+``{"optimizer": "<module>.<class>", "shapes": [shape of parameter i, ...]}`` (the wrapped
+optimizer's type; checkpoints of the earlier format ``per-rank-1`` have no layout). Per-element
 state (Adam's moments, SGD's momentum) is a 1-D tensor of the parameter's ``numel`` elements in
 its flat (row-major) order: a ``ShardedTensor`` whose local shards are the pieces this rank
 holds (weight-update sharding: its pieces of the flat bucket layout, :mod:`distoptim.comm.shard`),
@@ -26,12 +28,24 @@ overlapping parts of whatever chunks the checkpoint has (a run of ``n`` ranks, s
 :class:`~distoptim.sync.apply.Owned` pieces. Nothing is gathered on any rank.
 
 Checks, before any optimizer state changes (the same verdict on every rank: they read the same
-metadata and agreed on the same parameters): the checkpoint holds this format under the given
-prefix, and every saved per-element state has its parameter's number of elements.
+metadata and the same header, and agreed on the same parameters; :func:`check_fit`): the
+checkpoint holds this format under the given prefix; it was saved by the same optimizer type;
+every param group has the same hyperparameter keys and number of parameters; every parameter
+has the saved shape (not only its number of elements); the state keys of every parameter this
+optimizer already holds state for are the saved ones; and every saved per-element state has
+its parameter's number of elements. Each refusal is a ``ValueError`` naming what differs.
+
+Errors of DCP itself (a missing or truncated file, a directory that cannot be written) arrive as
+its ``CheckpointException``, a ``BaseException`` that ``except Exception`` does not catch; they
+leave here as :class:`CheckpointError` (a ``RuntimeError``) naming the checkpoint, the file
+(missing, or shorter than the metadata says), and every rank's cause (:func:`dcp_errors`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -52,7 +66,10 @@ from distoptim.sync.apply import ApplyStrategy, Owned
 
 __all__ = [
     "FORMAT",
+    "CheckpointError",
     "HEADER",
+    "check_fit",
+    "dcp_errors",
     "dotted",
     "loaded_state",
     "nest",
@@ -62,10 +79,66 @@ __all__ = [
     "unnest",
 ]
 
-FORMAT = "distoptim.CrossShardOptimizer/per-rank-1"
+FORMAT = "distoptim.CrossShardOptimizer/per-rank-2"
 """The format tag stored in the header (bumped if the layout above changes)."""
+_FORMAT_1 = "distoptim.CrossShardOptimizer/per-rank-1"
+"""The earlier format (a header without the layout): still loaded, without the layout checks."""
 HEADER = "distoptim"
 """The header's key: ``(FORMAT, iterations, param_groups)``."""
+
+
+class CheckpointError(RuntimeError):
+    """A per-rank checkpoint that could not be read or written: DCP's ``CheckpointException``
+    (a ``BaseException``) as an ``Exception`` naming the checkpoint, the file and the cause."""
+
+
+@contextlib.contextmanager
+def dcp_errors(action: str, checkpoint_id: Any, metadata: Metadata | None = None) -> Iterator[None]:
+    """Turn DCP's ``CheckpointException`` (and a missing checkpoint) into :class:`CheckpointError`.
+
+    ``action``: ``"save"`` or ``"load"``; ``metadata``: the checkpoint's (on load), to name the
+    file that is missing or shorter than the metadata says.
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    where = os.fspath(checkpoint_id)
+    try:
+        yield
+    except CheckpointException as exc:
+        causes = "; ".join(
+            f"rank {rank}: {type(e).__name__}: {e}" for rank, (e, _) in exc.failures.items()
+        )
+        found = _bad_files(where, metadata) if metadata is not None else ""
+        raise CheckpointError(
+            f"could not {action} the per-rank optimizer checkpoint {where!r}{found} ({causes})"
+        ) from exc
+    except FileNotFoundError as exc:
+        if action != "load":
+            raise
+        raise CheckpointError(
+            f"could not load the per-rank optimizer checkpoint {where!r}: "
+            f"{exc.filename or where} does not exist (no checkpoint saved there?)"
+        ) from exc
+
+
+def _bad_files(where: str, metadata: Metadata) -> str:
+    """``": file X is missing"`` / ``"...truncated..."`` for the files the metadata names."""
+    need: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        path = getattr(info, "relative_path", None)
+        if isinstance(path, str):
+            need[path] = max(need.get(path, 0), int(info.offset) + int(info.length))
+    bad = []
+    for name, size in sorted(need.items()):
+        path = os.path.join(where, name)
+        if not os.path.exists(path):
+            bad.append(f"file {path} is missing")
+        elif os.path.getsize(path) < size:
+            bad.append(
+                f"file {path} has {os.path.getsize(path)} bytes, its metadata needs at least "
+                f"{size} (truncated)"
+            )
+    return f": {'; '.join(bad)}" if bad else ""
 
 
 def _params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -105,7 +178,16 @@ def state_dict_of(
                 value if owned.holders is None else _sharded(value, p.numel(), owned, group)
             )
         state[str(index[id(p)])] = entry
-    return {HEADER: (FORMAT, iterations, _groups(opt)), "state": state}
+    return {HEADER: (FORMAT, iterations, _groups(opt), _layout(opt)), "state": state}
+
+
+def _type_name(opt: torch.optim.Optimizer) -> str:
+    return f"{type(opt).__module__}.{type(opt).__qualname__}"
+
+
+def _layout(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """The header's layout: the wrapped optimizer's type and every parameter's shape."""
+    return {"optimizer": _type_name(opt), "shapes": [tuple(p.shape) for p in _params(opt)]}
 
 
 def _groups(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -192,16 +274,82 @@ def _per_element(size: torch.Size, p: torch.Tensor) -> bool:
     return len(size) == 1 and size[0] == p.numel()
 
 
-def loaded_state(
-    opt: torch.optim.Optimizer, loaded: dict[str, Any]
-) -> tuple[int, list[dict[str, Any]], dict[torch.Tensor, Owned]]:
-    """``(iterations, param_groups, owned pieces)`` from a template DCP filled (local)."""
-    header = loaded[HEADER]
-    if not (isinstance(header, tuple) and len(header) == 3 and header[0] == FORMAT):
+def check_fit(
+    opt: torch.optim.Optimizer,
+    header: Any,
+    saved_keys: dict[int, set[str]],
+    held: dict[torch.Tensor, set[str]],
+) -> tuple[int, list[dict[str, Any]]]:
+    """``(iterations, param_groups)`` of a loaded header, after checking that it fits ``opt``.
+
+    ``saved_keys``: the state keys saved per parameter index (from the checkpoint's metadata);
+    ``held``: the state keys ``opt`` holds now, by parameter (those without state left out).
+    Raises ``ValueError`` naming the first difference: the format, the optimizer type, a param
+    group's size or hyperparameter keys, a parameter's shape, a parameter's state keys.
+    Changes nothing.
+    """
+    ok = isinstance(header, tuple) and (
+        (len(header) == 4 and header[0] == FORMAT) or (len(header) == 3 and header[0] == _FORMAT_1)
+    )
+    if not ok:
         raise ValueError(
             f"per-rank optimizer checkpoint: header {str(header)[:80]!r} is not {FORMAT!r}"
         )
-    _, iterations, groups = header
+    iterations, groups = header[1], header[2]
+    layout = header[3] if len(header) == 4 else None
+    mine = _type_name(opt)
+    if layout is not None and layout.get("optimizer") != mine:
+        raise ValueError(
+            f"per-rank optimizer checkpoint of a {layout.get('optimizer')}, but this "
+            f"CrossShardOptimizer wraps a {mine}: its state and hyperparameters would not fit"
+        )
+    if not isinstance(groups, list) or len(groups) != len(opt.param_groups):
+        count = len(groups) if isinstance(groups, list) else groups
+        raise ValueError(
+            f"per-rank optimizer checkpoint: {count} param groups saved, the wrapped {mine} "
+            f"has {len(opt.param_groups)}"
+        )
+    for i, (saved, group) in enumerate(zip(groups, opt.param_groups)):
+        theirs, ours = set(saved) - {"params"}, set(group) - {"params"}
+        if theirs != ours:
+            raise ValueError(
+                f"per-rank optimizer checkpoint: param group {i} has the hyperparameters "
+                f"{sorted(theirs)}, the wrapped {mine}'s {sorted(ours)} (missing: "
+                f"{sorted(ours - theirs)}, extra: {sorted(theirs - ours)}) -- a checkpoint of "
+                "another optimizer (or torch version)?"
+            )
+        if len(saved.get("params", ())) != len(group["params"]):
+            raise ValueError(
+                f"per-rank optimizer checkpoint: param group {i} holds "
+                f"{len(saved.get('params', ()))} parameters, the wrapped {mine}'s "
+                f"{len(group['params'])}"
+            )
+    params = _params(opt)
+    if layout is not None:
+        shapes = [tuple(s) for s in layout.get("shapes", ())]
+        wrong = [
+            f"parameter {i}: saved {s}, this optimizer's {tuple(p.shape)}"
+            for i, (s, p) in enumerate(zip(shapes, params))
+            if s != tuple(p.shape)
+        ]
+        if len(shapes) != len(params) or wrong:
+            raise ValueError(
+                f"per-rank optimizer checkpoint: its parameters' shapes are not this "
+                f"optimizer's ({len(shapes)} saved, {len(params)} here): "
+                f"{'; '.join(wrong[:4]) or 'the counts differ'} -- a checkpoint of another model?"
+            )
+    for i, keys in sorted(saved_keys.items()):
+        if i < len(params) and params[i] in held and held[params[i]] != keys:
+            raise ValueError(
+                f"per-rank optimizer checkpoint: parameter {i} (shape "
+                f"{tuple(params[i].shape)}) has the saved state keys {sorted(keys)}, this "
+                f"optimizer's state has {sorted(held[params[i]])}"
+            )
+    return iterations, groups
+
+
+def loaded_state(opt: torch.optim.Optimizer, loaded: dict[str, Any]) -> dict[torch.Tensor, Owned]:
+    """The owned pieces, by parameter, from a template DCP filled (local)."""
     params = _params(opt)
     out: dict[torch.Tensor, Owned] = {}
     for index, entry in loaded["state"].items():
@@ -217,24 +365,31 @@ def loaded_state(
             else:
                 owned.scalars[key] = value
         out[p] = owned
-    return iterations, groups, out
+    return out
 
 
 def read(
     opt: torch.optim.Optimizer, apply: ApplyStrategy, group: Any, checkpoint_id: Any, prefix: str
 ) -> tuple[int, list[dict[str, Any]], dict[torch.Tensor, Owned]]:
     """DCP-load this rank's part (:func:`template_of`) of the checkpoint at ``checkpoint_id``,
-    saved under ``prefix`` (``""`` or ``"optim"``, ...), as :func:`loaded_state` returns it.
+    saved under ``prefix`` (``""`` or ``"optim"``, ...): ``(iterations, param_groups, owned
+    pieces)``, after :func:`check_fit`.
 
     Every rank calls it (DCP's collectives); nothing of the optimizer changes here.
     """
     import torch.distributed.checkpoint as dcp
 
     where = dotted(prefix)
-    metadata = dcp.FileSystemReader(checkpoint_id).read_metadata()
+    with dcp_errors("load", checkpoint_id):
+        metadata = dcp.FileSystemReader(checkpoint_id).read_metadata()
     nested = nest(template_of(opt, apply, metadata, where, group), where)
-    dcp.load(nested, checkpoint_id=checkpoint_id)
-    return loaded_state(opt, unnest(nested, where))
+    with dcp_errors("load", checkpoint_id, metadata):
+        dcp.load(nested, checkpoint_id=checkpoint_id)
+    loaded = unnest(nested, where)
+    saved_keys = {i: set(keys) for i, keys in _entries(metadata, where).items()}
+    held = {p: set(o.elements) | set(o.scalars) for p, o in apply.owned().items()}
+    iterations, groups = check_fit(opt, loaded[HEADER], saved_keys, held)
+    return iterations, groups, loaded_state(opt, loaded)
 
 
 def nest(state: dict[str, Any], prefix: str) -> dict[str, Any]:
