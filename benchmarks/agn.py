@@ -35,25 +35,25 @@ Run::
     python benchmarks/agn.py --quick           # a smoke run: every section, well under a minute
     python benchmarks/agn.py --only round_trip --reps 30
 
-Prints medians and paired ratios; writes ``benchmarks/results/agn.json`` with the machine's
-load average at the start and end of each section (on a shared 2-core machine the figures move
-with the load); ``--only`` updates its sections and keeps the others. The round trip runs five
+Prints medians and paired ratios; writes ``benchmarks/results/agn.json`` (a ``--quick`` run:
+``benchmarks/results/quick/agn.json``) with the machine's load average at the start and end
+of each section (on a shared 2-core machine the figures move with the load); ``--only``
+updates its sections and keeps the others. The round trip runs five
 configurations: 1 and 2 shards with p2p's shared memory (same machine), 1 shard with p2p's
 buffers on the gloo pair (``DISTOPTIM_AGN_SHM=0``: what p2p does across machines), and the
 first and third with streamed commits.
 ``--quick`` (a smoke run that checks every section still works, not a measurement) runs each
-section once in its smallest form: the round trip (1 shard, shared memory, 3 reps) and the
-throughput (1 worker, 0.5 s phases) in one cluster, and the fault scenarios with one worker each;
+section once in its smallest form: the passes and the round trip (1 shard, shared memory) 2
+reps each, the throughput (1 worker, 0.2 s phases) in the round trip's cluster, and the fault
+scenarios with one worker each (the shard killed at step 4, after its checkpoint at step 3);
 process starts are most of its time.
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import os
-import platform
 import random
 import signal
 import statistics
@@ -65,6 +65,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _common import Bench, load, machine
 from torch import nn
 
 import distoptim
@@ -86,10 +87,6 @@ def _mlp() -> nn.Module:
     for a, b in itertools.pairwise(SIZES):
         layers += [nn.Linear(a, b), nn.ReLU()]
     return nn.Sequential(*layers[:-1])
-
-
-def _load() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
 
 
 def _median_ms(xs: list[float]) -> float:
@@ -415,7 +412,7 @@ def _faults(trials: int, quick: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {}
     workers = 1 if quick else 2
     with tempfile.TemporaryDirectory() as d:
-        every, steps, kill_at = (5, 16, 6) if quick else (10, 60, 25)
+        every, steps, kill_at = (3, 8, 4) if quick else (10, 60, 25)
         ckpt = os.path.join(d, "ckpt")
         with LocalCluster(
             _restart_fn,
@@ -540,58 +537,47 @@ def _round_trip_figures(t: dict[str, list[float]], shm: bool, stream: bool) -> d
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument(
-        "--quick",
-        action="store_true",
-        help="a smoke run: every section, one configuration each, few repetitions",
+    bench = Bench(
+        __file__,
+        __doc__,
+        quick="a smoke run: every section, one configuration each, few repetitions",
     )
+    ap = bench.parser
     ap.add_argument("--only", choices=SECTIONS, action="append", help="run only these sections")
     ap.add_argument("--reps", type=int, default=None, help="round trips per configuration")
     ap.add_argument("--seconds", type=float, default=None, help="throughput phase length")
     ap.add_argument("--trials", type=int, default=None, help="real-cause trials per launcher")
-    ap.add_argument(
-        "--out",
-        default=str(Path(__file__).parent / "results" / "agn.json"),
-        help="the JSON file to write, or a directory to write agn.json in",
-    )
-    args = ap.parse_args()
+    args = bench.parse()
     sections = args.only or list(SECTIONS)
-    reps = args.reps or (3 if args.quick else 20)
-    seconds = args.seconds or (0.5 if args.quick else 5.0)
+    reps = args.reps or (2 if args.quick else 20)
+    seconds = args.seconds or (0.2 if args.quick else 5.0)
     trials = args.trials or (1 if args.quick else 6)
     configs = ((1, True, False),)  # (shards, shared memory, streamed commits)
     if not args.quick:
         configs += ((2, True, False), (1, False, False), (1, True, True), (1, False, True))
     worker_counts = (1,) if args.quick else (1, 2, 4)
-    out_path = Path(args.out)
-    if out_path.is_dir() or args.out.endswith(os.sep):
-        out_path = out_path / "agn.json"
+    out_path = bench.out
     results: dict[str, Any] = {}
     if args.only and out_path.exists():  # keep the other sections of the last full run
         results = json.loads(out_path.read_text())
-    results["machine"] = {
-        "cpus": os.cpu_count(),
-        "platform": platform.platform(),
-        "torch": torch.__version__,
-    }
+    results["machine"] = machine()
     results["model"] = "MLP 784-1000-2000-1000-10 (float32, 4,798,010 parameters)"
     loads = results.setdefault("loadavg", {})
     both: dict[str, Any] = {}  # --quick: the round trip and the throughput from one cluster
     both_start: list[float] = []
     if args.quick and {"round_trip", "throughput"} <= set(sections):
-        both_start = _load()
+        both_start = load()
         both = _run_dual(1, 1, "both", (reps, seconds))[0]
     if "passes" in sections:
-        start = _load()
+        start = load()
         print("passes over the 19.2 MB payload, one thread, medians:", flush=True)
-        results["passes_ms"] = _passes(max(5, reps))
+        results["passes_ms"] = _passes(reps if args.quick else max(5, reps))
         for k, v in results["passes_ms"].items():
             print(f"  {k:32s} {v:7.2f} ms", flush=True)
-        loads["passes"] = {"start": start, "end": _load()}
+        loads["passes"] = {"start": start, "end": load()}
 
     if "round_trip" in sections:
-        start = both_start if both else _load()
+        start = both_start if both else load()
         print(f"round trip, {reps} reps, shuffled per rep:", flush=True)
         rt: dict[str, Any] = {}
         for num_ps, shm, stream in configs:
@@ -615,10 +601,10 @@ def main() -> None:
             )
             results["params"] = out["params"]
         results["round_trip"] = rt
-        loads["round_trip"] = {"start": start, "end": _load()}
+        loads["round_trip"] = {"start": start, "end": load()}
 
     if "throughput" in sections:
-        start = both_start if both else _load()
+        start = both_start if both else load()
         print(f"commits/s, phases of {seconds:g} s (p2p, rpc, rpc, p2p):", flush=True)
         tp: dict[str, Any] = {}
         for w in worker_counts:
@@ -641,19 +627,17 @@ def main() -> None:
                 flush=True,
             )
         results["commits_per_s"] = tp
-        loads["throughput"] = {"start": start, "end": _load()}
+        loads["throughput"] = {"start": start, "end": load()}
 
     if "faults" in sections:
-        start = _load()
+        start = load()
         print("faults (p2p):", flush=True)
         results["faults"] = _faults(trials, args.quick)
-        loads["faults"] = {"start": start, "end": _load()}
+        loads["faults"] = {"start": start, "end": load()}
 
     for name in sections:
         print(f"load average during {name}: {loads[name]['start']} -> {loads[name]['end']}")
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(results, indent=2, default=str) + "\n")
-    print(f"wrote {out_path}")
+    bench.save(results, indent=2)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ Run::
 
     python benchmarks/compare_runs.py           # 3 runs each of digits and mnist5k (~1 h on 2
                                                 # shared cores)
-    python benchmarks/compare_runs.py --quick   # 2 runs of sync and LocalSGD, 2 epochs (smoke)
+    python benchmarks/compare_runs.py --quick   # 2 runs of sync and LocalSGD, 1 epoch (smoke)
 
 Prints a Markdown table per dataset (the README's) and writes
 ``benchmarks/results/compare_runs.json`` (``--quick``: ``benchmarks/results/quick/``, never
@@ -43,10 +43,7 @@ over the shipped figures): the machine, every run's command, order, load and ``r
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import platform
 import random
 import statistics
 import subprocess
@@ -57,15 +54,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).parent / "results" / "compare_runs.json"
-QUICK_RESULTS = Path(__file__).parent / "results" / "quick" / "compare_runs.json"
+from _common import Bench, load, machine
+
 ALGOS = "sync,localsgd,diloco,streaming-diloco,agn,downpour,easgd,async-diloco"
 TARGETS = (0.80, 0.85, 0.88, 0.90, 0.92, 0.93, 0.94, 0.95, 0.96, 0.97)
 """Absolute validation accuracies at which each run's history is read (the target ladder)."""
-
-
-def _load() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
 
 
 def _commit() -> str | None:
@@ -91,7 +84,7 @@ def _compare(dataset: str, algos: list[str], extra: Sequence[str], out: Path) ->
     """One ``distoptim compare`` in a fresh process; what it wrote, and how the machine was."""
     cmd = [sys.executable, "-m", "distoptim.cli.main", "compare", "--algos", ",".join(algos)]
     cmd += ["--dataset", dataset, "--progress", "none", "--out", str(out), *extra]
-    before = _load()
+    before = load()
     t0 = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     took = time.monotonic() - t0
@@ -103,7 +96,7 @@ def _compare(dataset: str, algos: list[str], extra: Sequence[str], out: Path) ->
         "order": algos,
         "seconds": round(took, 1),
         "load_before": before,
-        "load_after": _load(),
+        "load_after": load(),
         "results": doc,
     }
 
@@ -227,21 +220,18 @@ def _order(runs: list[dict[str, Any]]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    bench = Bench(__file__, __doc__, quick="2 runs of sync,localsgd on digits")
+    parser = bench.parser
     parser.add_argument("--runs", type=int, default=3, help="runs per dataset (default 3)")
     parser.add_argument("--datasets", default="digits,mnist5k")
-    parser.add_argument("--quick", action="store_true", help="2 runs of sync,localsgd on digits")
-    parser.add_argument("--out", type=Path, default=None, help="the JSON to write")
     parser.add_argument("--seed", type=int, default=0, help="seeds the algorithms' orders")
-    args = parser.parse_args(argv)
+    args = bench.parse(argv)
     algos, extra, datasets, runs = ALGOS.split(","), [], args.datasets.split(","), args.runs
     if args.quick:
         algos, extra, datasets, runs = ["sync", "localsgd"], ["--workers", "2"], ["digits"], 2
-        extra += ["--epochs", "2"]
-    out = args.out or (QUICK_RESULTS if args.quick else RESULTS)
+        extra += ["--epochs", "1", "--eval-points", "5"]
     rng = random.Random(args.seed)
     recorded: dict[str, list[dict[str, Any]]] = {d: [] for d in datasets}
-    started = _load()
     with tempfile.TemporaryDirectory(prefix="compare-runs-") as tmp:
         for k in range(runs):
             for dataset in datasets:
@@ -255,14 +245,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 recorded[dataset].append(run)
     doc: dict[str, Any] = {
-        "machine": {
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-        },
+        "machine": machine(),
         "commit": _commit(),
-        "load_start": started,
-        "load_end": _load(),
         "settings": {"runs": runs, "algos": algos, "extra": extra, "targets": list(TARGETS)},
         "datasets": {},
     }
@@ -280,9 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"\n{dataset}: {runs} runs (median, range)\n")
         print(doc["datasets"][dataset]["table"])
         print(f"\nbest separating target: {sep['best_target']} ({sep['ladder']})")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"\nwrote {out}")
+    bench.save(doc)
     return 0
 
 

@@ -37,20 +37,18 @@ replaces the shipped figures.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import platform
 import random
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _common import Bench
+from _common import machine as common_machine
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -76,8 +74,6 @@ METHODS = [
     "ddp",
     "naive",
 ]
-RESULTS = Path(__file__).resolve().parent / "results" / "cross_shard.json"
-QUICK_RESULTS = RESULTS.parent / "quick" / RESULTS.name
 
 
 def model_of(width: int, depth: int) -> nn.Module:
@@ -322,53 +318,35 @@ def _ratios(result: dict[str, Any]) -> dict[str, Any]:
     return r
 
 
-def machine(load_before: tuple[float, float, float], backend: str) -> dict[str, Any]:
-    """What a result was measured on: cores, load before and after, versions, backend."""
-    return {
-        "cpus": os.cpu_count(),
-        "loadavg_before": load_before,
-        "loadavg_after": os.getloadavg(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "ranks": 2,
-        "backend": backend,
-        "note": "shared 2-core machine; other jobs may have run at the same time",
-    }
+def machine(backend: str) -> dict[str, Any]:
+    """What a result was measured on: cores, versions, backend (the load is the ending's)."""
+    return common_machine(
+        ranks=2,
+        backend=backend,
+        note="shared 2-core machine; other jobs may have run at the same time",
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    bench = Bench(__file__, __doc__, quick="a smoke run: tiny models, seconds")
+    parser = bench.parser
     parser.add_argument("--repeats", type=int, default=60, help="samples per method")
-    parser.add_argument("--quick", action="store_true", help="a smoke run: tiny models, seconds")
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="where the JSON goes (default benchmarks/results/cross_shard.json; with --quick "
-        "benchmarks/results/quick/cross_shard.json, never the shipped figures)",
-    )
     parser.add_argument("--no-save", action="store_true", help="do not write the JSON")
     parser.add_argument(
         "--bandwidth-only",
         action="store_true",
         help="only the bucketed-reduction part (printed, not saved)",
     )
-    args = parser.parse_args()
+    args = bench.parse()
     repeats = 4 if args.quick else args.repeats
     sizes = QUICK_CASES if args.quick else CASES
-    out = args.out or (QUICK_RESULTS if args.quick else RESULTS)
-    load_before = os.getloadavg()
-    t0 = time.perf_counter()
     cases = {} if args.bandwidth_only else sizes
     args.no_save = args.no_save or args.bandwidth_only
     bandwidth_case = next(iter(sizes.values()))
     result = spawn(_bench, 2, args=(repeats, cases, bandwidth_case), timeout=900)[0]
-    wall = time.perf_counter() - t0
     result["ratios"] = _ratios(result)
-    result["machine"] = machine(load_before, "gloo (loopback), 1 intra-op thread per rank")
-    result["wall_s"] = wall
+    result["machine"] = machine("gloo (loopback), 1 intra-op thread per rank")
     result["settings"] = {"repeats": repeats, "cases": cases}
-    result["command"] = "python benchmarks/cross_shard.py" + (" --quick" if args.quick else "")
 
     for case, c in result["cases"].items():
         print(f"\n{case}: {c['params']:,} params in {c['tensors']} tensors (median step, ms)")
@@ -381,12 +359,7 @@ def main() -> None:
     for k, v in bw.items():
         if isinstance(v, dict) and "median_s" in v:
             print(f"  {k:<28}{v['median_s'] * 1e3:9.2f} ms  {v['GB_per_s']:.2f} GB/s")
-    print(f"\nload average before/after: {load_before} / {result['machine']['loadavg_after']}")
-    print(f"wall time {wall:.0f} s")
-    if not args.no_save:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"saved {out}")
+    bench.save(result, write=not args.no_save, indent=2)
 
 
 if __name__ == "__main__":

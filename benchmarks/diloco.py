@@ -66,22 +66,19 @@ loaded once, by the parent, and handed to every process.
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import os
 import platform
 import random
 import statistics
-import subprocess
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _common import Bench, machine
 from torch import nn
 
 import distoptim
@@ -90,8 +87,6 @@ from distoptim.cli.datasets import load_dataset, shard_indices
 from distoptim.comm import link
 from distoptim.launch import spawn
 
-RESULTS = Path(__file__).resolve().parent / "results" / "diloco.json"
-QUICK_RESULTS = RESULTS.parent / "quick" / RESULTS.name
 WORLD = 4
 QUICK_WORLD, QUICK_EPOCHS = 2, 3
 """``--quick``: 2 replicas, 3 epochs (66 steps each, so every contender syncs at least once);
@@ -423,15 +418,6 @@ def _to_target(history: list[dict], target: float) -> tuple[float | None, int | 
     return None, None, None
 
 
-def _load() -> str:
-    try:
-        return subprocess.run(
-            ["uptime"], capture_output=True, text=True, check=False
-        ).stdout.strip()
-    except OSError:
-        return "unknown"
-
-
 def _summarize(records: list[dict]) -> dict[str, Any]:
     repeats = sorted({r["repeat"] for r in records})
     by = {(r["repeat"], r["scenario"], r["contender"]): r for r in records}
@@ -533,27 +519,18 @@ def _print(summary: dict[str, Any]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--epochs", type=int, default=60)
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help=f"{QUICK_WORLD} replicas, 1 repeat, {QUICK_EPOCHS} epochs (smoke run)",
+    bench = Bench(
+        __file__,
+        __doc__,
+        quick=f"{QUICK_WORLD} replicas, 1 repeat, {QUICK_EPOCHS} epochs (smoke run)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="shuffles the run order")
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="where the JSON goes (default benchmarks/results/diloco.json; with --quick "
-        "benchmarks/results/quick/diloco.json, never the shipped figures)",
-    )
-    args = parser.parse_args()
+    bench.parser.add_argument("--repeats", type=int, default=3)
+    bench.parser.add_argument("--epochs", type=int, default=60)
+    bench.parser.add_argument("--seed", type=int, default=0, help="shuffles the run order")
+    args = bench.parse()
     repeats, epochs = (1, QUICK_EPOCHS) if args.quick else (args.repeats, args.epochs)
     world = QUICK_WORLD if args.quick else WORLD
     data = load_dataset("digits")
-    out = args.out or (QUICK_RESULTS if args.quick else RESULTS)
     rng = random.Random(args.seed)
     order = []  # per repeat: [(launch, [(scenario, contender), ...]), ...] in launch order
     for _ in range(repeats):
@@ -564,8 +541,6 @@ def main() -> None:
             launches.append((kind, runs))
         rng.shuffle(launches)
         order.append(launches)
-    load_before = _load()
-    t0 = time.perf_counter()
     records = []
     for repeat, launches in enumerate(order):
         for kind, runs in launches:
@@ -574,26 +549,15 @@ def main() -> None:
                 continue
             got = spawn(_worker, world, args=(runs, epochs, data), timeout=3600, num_threads=1)[0]
             records += [{**r, "repeat": repeat} for r in got]
-    elapsed = time.perf_counter() - t0
-    load_after = _load()
     summary = _summarize(records)
     _print(summary)
     goal = _goal(records)
     print("\n== straggler: sync DiLoCo's time to target / AsyncDiLoCo's (> 1: async sooner) ==")
     for k, v in goal.items():
         print(f"{k:<45} median {_fmt(v['median'], '.2f')}  per repeat {v['per_repeat']}")
-    print(f"\nload before: {load_before}\nload after:  {load_after}\n({elapsed:.0f} s)")
     result = {
         "benchmark": "diloco",
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor(),
-            "cpus": os.cpu_count(),
-            "torch": torch.__version__,
-        },
-        "load_before": load_before,
-        "load_after": load_after,
-        "elapsed_s": elapsed,
+        "machine": machine(processor=platform.processor()),
         "config": {
             "world": world,
             "batch_per_replica": BATCH,
@@ -614,9 +578,7 @@ def main() -> None:
         "goal_straggler_time_to_target": goal,
         "runs": records,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out}")
+    bench.save(result)
 
 
 if __name__ == "__main__":

@@ -38,9 +38,7 @@ writes ``benchmarks/results/quick/cross_shard_gpu.json`` unless ``--out`` says o
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import random
 import signal
 import statistics
@@ -48,12 +46,12 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _common import Bench, machine
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -61,8 +59,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from distoptim import CrossShardOptimizer
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-RESULTS = Path(__file__).resolve().parent / "results" / "cross_shard_gpu.json"
-QUICK_RESULTS = RESULTS.parent / "quick" / RESULTS.name
 QUICK = {
     "device": "cuda" if torch.cuda.is_available() else "cpu",
     "width": 32,
@@ -241,18 +237,15 @@ def run_dtype(args: argparse.Namespace, dtype_name: str, deadline: float) -> dic
     return out
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="where the JSON goes (default benchmarks/results/cross_shard_gpu.json; with "
-        "--quick benchmarks/results/quick/cross_shard_gpu.json, never the shipped figures)",
+def main(argv: list[str] | None = None) -> int:
+    bench = Bench(
+        __file__,
+        __doc__,
+        quick="a smoke run: a tiny model, on the CPU without CUDA",
+        quick_defaults=QUICK,
+        name="cross_shard_gpu",
     )
-    parser.add_argument(
-        "--quick", action="store_true", help="a smoke run: a tiny model, on the CPU without CUDA"
-    )
+    parser = bench.parser
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(_DTYPES))
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (smoke test)")
     parser.add_argument("--width", type=int, default=2048)
@@ -260,12 +253,8 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--reps", type=int, default=50, help="timed rounds per dtype at most")
     parser.add_argument("--time-limit", type=float, default=150.0, help="seconds, all dtypes")
-    args = parser.parse_args()
-    if args.quick:  # the quick sizes, unless given explicitly
-        parser.set_defaults(**QUICK)
-        args = parser.parse_args()
-    args.out = args.out or (QUICK_RESULTS if args.quick else RESULTS)
-    result: dict[str, Any] = {"command": " ".join(sys.argv), "settings": vars(args) | {}}
+    args = bench.parse(argv)
+    result: dict[str, Any] = {"settings": vars(args) | {}}
     result["settings"]["out"] = str(args.out)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         message = (
@@ -273,15 +262,12 @@ def main() -> int:
             f"torch {torch.__version__}, CUDA build {torch.version.cuda}); nothing measured"
         )
         print(message)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"skipped": message}, indent=2) + "\n")
+        bench.save({"skipped": message}, indent=2)
         return 0
-    start = time.perf_counter()
+    start = bench.started
 
     def write() -> None:
-        result["wall_s"] = time.perf_counter() - start
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+        bench.save(result, indent=2)
 
     def alarm(signum: int, frame: Any) -> None:
         result["timed_out"] = True
@@ -300,8 +286,7 @@ def main() -> int:
     backend = "nccl" if device.type == "cuda" and dist.is_nccl_available() else "gloo"
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     result["backend"] = f"{backend}, world size 1"
-    result["torch"] = torch.__version__
-    result["python"] = platform.python_version()
+    result["machine"] = machine()
     result["dtypes"] = {}
     try:
         for dtype_name in args.dtypes:
@@ -325,7 +310,6 @@ def main() -> int:
         signal.alarm(0)
         dist.destroy_process_group()
         write()
-    print(f"wrote {args.out}")
     return 0
 
 

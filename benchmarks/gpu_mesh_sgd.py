@@ -24,10 +24,7 @@ everywhere (flags given explicitly still win) -- and writes
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import platform
 import signal
 import statistics
 import sys
@@ -36,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _common import Bench, machine
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mesh_sgd import make_shapes, optimizers, summarize, time_interleaved
@@ -44,8 +42,6 @@ from distoptim.dtensor import SGD
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _MOMENTUM, _LR, _CHECK_STEPS = 0.9, 0.01, 5
-RESULTS = Path(__file__).resolve().parent / "results" / "gpu_mesh_sgd.json"
-QUICK_RESULTS = RESULTS.parent / "quick" / RESULTS.name
 QUICK = {
     "device": "cuda" if torch.cuda.is_available() else "cpu",
     "tensors": 20,
@@ -154,16 +150,14 @@ def bench(shapes, dtype, dtype_name, device, args, deadline) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument(
-        "--out",
-        default=None,
-        help="where the JSON goes (default benchmarks/results/gpu_mesh_sgd.json; with --quick "
-        "benchmarks/results/quick/gpu_mesh_sgd.json, never the shipped figures)",
+    cli = Bench(
+        __file__,
+        __doc__,
+        quick="a smoke run: tiny sizes, on the CPU without CUDA",
+        quick_defaults=QUICK,
+        raw_help=True,
     )
-    ap.add_argument(
-        "--quick", action="store_true", help="a smoke run: tiny sizes, on the CPU without CUDA"
-    )
+    ap = cli.parser
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu for a smoke test")
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--tensors", type=int, default=200)
@@ -172,12 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--jit", action="store_true", help="also time jit_compile=True")
     ap.add_argument("--time-limit", type=float, default=240.0, help="seconds for everything")
-    args = ap.parse_args(argv)
-    if args.quick:  # the quick sizes, unless given explicitly
-        ap.set_defaults(**QUICK)
-        args = ap.parse_args(argv)
-    out = Path(args.out or (QUICK_RESULTS if args.quick else RESULTS))
-    out.parent.mkdir(parents=True, exist_ok=True)
+    args = cli.parse(argv)
+    out = cli.out
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         msg = (
@@ -185,28 +175,23 @@ def main(argv: list[str] | None = None) -> int:
             f"{torch.version.cuda}): skipped"
         )
         print(msg)
-        out.write_text(json.dumps({"skipped": msg}, indent=2))
+        cli.save({"skipped": msg}, indent=2)
         return 0
     for d in args.dtypes.split(","):
         if d not in _DTYPES:
             ap.error(f"unknown dtype {d!r}; choose from {sorted(_DTYPES)}")
-    start = time.perf_counter()
-    deadline = start + args.time_limit
+    deadline = cli.started + args.time_limit
     report: dict[str, Any] = {
-        "machine": {
-            "platform": platform.platform(),
-            "torch": torch.__version__,
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "loadavg_before": os.getloadavg(),
-        },
+        "machine": machine(
+            device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        ),
         "config": {"momentum": _MOMENTUM, "nesterov": True, "lr": _LR, **vars(args)},
         "results": {},
         "timed_out": False,
     }
 
     def write() -> None:
-        report["wall_s"] = time.perf_counter() - start
-        out.write_text(json.dumps(report, indent=2, default=str))
+        cli.save(report, indent=2)
 
     def alarm(signum, frame):  # the hard limit: keep what was measured
         raise _OutOfTime
@@ -239,7 +224,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         signal.alarm(0)
     write()
-    print(f"wall {report['wall_s']:.0f} s; saved {out}")
     return 0
 
 

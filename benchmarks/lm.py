@@ -55,7 +55,7 @@ the median step time per contender, and the paired ratio to DDP (the median over
 Run::
 
     python benchmarks/lm.py            # ~25-40 min on 2 shared cores
-    python benchmarks/lm.py --quick    # a smoke run: 2 replicas, 16 steps, H = 8
+    python benchmarks/lm.py --quick    # a smoke run: 2 replicas, 8 steps, H = 8
     python benchmarks/lm.py --resume benchmarks/results/lm.json --skip-step-time   # add the
                                        # contenders the recorded run lacks
 
@@ -69,7 +69,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import platform
 import random
 import statistics
@@ -79,18 +78,29 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _common import Bench, load, machine
 
 import distoptim
 from distoptim.cli.gpt import GPTConfig, build_gpt
-from distoptim.cli.lm import WindowPlan, evaluate_lm, lm_loss, validation_starts, windows
+from distoptim.cli.lm import (
+    VAL_WINDOWS,
+    WindowPlan,
+    evaluate_lm,
+    lm_loss,
+    validation_starts,
+    windows,
+)
 from distoptim.cli.shakespeare import load_corpus
 from distoptim.launch import spawn
 
-RESULTS = Path(__file__).resolve().parent / "results" / "lm.json"
-QUICK_RESULTS = RESULTS.parent / "quick" / RESULTS.name
 BATCH = 16
 LR = 3e-3
 SIZE = {"layers": 2, "width": 128, "heads": 4, "context": 64}
+QUICK = {"world": 2, "steps": 8, "eval_every": 8, "sync_every": 8, "rounds": 1}
+"""The defaults ``--quick`` changes (arguments given explicitly still win): one sync of every
+DiLoCo contender, every fragment of the streaming ones, one round of part 2."""
+QUICK_VAL_WINDOWS = 32
+"""``--quick``'s validation windows (the real runs score the CLI's fixed subset)."""
 GOALS = {
     "streaming": {"max_loss_gap": 0.02, "min_bytes_ratio": 400.0},
     "topk_lowbit": {"max_loss_gap": 0.02, "min_bytes_ratio": 1000.0},
@@ -125,10 +135,6 @@ def _step_contenders(h: int, fragments: int) -> dict[str, dict[str, Any] | None]
         f"streaming_h{h}_f{fragments}_int4": {"sync_every": h, **streaming, "wire": "int4"},
         f"diloco_h{h}_topk0.02_int2": {"sync_every": h, "wire": "topk:0.02+int2"},
     }
-
-
-def _load() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
 
 
 def _model(vocab: int) -> torch.nn.Module:
@@ -174,7 +180,7 @@ def _quality_run(
     model = _model(corpus.vocab_size)
     opt = _optimizer(model, kwargs, cfg["outer"])
     scratch = _model(corpus.vocab_size)
-    val = validation_starts(corpus.val.numel(), context)
+    val = validation_starts(corpus.val.numel(), context, cfg["val_windows"])
     plan = WindowPlan(corpus.train.numel(), context, BATCH, world, 0)
     batches = plan.batch_starts(rank, cfg["steps"] / plan.steps_per_epoch)
     history: list[dict[str, Any]] = []
@@ -354,6 +360,7 @@ def _quality(
         "h": args.sync_every,
         "fragments": 4,
         "outer": outer,
+        "val_windows": QUICK_VAL_WINDOWS if args.quick else VAL_WINDOWS,
     }
     shape = {
         "world": args.world,
@@ -377,7 +384,7 @@ def _quality(
     every = list(_contenders(cfg["h"], cfg["fragments"]))
     order = [name for name in every if name not in done]
     rng.shuffle(order)
-    load_before, began = _load(), time.perf_counter()
+    load_before, began = load(), time.perf_counter()
     if order:
         print(f"part 1: {args.world} replicas, {args.steps} steps each, order {order}", flush=True)
         ran = spawn(_quality_worker, args.world, (order, corpus, cfg), timeout=7200, num_threads=1)
@@ -386,7 +393,7 @@ def _quality(
         {
             "order": order,
             "load_before": load_before,
-            "load_after": _load(),
+            "load_after": load(),
             "elapsed_s": time.perf_counter() - began,
         }
     )
@@ -412,7 +419,7 @@ def _step_time(
     names = list(_step_contenders(step_h, 4))
     order = [rng.sample(names, len(names)) for _ in range(args.rounds)]
     cfg = {"h": step_h, "fragments": 4, "outer": outer}
-    load_before = _load()
+    load_before = load()
     print(f"\npart 2: 2 ranks, {args.rounds} rounds of {step_h} steps per contender", flush=True)
     blocks = spawn(_step_worker, 2, (order, corpus, cfg), timeout=3600, num_threads=1)[0]
     steps = _step_summary(blocks, step_h)
@@ -425,13 +432,14 @@ def _step_time(
         "rounds": args.rounds,
         "order": order,
         "load_before": load_before,
-        "load_after": _load(),
+        "load_after": load(),
         "contenders": steps,
     }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    bench = Bench(__file__, __doc__, quick="2 replicas, 8 steps, H = 8", quick_defaults=QUICK)
+    parser = bench.parser
     parser.add_argument("--world", type=int, default=4, help="replicas of part 1 (default 4)")
     parser.add_argument("--steps", type=int, default=1000, help="local steps per worker")
     parser.add_argument("--eval-every", type=int, default=100)
@@ -439,7 +447,6 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="rounds of part 2")
     parser.add_argument("--outer-lr", type=float, default=1.0)
     parser.add_argument("--outer-momentum", type=float, default=0.5)
-    parser.add_argument("--quick", action="store_true", help="2 replicas, 16 steps, H = 8")
     parser.add_argument("--skip-quality", action="store_true", help="part 2 only")
     parser.add_argument("--skip-step-time", action="store_true", help="part 1 only")
     parser.add_argument(
@@ -450,26 +457,16 @@ def main() -> None:
         "with --skip-step-time, its part 2); written to --out (default: that file)",
     )
     parser.add_argument("--seed", type=int, default=0, help="shuffles the contenders' order")
-    parser.add_argument("--out", type=Path, default=None, help=f"default {RESULTS}")
-    args = parser.parse_args()
-    if args.out is None:  # a quick run never overwrites the shipped figures
-        args.out = args.resume or (QUICK_RESULTS if args.quick else RESULTS)
+    args = bench.parse()
+    if args.resume and not bench.out_given:
+        bench.out = args.out = args.resume
     previous = json.loads(args.resume.read_text()) if args.resume else {}
-    if args.quick:
-        args.world, args.steps, args.eval_every, args.sync_every, args.rounds = 2, 16, 8, 8, 2
     rng = random.Random(args.seed)
     outer = (args.outer_lr, args.outer_momentum)
-    began = time.perf_counter()
     corpus = load_corpus()
     result: dict[str, Any] = {
         "benchmark": "lm",
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor(),
-            "cpus": os.cpu_count(),
-            "torch": torch.__version__,
-            "threads_per_rank": 1,
-        },
+        "machine": machine(processor=platform.processor(), threads_per_rank=1),
         "config": {
             "model": SIZE,
             "parameters": sum(p.numel() for p in _model(corpus.vocab_size).parameters()),
@@ -487,10 +484,7 @@ def main() -> None:
         result["step_time"] = _step_time(args, corpus, outer, rng)
     elif "step_time" in previous:
         result["step_time"] = previous["step_time"]
-    result["elapsed_s"] = time.perf_counter() - began
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"\n({result['elapsed_s']:.0f} s) wrote {args.out}")
+    bench.save(result)
 
 
 if __name__ == "__main__":

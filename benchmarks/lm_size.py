@@ -28,16 +28,13 @@ Prints a table and writes ``benchmarks/results/lm_size.json``.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import platform
 import random
 import statistics
 import time
-from pathlib import Path
 
 import torch
+from _common import Bench, machine
 
 from distoptim.cli.gpt import GPTConfig, build_gpt
 from distoptim.cli.lm import (
@@ -51,17 +48,12 @@ from distoptim.cli.lm import (
 )
 from distoptim.cli.shakespeare import load_corpus
 
-RESULTS = Path(__file__).parent / "results" / "lm_size.json"
 BATCH = 16
 CONTENDERS = {
     "default_lr3e-3": ((2, 128, 4, 64), 3e-3),
     "default_lr1e-3": ((2, 128, 4, 64), 1e-3),
     "4layers_lr3e-3": ((4, 128, 4, 64), 3e-3),
 }
-
-
-def _load() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
 
 
 class _Run:
@@ -107,19 +99,14 @@ class _Run:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=1500)
-    parser.add_argument("--eval-every", type=int, default=250)
-    parser.add_argument("--quick", action="store_true", help="20 steps of the default only")
-    parser.add_argument("--seed", type=int, default=0, help="shuffles the order in each round")
-    parser.add_argument("--out", type=Path, default=None, help=f"default {RESULTS}")
-    args = parser.parse_args()
-    if args.out is None:  # a quick run never overwrites the shipped figures
-        args.out = RESULTS.parent / "quick" / RESULTS.name if args.quick else RESULTS
+    bench = Bench(__file__, __doc__, quick="20 steps of the default only")
+    bench.parser.add_argument("--steps", type=int, default=1500)
+    bench.parser.add_argument("--eval-every", type=int, default=250)
+    bench.parser.add_argument("--seed", type=int, default=0, help="shuffles each round's order")
+    args = bench.parse()
     torch.set_num_threads(1)
     contenders = dict(list(CONTENDERS.items())[:1]) if args.quick else CONTENDERS
     steps, every = (20, 10) if args.quick else (args.steps, args.eval_every)
-    load_before = _load()
     t0 = time.perf_counter()
     corpus = load_corpus()
     load_s = time.perf_counter() - t0
@@ -149,8 +136,6 @@ def main() -> None:
                 flush=True,
             )
         done += chunk
-    elapsed = time.perf_counter() - t0
-    load_after = _load()
     print(
         f"\n{'contender':<16} {'params':>9} {'step ms':>8} {'val nats':>9} {'bpc':>6} "
         f"{'/unigram':>8} {'train s':>8}"
@@ -169,28 +154,16 @@ def main() -> None:
             f"{last['loss']:>9.4f} {last['bpc']:>6.3f} {last['ratio_to_unigram']:>8.3f} "
             f"{last['train_s']:>8.0f}"
         )
-    print(f"\nload before: {load_before}\nload after:  {load_after}\n({elapsed:.0f} s)")
     result = {
         "benchmark": "lm_size",
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor(),
-            "cpus": os.cpu_count(),
-            "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
-        },
-        "load_before": load_before,
-        "load_after": load_after,
-        "elapsed_s": elapsed,
+        "machine": machine(processor=platform.processor(), threads=torch.get_num_threads()),
         "config": {"batch": BATCH, "steps": steps, "eval_every": every, "order": order},
         "corpus": corpus.describe(),
         "unigram": {"val_loss": baseline, "val_entropy": entropy},
         "summary": summary,
         "runs": {r.name: r.record for r in runs},
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    bench.save(result)
 
 
 if __name__ == "__main__":

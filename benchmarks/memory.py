@@ -41,19 +41,16 @@ one after another in one process pair (the code paths, not the figures), and wri
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import os
-import time
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 from unittest import mock
 
 import torch
 import torch.nn.functional as F
+from _common import Bench
 from cross_shard import CASES, QUICK_CASES, machine, model_of
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -74,8 +71,6 @@ CONTENDERS = [
 ]
 OPTIMIZERS = ["adam", "sgd"]
 WORLDS = [2, 4]
-RESULTS = Path(__file__).resolve().parent / "results" / "memory.json"
-QUICK_RESULTS = RESULTS.parent / "quick" / RESULTS.name
 MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_ARENA_MAX": "2"}
 """Read by each process's malloc at start-up: freed tensors leave the resident set."""
 STEPS = 3
@@ -274,23 +269,12 @@ def readme_table(runs: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a smoke run: tiny model, seconds")
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="where the JSON goes (default benchmarks/results/memory.json; with --quick "
-        "benchmarks/results/quick/memory.json, never the shipped figures)",
-    )
-    parser.add_argument("--no-save", action="store_true", help="do not write the JSON")
-    args = parser.parse_args()
+    bench = Bench(__file__, __doc__, quick="a smoke run: tiny model, seconds")
+    bench.parser.add_argument("--no-save", action="store_true", help="do not write the JSON")
+    args = bench.parse()
     dims = next(iter(QUICK_CASES.values())) if args.quick else CASES["mlp5m"]
     worlds = [2] if args.quick else WORLDS
     optimizers = ["adam"] if args.quick else OPTIMIZERS
-    out = args.out or (QUICK_RESULTS if args.quick else RESULTS)
-    load_before = os.getloadavg()
-    t0 = time.perf_counter()
     runs: dict[str, Any] = {}
     with mock.patch.dict(os.environ, MALLOC):
         for world in worlds:
@@ -308,10 +292,8 @@ def main() -> None:
                 }
     result: dict[str, Any] = {
         "runs": runs,
-        "machine": {**machine(load_before, "gloo (loopback)"), "ranks": worlds},
-        "wall_s": time.perf_counter() - t0,
+        "machine": {**machine("gloo (loopback)"), "ranks": worlds},
         "settings": {"model": dims, "steps": STEPS, "malloc": MALLOC, "worlds": worlds},
-        "command": "python benchmarks/memory.py" + (" --quick" if args.quick else ""),
         "note": "per rank, the largest over the ranks; elements are float32 (4 bytes)",
     }
     for key, rows in runs.items():
@@ -319,12 +301,7 @@ def main() -> None:
         params = next(iter(rows.values()))["params"]
         print(f"\n{optimizer}, {world} ranks, {params:,} parameters (float32), per rank:")
         print("\n".join(_table(rows, params)))
-    print(f"\nload average before/after: {load_before} / {result['machine']['loadavg_after']}")
-    print(f"wall time {result['wall_s']:.0f} s")
-    if not args.no_save:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"saved {out}")
+    bench.save(result, write=not args.no_save, indent=2)
 
 
 if __name__ == "__main__":

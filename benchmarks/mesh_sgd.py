@@ -29,27 +29,21 @@ says otherwise, so it never replaces the shipped figures.
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import os
-import platform
 import random
 import statistics
 import sys
 import time
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
+from _common import Bench, machine
 
 from distoptim.dtensor import SGD
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _MOMENTUM, _LR = 0.9, 0.01
-RESULTS = Path(__file__).resolve().parent / "results" / "mesh_sgd.json"
-QUICK_RESULTS = RESULTS.parent / "quick" / RESULTS.name
 QUICK = {"tensors": 20, "elements": 20_000, "reps": 5, "dt_reps": 5, "warmup": 1, "no_jit": True}
 """The defaults ``--quick`` changes: the code paths in seconds, not the figures."""
 
@@ -281,7 +275,14 @@ def _print(title: str, res: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    bench = Bench(
+        __file__,
+        __doc__,
+        quick="a smoke run: tiny sizes, no jit",
+        quick_defaults=QUICK,
+        raw_help=True,
+    )
+    ap = bench.parser
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtypes", default="fp32", help="comma list of fp32,bf16,fp16")
     ap.add_argument("--tensors", type=int, default=200)
@@ -299,18 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--no-dtensor", action="store_true")
     ap.add_argument("--no-jit", action="store_true")
-    ap.add_argument("--quick", action="store_true", help="a smoke run: tiny sizes, no jit")
-    ap.add_argument(
-        "--out",
-        default=None,
-        help="where the JSON goes (default benchmarks/results/mesh_sgd.json; with --quick "
-        "benchmarks/results/quick/mesh_sgd.json, never the shipped figures)",
-    )
-    args = ap.parse_args(argv)
-    if args.quick:  # the quick sizes, unless given explicitly
-        ap.set_defaults(**QUICK)
-        args = ap.parse_args(argv)
-    args.out = args.out or str(QUICK_RESULTS if args.quick else RESULTS)
+    args = bench.parse(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda but torch.cuda.is_available() is False", file=sys.stderr)
@@ -320,16 +310,11 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"unknown dtype {d!r}; choose from {sorted(_DTYPES)}")
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
-    t_start = time.perf_counter()
     report: dict[str, Any] = {
-        "machine": {
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "torch": torch.__version__,
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "threads": torch.get_num_threads(),
-            "loadavg_before": os.getloadavg(),
-        },
+        "machine": machine(
+            device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            threads=torch.get_num_threads(),
+        ),
         "config": {"momentum": _MOMENTUM, "nesterov": True, "lr": _LR, **vars(args)},
         "results": {},
     }
@@ -349,14 +334,7 @@ def main(argv: list[str] | None = None) -> int:
             res = run_dtensor(args)
             report["results"]["dtensor_shard0_2ranks_fp32"] = res
             _print("DTensor Shard(0), 2 gloo ranks (per-rank local shard)", res)
-    report["machine"]["loadavg_after"] = os.getloadavg()
-    report["wall_s"] = time.perf_counter() - t_start
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2, default=str))
-    print(
-        f"\nwall {report['wall_s']:.0f} s; load avg before {report['machine']['loadavg_before']}, "
-        f"after {report['machine']['loadavg_after']}; saved {args.out}"
-    )
+    bench.save(report, indent=2)
     return 0
 
 

@@ -45,19 +45,16 @@ otherwise, so it never replaces the shipped figures.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
-import time
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 from unittest import mock
 
 import torch
 import torch.nn.functional as F
+from _common import Bench
 from cross_shard import CASES, QUICK_CASES, machine, model_of, paired, round_robin
 from memory import MALLOC, peak_rss_bytes, reset_peak, rss_bytes
 from torch import nn
@@ -78,8 +75,6 @@ METHODS = [
     "sharded_all_reduce",
     "sharded_views_all_reduce",
 ]
-RESULTS = Path(__file__).resolve().parent / "results" / "zero.json"
-QUICK_RESULTS = RESULTS.parent / "quick" / RESULTS.name
 QUICK_MEMORY = ["sharded"]
 REPEATS = 40
 """Samples per contender by default (``--repeats``)."""
@@ -208,27 +203,17 @@ def _memory(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    bench = Bench(__file__, __doc__, quick="a smoke run: tiny models, seconds")
+    parser = bench.parser
     parser.add_argument("--repeats", type=int, default=REPEATS, help="samples per contender")
-    parser.add_argument("--quick", action="store_true", help="a smoke run: tiny models, seconds")
     parser.add_argument("--foreach", action="store_true", help="Adam(foreach=True) everywhere")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory processes")
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="where the JSON goes (default benchmarks/results/zero.json; with --quick "
-        "benchmarks/results/quick/zero.json, never the shipped figures)",
-    )
     parser.add_argument("--no-save", action="store_true", help="do not write the JSON")
-    args = parser.parse_args()
+    args = bench.parse()
     repeats = 4 if args.quick else args.repeats
     cases = QUICK_CASES if args.quick else CASES
     memory_cases = dict(list(cases.items())[:1]) if args.quick else cases
     memory_methods = QUICK_MEMORY if args.quick else METHODS
-    out = args.out or (QUICK_RESULTS if args.quick else RESULTS)
-    load_before = os.getloadavg()
-    t0 = time.perf_counter()
     result: dict[str, Any] = {
         "cases": spawn(_timing, 2, args=(repeats, args.foreach, cases), timeout=1800)[0]
     }
@@ -239,15 +224,8 @@ def main() -> None:
                     m: spawn(_memory, 2, args=(m, dims, args.foreach), timeout=300)[0]
                     for m in memory_methods
                 }
-    result["machine"] = machine(load_before, "gloo (loopback)")
-    result["wall_s"] = time.perf_counter() - t0
+    result["machine"] = machine("gloo (loopback)")
     result["settings"] = {"repeats": repeats, "adam": _adam(args.foreach), "cases": cases}
-    result["command"] = (
-        "python benchmarks/zero.py"
-        + (" --quick" if args.quick else "")
-        + (f" --repeats {args.repeats}" if args.repeats != REPEATS and not args.quick else "")
-        + (" --foreach" if args.foreach else "")
-    )
     for case, c in result["cases"].items():
         print(f"\n{case}: {c['params']:,} params in {c['tensors']} tensors, Adam")
         print(
@@ -268,12 +246,7 @@ def main() -> None:
             "  pairwise exchange / all-reduce stand-in:",
             {k: round(v, 3) for k, v in c["paired_pairwise_vs_all_reduce"].items()},
         )
-    print(f"\nload average before/after: {load_before} / {result['machine']['loadavg_after']}")
-    print(f"wall time {result['wall_s']:.0f} s")
-    if not args.no_save:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"saved {out}")
+    bench.save(result, write=not args.no_save, indent=2)
 
 
 if __name__ == "__main__":

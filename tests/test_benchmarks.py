@@ -4,9 +4,11 @@ A refactor that breaks a benchmark fails here, not at the next measurement. Each
 a subprocess as a user runs it (``python benchmarks/NAME.py --quick --out FILE``, this
 checkout's ``src`` first on the path), bounded by a timeout, writing into ``tmp_path`` (never
 over the shipped ``benchmarks/results/``); the test then reads the JSON and checks the parts
-each script's figures come from, not only the exit code. Every script in ``benchmarks/`` must
-have an entry in :data:`CHECKS`. The GPU scripts' ``--quick`` runs a tiny configuration on the
-CPU where there is no CUDA device; their real runs still refuse without one.
+each script's figures come from, not only the exit code, and the ending every script shares
+(``benchmarks/_common.py``: the command line and the load before and after). Every script in
+``benchmarks/`` (but the ``_``-prefixed helpers) must have an entry in :data:`CHECKS`.
+The GPU scripts' ``--quick`` runs a tiny configuration on the CPU where there is no CUDA device;
+their real runs still refuse without one.
 """
 
 from __future__ import annotations
@@ -164,7 +166,7 @@ def _ft(r: dict[str, Any]) -> None:
 
 
 def _compare_runs(r: dict[str, Any]) -> None:
-    assert {"machine", "load_start", "load_end", "settings", "datasets"} <= r.keys()
+    assert {"machine", "settings", "datasets"} <= r.keys()
     runs = r["settings"]["runs"]
     assert runs >= 2  # a spread needs two
     for d in r["datasets"].values():
@@ -238,8 +240,23 @@ CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
 """Every benchmark script and what its quick run's JSON must hold."""
 
 
+SHARED_ENDING = sorted(set(CHECKS) - {"ft.py"})
+"""The scripts that end through ``benchmarks/_common.py``'s ``Bench.save``."""
+
+
+def _scripts() -> list[str]:
+    return sorted(p.name for p in BENCHMARKS.glob("*.py") if not p.name.startswith("_"))
+
+
 def test_every_benchmark_script_is_run_here():
-    assert sorted(p.name for p in BENCHMARKS.glob("*.py")) == sorted(CHECKS)
+    assert _scripts() == sorted(CHECKS)
+
+
+def _shared_ending(r: dict[str, Any], script: str, *argv: str) -> None:
+    assert r["command"] == " ".join(["python", f"benchmarks/{script}", *argv])
+    for key in ("load_before", "load_after"):
+        assert len(r[key]) == 3 and all(x >= 0 for x in r[key]), (key, r[key])
+    assert r["wall_s"] >= 0
 
 
 @pytest.mark.parametrize("script", sorted(CHECKS))
@@ -249,28 +266,35 @@ def test_quick_run_succeeds_and_writes_its_results(script, tmp_path):
     said = f"\n--- stdout ---\n{proc.stdout[-3000:]}\n--- stderr ---\n{proc.stderr[-3000:]}"
     assert proc.returncode == 0, said
     assert out.is_file(), said
-    CHECKS[script](json.loads(out.read_text()))
+    result = json.loads(out.read_text())
+    CHECKS[script](result)
+    if script in SHARED_ENDING:
+        _shared_ending(result, script, "--quick", "--out", str(out))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
 @pytest.mark.parametrize("script", ["gpu_cross_shard.py", "gpu_mesh_sgd.py"])
-def test_gpu_scripts_real_run_refuses_without_cuda(script, tmp_path):
+def test_gpu_scripts_real_run_refuses_without_cuda(script, tmp_path, monkeypatch, capsys):
+    """In this process (the refusal starts nothing, so a subprocess would only import torch
+    again): ``main`` returns 0, says why and writes it."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the scripts import their sibling _common
     out = tmp_path / "gpu.json"
-    proc = _run(script, "--out", str(out), cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    assert "no CUDA device" in proc.stdout
-    assert "no CUDA device" in json.loads(out.read_text())["skipped"]
+    assert importlib.import_module(script.removesuffix(".py")).main(["--out", str(out)]) == 0
+    assert "no CUDA device" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert "no CUDA device" in result["skipped"]
+    _shared_ending(result, script, "--out", str(out))
 
 
-def test_the_readme_table_is_made_of_the_shipped_runs():
+def test_the_readme_table_is_made_of_the_shipped_runs(monkeypatch):
     """Every number of the README's sample table comes from the runs recorded in
     ``benchmarks/results/compare_runs.json``: recomputed from them, it is the README's table."""
-    import importlib.util
+    import importlib
 
-    spec = importlib.util.spec_from_file_location("compare_runs", BENCHMARKS / "compare_runs.py")
-    assert spec is not None and spec.loader is not None
-    compare_runs = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(compare_runs)
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # compare_runs imports its sibling _common
+    compare_runs = importlib.import_module("compare_runs")
     doc = json.loads((BENCHMARKS / "results" / "compare_runs.json").read_text())
     readme = (ROOT / "README.md").read_text()
     for name, d in doc["datasets"].items():

@@ -1,0 +1,254 @@
+"""A worker's side of a p2p connection: the open channel and its requests in flight.
+
+Owns: ``_Channel`` (a worker's connection to one shard incarnation), ``_P2PPending`` (a request
+whose reply is awaited) and ``_P2PStream`` (a commit streamed chunk by chunk), and telling a
+peer process that is gone from one that is slow. The protocol is in
+:mod:`distoptim.agn.transport.p2p`'s docstring.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from distoptim.agn.flat import Chunk
+from distoptim.agn.transport import framing
+from distoptim.agn.transport.base import (
+    VERDICTS,
+    ParameterServerError,
+    Pending,
+    ShardLostError,
+    Stream,
+)
+from distoptim.agn.transport.messages import (
+    Reply,
+    Request,
+)
+from distoptim.agn.transport.pair import _Pipe, _seconds, _seg_views, _views, _wait_all
+from distoptim.agn.transport.shm import PROGRESS_SUPPORTED
+
+if TYPE_CHECKING:
+    from distoptim.agn.transport.p2p import P2PTransport
+
+
+def _process_gone(pid: int, host: str) -> bool:
+    """Whether process ``pid`` on ``host`` is known to have ended (False when unknown)."""
+    if host != socket.gethostname() or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:  # a zombie (dead, not yet reaped) is gone too
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@dataclass
+class _Channel:
+    """A worker's connection to one shard (one request at a time)."""
+
+    shard: int
+    incarnation: int
+    pipe: _Pipe
+    lock: threading.Lock
+    number: int = 0  # the connection number k (store keys shard/<s>/<inc>/.../<k>)
+    pid: int = 0  # the shard's process (from Welcome)
+    host: str = ""
+    chunk_bytes: int = 0  # the shard's chunk plan (from Welcome; 0: no streaming)
+    broken: bool = False
+    shm_refused: bool = False  # the shard could not map a segment (another machine)
+
+    def probe(self) -> None:
+        """Raise if the shard's process is known to have ended."""
+        if _process_gone(self.pid, self.host):
+            raise ShardLostError(self.shard, f"parameter server {self.shard}'s process ended")
+
+
+class _P2PPending(Pending):
+    def __init__(
+        self,
+        transport: P2PTransport,
+        channel: _Channel,
+        works: list[Any],
+        into: dict[str, torch.Tensor] | None,
+        timeout: float,
+        what: str,
+    ) -> None:
+        self._t = transport
+        self._ch = channel
+        self._works = works
+        self._into = into
+        self._timeout = timeout
+        self._what = what
+        self._started = time.monotonic()
+        self._done = False
+
+    def wait(self) -> Reply:
+        if self._done:
+            raise RuntimeError("a pending request can be waited once")
+        self._done = True
+        ch = self._ch
+        deadline = self._started + self._timeout
+        try:
+            _wait_all(self._works, deadline)
+            return ch.pipe.recv(deadline, into=self._into)[0]
+        except Exception as exc:
+            ch.broken = True
+            raise self._t._lost(ch, self._what, exc, time.monotonic() - self._started) from exc
+        finally:
+            ch.lock.release()
+
+    def release(self) -> None:
+        with self._ch.lock:
+            self._ch.pipe.release()
+
+
+class _P2PStream(Stream):
+    """A worker's streamed commit on one connection (see the module docstring); holds the
+    connection's lock from its start until :meth:`wait` or :meth:`abandon` returns."""
+
+    def __init__(
+        self,
+        transport: P2PTransport,
+        ch: _Channel,
+        request: Request,
+        chunks: list[Chunk],
+        into: dict[str, torch.Tensor] | None,
+        timeout: float,
+    ) -> None:
+        self._t = transport
+        self._ch = ch
+        self._started = time.monotonic()
+        self._timeout = timeout
+        self._deadline = self._started + timeout
+        self._what = type(request).__name__
+        pipe = ch.pipe
+        flats: dict[str, torch.Tensor] = request.flats  # type: ignore[attr-defined]
+        self._ranges = [(c.key, c.start, c.stop) for c in chunks]
+        self._n = len(chunks)
+        self._payload = _views(flats, self._ranges)
+        self._next_ready = self._next_arrived = 0
+        self._finished = False
+        self._closed = False
+        self._sends: list[Any] = []
+        specs = [framing.BufferSpec(k, t.dtype, t.numel()) for k, t in flats.items()]
+        offsets = pipe.place(flats) if PROGRESS_SUPPORTED else None
+        self._seg = pipe.segment if offsets is not None else None
+        if self._seg is not None:
+            seg = self._seg
+            region = _seg_views(seg, specs, False)
+            self._copy = [  # payload chunks that are not in the segment yet: copied when ready
+                None if seg.offset_of(flats[k]) is not None else region[k][a:b]
+                for k, a, b in self._ranges
+            ]
+            self.reply_flats = _seg_views(seg, specs, True)
+            self._reply_base = seg.reply_progress.value
+            info = framing.StreamInfo(ch.chunk_bytes, pipe.announced)
+            self._recvs: list[Any] = []
+        else:
+            self._copy = [None] * self._n
+            self.reply_flats = {s.key: pipe._buffer(s, into, None) for s in specs}
+            info = framing.StreamInfo(ch.chunk_bytes)
+        self._sends += pipe.send(request, info, copy=False)[0]
+        if self._seg is None:
+            self._recvs = [
+                pipe.pg.recv([v], pipe.peer, 1 + k)
+                for k, v in enumerate(_views(self.reply_flats, self._ranges))
+            ]
+
+    def _fail(self, exc: BaseException) -> ParameterServerError:
+        self._ch.broken = True
+        self._release()
+        return self._t._lost(self._ch, self._what, exc, time.monotonic() - self._started)
+
+    def _release(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._ch.lock.release()
+
+    def ready(self, chunk: int) -> None:
+        if chunk != self._next_ready or self._closed:
+            raise RuntimeError(f"payload chunk {chunk} made ready out of order")
+        pipe = self._ch.pipe
+        try:
+            if self._seg is not None:
+                dst = self._copy[chunk]
+                if dst is not None:
+                    dst.copy_(self._payload[chunk])
+                pipe.announced += 1
+                self._seg.request_progress.publish(pipe.announced)
+            else:
+                self._sends.append(pipe.pg.send([self._payload[chunk]], pipe.peer, 1 + chunk))
+        except Exception as exc:
+            raise self._fail(exc) from exc
+        self._next_ready += 1
+
+    def finish(self, verdict: str) -> None:
+        if verdict not in VERDICTS or self._next_ready != self._n or self._finished:
+            raise RuntimeError(f"finish({verdict!r}) after {self._next_ready}/{self._n} chunks")
+        pipe = self._ch.pipe
+        code = framing.VERDICT_CODES[verdict]
+        try:
+            if self._seg is not None:
+                self._seg.verdict.value = code
+                pipe.announced += 1
+                self._seg.request_progress.publish(pipe.announced)
+            else:
+                word = torch.tensor([code], dtype=torch.int64)
+                self._sends.append(pipe.pg.send([word], pipe.peer, 1 + self._n))
+        except Exception as exc:
+            raise self._fail(exc) from exc
+        self._finished = True
+
+    def arrived(self, chunk: int) -> None:
+        try:
+            while self._next_arrived <= chunk:
+                k = self._next_arrived
+                if self._seg is not None:
+                    self._seg.reply_progress.wait(
+                        self._reply_base + k + 1, self._deadline, self._ch.probe
+                    )
+                else:
+                    self._recvs[k].wait(_seconds(self._deadline))
+                self._next_arrived += 1
+        except Exception as exc:
+            raise self._fail(exc) from exc
+
+    def wait(self) -> Reply:
+        if self._closed:
+            raise RuntimeError("a stream can be waited once")
+        if not self._finished:
+            raise RuntimeError("finish() a stream before waiting for its reply")
+        self.arrived(self._n - 1)
+        try:
+            _wait_all(self._sends, self._deadline)
+            reply = self._ch.pipe.recv(self._deadline, into=self.reply_flats)[0]
+        except Exception as exc:
+            raise self._fail(exc) from exc
+        self._release()
+        return reply
+
+    def abandon(self) -> None:
+        if self._closed:
+            return
+        try:
+            while self._next_ready < self._n:
+                self.ready(self._next_ready)
+            if not self._finished:
+                self.finish("abort")
+            self.wait()
+        except Exception:
+            self._ch.broken = True
+        finally:
+            self._release()
