@@ -66,10 +66,13 @@ def _shares_a_module_fixture(item: pytest.Item) -> bool:
     return False
 
 
-@pytest.hookimpl(trylast=True)  # after the groups a conftest below gives (the multi-host one)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Put the tests of a module that share a module-scoped fixture in one xdist group (named by
-    the module) unless they already have one (the multi-host tests: one group of their own)."""
+    the module) unless they already have one (the multi-host tests: one group of their own).
+
+    A plain hook on purpose: pluggy calls the conftests registered later first (the multi-host
+    conftest's groups are there already) and xdist's own hook, which turns the marks into the
+    groups, after them; ``trylast`` would run this after xdist's and group nothing."""
     for item in items:
         if item.get_closest_marker("xdist_group") is None and _shares_a_module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
