@@ -66,16 +66,16 @@ def _shares_a_module_fixture(item: pytest.Item) -> bool:
     return False
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_itemcollected(item: pytest.Item) -> None:
     """Put the tests of a module that share a module-scoped fixture in one xdist group (named by
-    the module) unless they already have one (the multi-host tests: one group of their own).
+    the module); the multi-host tests are left to their conftest (one group of their own).
 
-    A plain hook on purpose: pluggy calls the conftests registered later first (the multi-host
-    conftest's groups are there already) and xdist's own hook, which turns the marks into the
-    groups, after them; ``trylast`` would run this after xdist's and group nothing."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None and _shares_a_module_fixture(item):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+    At collection of each item, not in ``pytest_collection_modifyitems``: xdist turns the marks
+    into groups in its own ``pytest_collection_modifyitems``, which may run before a conftest's."""
+    if "tests/multihost/" in item.nodeid or item.get_closest_marker("xdist_group") is not None:
+        return
+    if _shares_a_module_fixture(item):
+        item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
 
 
 def _metered_phase(item: pytest.Item) -> Iterator[None]:
