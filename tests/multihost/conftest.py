@@ -19,13 +19,14 @@ from tests.multihost.harness import Hosts, leftovers, namespaces_unavailable, sw
 HOSTS = 8
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_itemcollected(item: pytest.Item) -> None:
     """Under pytest-xdist every multi-host test runs on one worker: the hosts are made once per
-    session of a worker, and two workers' sweeps would delete each other's namespaces."""
+    session of a worker, and two workers' sweeps would delete each other's namespaces. (Marked as
+    each item is collected: xdist reads the marks in its own ``pytest_collection_modifyitems``,
+    which can run before a conftest's.)"""
     here = str(__file__).rsplit("/", 1)[0]
-    for item in items:
-        if str(item.path).startswith(here):
-            item.add_marker(pytest.mark.xdist_group("multihost"))
+    if str(item.path).startswith(here):
+        item.add_marker(pytest.mark.xdist_group("multihost"))
 
 
 @pytest.fixture(scope="session")
