@@ -23,22 +23,17 @@ Writes ``benchmarks/results/groups.json`` (``results/quick/groups.json`` with ``
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from _common import Bench
 from torch import nn
 
 from distoptim.launch import spawn
 from distoptim.outer import DiLoCo
 from distoptim.outer.groups import local_view
 
-RESULTS = Path(__file__).resolve().parent / "results" / "groups.json"
-QUICK_RESULTS = RESULTS.parent / "quick" / RESULTS.name
 GROUPS = 2
 H = 2
 WIRES = ("fp32", "int8")
@@ -101,14 +96,11 @@ def _measure(rank: int, world: int, width: int, base: bool) -> dict[Any, dict[st
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="k = 1, 2 and a tiny model")
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
+    bench = Bench(__file__, __doc__, quick="k = 1, 2 and a tiny model")
+    args = bench.parse()
     ks = [2] if args.quick else [2, 4]
     width = 64 if args.quick else 736  # 736: 2 x (736^2 + 736) ≈ 1.08 M parameters
-    load = os.getloadavg()
-    runs: dict[str, Any] = {"load_before": load, "width": width, "rows": []}
+    runs: dict[str, Any] = {"width": width, "rows": []}
     measured: dict[Any, list[dict[str, int]]] = {}
     for k in ks:  # one spawn per world size; k = 1 inside the first
         outs = spawn(_measure, GROUPS * k, args=(width, k == ks[0]), timeout=900)
@@ -139,15 +131,7 @@ def main() -> None:
                 f"bytes per sync {mine['bytes_per_sync']:>9,} = {row['bytes_ratio']:.3f}x",
                 flush=True,
             )
-    runs["load_after"] = os.getloadavg()
-    runs["command"] = " ".join(
-        ["python benchmarks/groups.py", *(["--quick"] if args.quick else [])]
-    )
-    print(f"load average before {load}, after {runs['load_after']}")
-    out = args.out or (QUICK_RESULTS if args.quick else RESULTS)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(runs, indent=1))
-    print(f"wrote {out}")
+    bench.save(runs)
 
 
 if __name__ == "__main__":
