@@ -20,13 +20,12 @@ limitation), which is not what these cases test.
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from typing import Any
 
 import pytest
 
 from distoptim.ft import inject
-from distoptim.ft.local import Controls, ReplicaRun, run_replicas
+from distoptim.ft.local import Controls, run_replicas
 from tests.ft import workloads
 
 RUN_TIMEOUT = 600  # a bound on a hung case (a case takes 1-4 min on 2 loaded cores)
@@ -101,16 +100,6 @@ class _Injected:
             self.ended = True
 
 
-def _commits_agree(run: ReplicaRun, key: str) -> dict[int, set[int]]:
-    by: dict[int, set[int]] = defaultdict(set)
-    for e in run.events:
-        if e["kind"] == "commit":
-            by[e[key]].add(e["state"])
-    bad = {k: v for k, v in by.items() if len(v) > 1}
-    assert not bad, f"replicas committed different states at {sorted(bad)[:5]}"
-    return by
-
-
 TIMES: dict[str, float] = {}
 
 
@@ -139,7 +128,7 @@ def _case(
     assert len({v["step"] for v in finals}) == 1
     if key == "syncs":
         assert len({v["model"] for v in finals}) == 1  # after finish(): the model too
-    _commits_agree(run, key)
+    workloads.commits_agree(run, key)
     return scenario.injected
 
 
@@ -267,7 +256,7 @@ def _odd_case(name: str, odd: dict, faults: dict, slot: int, last: int) -> list[
     assert all("refused" not in v for v in good), good
     assert len({v["state"] for v in good}) == 1 and len({v["model"] for v in good}) == 1
     assert all(v["contributed"] > 0 for v in good)
-    _commits_agree(run, "syncs")
+    workloads.commits_agree(run, "syncs")
     returned = [e["inc"] for e in run.events if e["kind"] == "returned" and e["slot"] == slot]
     assert returned and returned[-1] == last, returned
     return run.values

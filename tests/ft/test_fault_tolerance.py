@@ -11,7 +11,6 @@ and that at every commit the replicas that committed hold bitwise-equal synchron
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from typing import Any
 
 import pytest
@@ -29,17 +28,6 @@ pytestmark = pytest.mark.slow
 RUN_TIMEOUT = 420  # seconds: a bound on a hung scenario; they take well under a minute
 FAR = 96  # steps between a scenario's "stop at" and where the replicas are when it says so
 # (the scenario reads their logs a little behind; every replica must still be short of it)
-
-
-def _commits_agree(run: ReplicaRun, key: str) -> dict[int, set[int]]:
-    """Per commit (by ``key``), the states the replicas that committed it logged."""
-    by: dict[int, set[int]] = defaultdict(set)
-    for e in run.events:
-        if e["kind"] == "commit":
-            by[e[key]].add(e["state"])
-    bad = {k: v for k, v in by.items() if len(v) > 1}
-    assert not bad, f"replicas committed different states at {sorted(bad)[:5]}"
-    return by
 
 
 def _joined(run: ReplicaRun, slot: int) -> bool:
@@ -82,7 +70,7 @@ def test_cross_shard_survives_a_kill_and_a_stop_and_heals_bit_for_bit():
     assert all(v is not None and "refused" not in v for v in finals), finals
     assert len({v["state"] for v in finals}) == 1  # one model at the end, bit for bit
     assert len({v["step"] for v in finals}) == 1
-    by_step = _commits_agree(run, "step")
+    by_step = workloads.commits_agree(run, "step")
     assert len(by_step) >= finals[0]["step"] - 1
     assert _joined(run, 1)
     assert finals[1]["heals"] >= 1  # the restarted replica took a peer's state
@@ -151,7 +139,7 @@ def test_streaming_diloco_int8_survives_a_donor_killed_mid_heal():
     assert all(v is not None for v in finals), finals
     assert len({v["state"] for v in finals}) == 1  # the global copy, bit for bit
     assert len({v["model"] for v in finals}) == 1  # after finish(): the model too
-    _commits_agree(run, "syncs")
+    workloads.commits_agree(run, "syncs")
     assert _joined(run, 1) and _joined(run, scenario.donor)
     assert finals[1]["heals"] >= 1
 
@@ -193,7 +181,7 @@ def test_diloco_and_local_sgd_survive_kills_mid_sync(workload):
     assert len({v["state"] for v in finals}) == 1  # the global copy, bit for bit
     assert len({v["model"] for v in finals}) == 1  # after finish(): the model too
     assert len({v["step"] for v in finals}) == 1
-    _commits_agree(run, "syncs")
+    workloads.commits_agree(run, "syncs")
     assert _joined(run, 2) and _joined(run, 0)
     assert finals[2]["heals"] >= 1 and finals[0]["heals"] >= 1
     kills = [a.slot for a in run.chaos if a.action == "kill"]
@@ -214,7 +202,7 @@ def test_a_replica_with_another_model_is_refused_by_name_and_the_others_go_on():
     assert "refused" in odd and "ParameterMismatchError" in odd["refused"], odd
     assert "member" in odd["refused"] and "parameter list" in odd["refused"]
     assert all(v["step"] == 10 + FAR for v in good) and good[0]["state"] == good[1]["state"]
-    _commits_agree(run, "step")
+    workloads.commits_agree(run, "step")
 
 
 # ---- one process: the errors a user meets first ---------------------------------------------

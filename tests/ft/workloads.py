@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import os
 import signal
+from collections import defaultdict
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from distoptim.comm.checksum import state_checksum
 from distoptim.comm.guard import ParameterMismatchError
 from distoptim.ft import inject
 from distoptim.ft.data import SlotShards
-from distoptim.ft.local import ReplicaContext
+from distoptim.ft.local import ReplicaContext, ReplicaRun
 from distoptim.ft.replica import make_manager
 
 MAX_STEPS = 20_000  # a bound, in case a scenario never says where to stop
@@ -267,3 +268,14 @@ def odd_outer(
 ) -> dict[str, Any] | None:
     """The DiLoCo family where the slots in ``odd`` differ from the others (see ``_outer``)."""
     return _outer(ctx, kind, wire, faults, odd)
+
+
+def commits_agree(run: ReplicaRun, key: str) -> dict[int, set[int]]:
+    """Per commit (by ``key``), the states the replicas that committed it logged."""
+    by: dict[int, set[int]] = defaultdict(set)
+    for e in run.events:
+        if e["kind"] == "commit":
+            by[e[key]].add(e["state"])
+    bad = {k: v for k, v in by.items() if len(v) > 1}
+    assert not bad, f"replicas committed different states at {sorted(bad)[:5]}"
+    return by
