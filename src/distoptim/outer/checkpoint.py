@@ -9,6 +9,9 @@ slots of the right shapes), and the rank of the replica that wrote it (a replica
 loads on that replica only); and the warning a checkpoint taken between syncs gets
 (:func:`warn_between_syncs`). What the entries mean and how they are loaded is
 :mod:`distoptim.outer.diloco`'s.
+
+Also the header check of the other format, the DCP checkpoint that reshards to another group
+size (:func:`check_sharded_header`; the format is :mod:`distoptim.outer.sharded_state`'s).
 """
 
 from __future__ import annotations
@@ -26,11 +29,15 @@ from distoptim.outer.fragments import FragmentSchedule
 from distoptim.protocol import check_inner_state_dict
 
 __all__ = [
+    "LAYOUT_KEYS",
     "NEWER_KEYS",
+    "SHARDED_FORMAT",
     "ExchangeLayout",
     "WRAPPER_KEYS",
+    "check_sharded_header",
     "check_tensors",
     "check_wrapper_state",
+    "layout_free",
     "warn_between_syncs",
 ]
 
@@ -217,3 +224,99 @@ def warn_between_syncs(owner: str, stacklevel: int) -> None:
         UserWarning,
         stacklevel=stacklevel,
     )
+
+
+SHARDED_FORMAT = "distoptim.DiLoCo/dcp-1"
+"""The format tag of a DCP checkpoint of the outer family (:mod:`distoptim.outer.sharded_state`)."""
+LAYOUT_KEYS = ("group_layout",)
+"""Configuration keys that say how a replica group is laid out: a DCP checkpoint reshards
+across them (another number of processes per group), so they are not compared."""
+
+
+def layout_free(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` without the keys a DCP checkpoint reshards across (:data:`LAYOUT_KEYS`)."""
+    return {k: v for k, v in config.items() if k not in LAYOUT_KEYS}
+
+
+def check_sharded_header(
+    header: Any,
+    *,
+    owner: str,
+    config: dict[str, Any],
+    shapes: Sequence[tuple[int, ...]],
+    dtypes: Sequence[torch.dtype],
+    residuals: Sequence[str],
+    schedule: FragmentSchedule,
+) -> dict[str, Any]:
+    """The header of a DCP checkpoint (``(SHARDED_FORMAT, fields)``), checked against this
+    optimizer: the format, the configuration but for the group's layout (the same options and
+    number of replica groups), every parameter's global shape and dtype, the residuals kept,
+    the counters, and nothing in flight at its step. Returns the fields; raises ``ValueError``
+    naming the first difference; changes nothing."""
+    if not (isinstance(header, tuple) and len(header) == 2 and header[0] == SHARDED_FORMAT):
+        raise ValueError(
+            f"not a {owner} DCP checkpoint: its header is {str(header)[:80]!r}, not "
+            f"({SHARDED_FORMAT!r}, ...)"
+        )
+    fields = header[1]
+    want = {"config", "iterations", "syncs", "synced_at", "closed_at", "shapes", "dtypes",
+            "residuals", "inner_groups", "outer_groups"}  # fmt: skip
+    if not isinstance(fields, dict) or set(fields) != want:
+        got = sorted(fields) if isinstance(fields, dict) else type_name(fields)
+        raise ValueError(f"{owner} DCP checkpoint: its header holds {got}, not {sorted(want)}")
+    mine, saved = layout_free(config), fields["config"]
+    if not isinstance(saved, dict) or saved != mine:
+        diff = (
+            sorted(k for k in {*mine, *saved} if mine.get(k) != saved.get(k))
+            if isinstance(saved, dict)
+            else "not a dict"
+        )
+        raise ValueError(
+            f"{owner} DCP checkpoint of another configuration (differs in {diff}): checkpoint "
+            f"{saved!r}, this optimizer {mine!r} (only the processes per replica group may "
+            "differ: the number of replica groups must be the same)"
+        )
+    got_shapes = [tuple(s) for s in fields["shapes"]]
+    if got_shapes != [tuple(s) for s in shapes]:
+        wrong = [
+            f"parameter {i}: saved {s}, here {tuple(m)}"
+            for i, (s, m) in enumerate(zip(got_shapes, shapes))
+            if s != tuple(m)
+        ]
+        raise ValueError(
+            f"{owner} DCP checkpoint: its parameters' global shapes are not this optimizer's "
+            f"({len(got_shapes)} saved, {len(shapes)} here): "
+            f"{'; '.join(wrong[:4]) or 'the counts differ'} -- a checkpoint of another model?"
+        )
+    if list(fields["dtypes"]) != [str(d) for d in dtypes]:
+        raise ValueError(
+            f"{owner} DCP checkpoint: its parameters' dtypes {list(fields['dtypes'])} are not "
+            f"this optimizer's {[str(d) for d in dtypes]}"
+        )
+    if list(fields["residuals"]) != list(residuals):
+        raise ValueError(
+            f"{owner} DCP checkpoint keeps the residuals {list(fields['residuals'])}, this "
+            f"optimizer {list(residuals)}"
+        )
+    step, closed_at = fields["iterations"], fields["closed_at"]
+    counters = {"iterations": 0, "syncs": 0, "closed_at": -1}
+    for key, low in counters.items():
+        if not _is_int(fields[key]) or fields[key] < low:
+            raise ValueError(f"{owner} DCP checkpoint: {key} must be an int >= {low}")
+    synced_at = fields["synced_at"]
+    if (
+        not isinstance(synced_at, list)
+        or len(synced_at) != len(schedule)
+        or not all(_is_int(s) and s >= -1 for s in synced_at)
+    ):
+        raise ValueError(
+            f"{owner} DCP checkpoint: synced_at must be a list of {len(schedule)} ints >= -1, "
+            f"got {synced_at!r}"
+        )
+    expected = schedule.in_flight_after(step)
+    if expected is not None and expected[1] > closed_at:
+        raise ValueError(
+            f"{owner} DCP checkpoint at step {step}: the schedule has fragment "
+            f"{expected[0].index} in flight there, which this format does not hold"
+        )
+    return fields

@@ -72,6 +72,7 @@ from distoptim.outer.facts import DiLoCoFacts, GlobalParameters
 from distoptim.outer.fragments import Fragment, FragmentSchedule
 from distoptim.outer.groups import combine_checksums, like_param, local_view, within_group
 from distoptim.outer.managed import ManagedDiLoCo, ManagedSyncs
+from distoptim.outer.sharded_state import DiLoCoShardedState
 from distoptim.outer.state import DiLoCoState, PendingSync
 from distoptim.protocol import WrappedOptimizer, swapped_grads
 
@@ -80,7 +81,7 @@ __all__ = ["DiLoCo", "GlobalParameters"]
 _MIB = 1 << 20
 
 
-class DiLoCo(ManagedDiLoCo, DiLoCoFacts, DiLoCoState, WrappedOptimizer):
+class DiLoCo(ManagedDiLoCo, DiLoCoFacts, DiLoCoState, DiLoCoShardedState, WrappedOptimizer):
     """DiLoCo / Streaming DiLoCo over any inner and outer ``torch.optim.Optimizer``.
 
     Args:

@@ -1,0 +1,278 @@
+"""DCP checkpoints of DiLoCo's DTensor state, resharded to another number of processes per group.
+
+One 4-rank spawn (gloo, CPU). For the ``fp32`` and ``int8`` wires: 2 replica groups x 2
+processes with FSDP2 (``Shard(0)``, uneven pieces) train ``SAVE_AT`` steps -- between two syncs,
+so the groups' parameters and inner momenta differ, after a sync, so there are outer momenta and
+int8 residuals -- and ``save_sharded``; then go on uninterrupted. Fresh optimizers load the
+checkpoint into (B) the same layout on all four ranks and (C) 2 groups x 1 process, twice over:
+ranks 0 and 1 with FSDP2 on one-process meshes, ranks 2 and 3 with plain tensors (each pair with
+its own DCP process group). The parent checks every rank: what each loaded run exposes (global
+copy, outer state, each group's parameters, inner state and residuals, gathered whole) is what
+was saved, bitwise; and training goes on exactly as the uninterrupted run.
+
+The runs of different layouts can be compared bitwise because the second process of each 2-process
+group contributes a zero gradient (its loss times 0) and the first twice its own (times 2): FSDP2's
+mean of the two, ``(2·g + 0) / 2``, is then exactly ``g`` (scaling by a power of two is exact), what
+one process computes on the same batch; and the fp32 mean of two groups, the outer SGD and the inner
+SGD are elementwise. The int8 wire is not (its scales are per chunk of a bucket of local pieces,
+which another layout cuts differently), so after resharding its two one-process variants are
+compared with each other; its residuals are compared as saved. Refusals, before anything changes, on
+every rank: another wire, other parameter shapes, another number of replica groups, no checkpoint
+there, and a checkpoint asked for with a sync in flight.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from distoptim import CheckpointError, DiLoCo
+from distoptim.launch import spawn
+
+pytestmark = pytest.mark.slow  # one 4-rank spawn
+
+H, SAVE_AT, MORE = 2, 3, 4  # a sync every 2 steps; saved after step 3, then 4 more and finish()
+ROWS = 8
+WIRES = ["fp32", "int8"]
+
+
+def _model(hidden: int = 10) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, hidden), nn.Tanh(), nn.Linear(hidden, 5))
+
+
+def _fsdp(mesh: Any, hidden: int = 10) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    model = _model(hidden)
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _optimizer(model: nn.Module, wire: str, group: Any, **kw: Any) -> DiLoCo:
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    return DiLoCo(inner, outer, H, wire=wire, group=group, **kw)
+
+
+def _steps(model: nn.Module, opt: DiLoCo, group: int, first: int, count: int, w: float) -> None:
+    for t in range(first, first + count):
+        g = torch.Generator().manual_seed(1000 * group + t)
+        x, y = torch.randn(ROWS, 6, generator=g), torch.randn(ROWS, 5, generator=g)
+        opt.zero_grad()
+        (w * F.mse_loss(model(x), y)).backward()
+        opt.step()
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered over its mesh (a collective), a plain tensor as it is."""
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def _record(opt: DiLoCo) -> dict[str, torch.Tensor]:
+    """Every tensor of ``sharded_state_dict()``, gathered whole, by its DCP key."""
+    out: dict[str, torch.Tensor] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}{k}.", v)
+        elif isinstance(value, torch.Tensor):
+            out[prefix[:-1]] = _whole(value)
+
+    sd = opt.sharded_state_dict()
+    sd.pop("distoptim")
+    walk("", sd)
+    return out
+
+
+def _full(model: nn.Module) -> torch.Tensor:
+    return torch.cat([_whole(p).reshape(-1) for p in model.parameters()])
+
+
+def _refused(fn: Any) -> str:
+    try:
+        fn()
+    except CheckpointError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "not refused"
+
+
+def _bundle(rank: int, world: int, root: str) -> dict[str, Any]:
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    singles = [dist.new_group([r]) for r in range(world)]  # every rank makes every group
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    group, w = rank // 2, 2.0 if rank % 2 == 0 else 0.0  # (2·g + 0) / 2 = g: see the module
+    out: dict[str, Any] = {}
+    for wire in WIRES:
+        path = os.path.join(root, wire)
+        model = _fsdp(mesh["shard"])  # A: 2 groups x 2, uninterrupted
+        opt = _optimizer(model, wire, mesh)
+        _steps(model, opt, group, 0, SAVE_AT, w)
+        out[f"{wire}/saved"] = _record(opt)
+        opt.save_sharded(path)
+        _steps(model, opt, group, SAVE_AT, MORE, w)
+        opt.finish()
+        out[f"{wire}/A"] = _full(model)
+
+        model = _fsdp(mesh["shard"])  # B: the same layout, loaded
+        opt = _optimizer(model, wire, mesh)
+        opt.load_sharded(path)
+        out[f"{wire}/B/loaded"], out[f"{wire}/B/step"] = _record(opt), opt.iterations
+        _steps(model, opt, group, SAVE_AT, MORE, w)
+        opt.finish()
+        out[f"{wire}/B"] = _full(model)
+
+        pair = pairs[rank // 2]  # C: 2 groups x 1 (FSDP2 on ranks 0, 1; plain on 2, 3)
+        one = DeviceMesh.from_group(singles[rank], "cpu", mesh_dim_names=("shard",))
+        model = _fsdp(one) if rank < 2 else _model()
+        opt = _optimizer(model, wire, pair)
+        opt.load_sharded(path, process_group=pair)
+        out[f"{wire}/C/loaded"], out[f"{wire}/C/step"] = _record(opt), opt.iterations
+        _steps(model, opt, rank % 2, SAVE_AT, MORE, 1.0)
+        opt.finish()
+        out[f"{wire}/C"] = _full(model)
+
+    fp32 = os.path.join(root, "fp32")
+    model = _fsdp(mesh["shard"])
+    opt = _optimizer(model, "int8", mesh)
+    _steps(model, opt, group, 0, H, w)  # some state, which a refusal must leave as it is
+    before = (_record(opt), opt.iterations)
+    out["refused/wire"] = _refused(lambda: opt.load_sharded(fp32))
+    out["refused/unchanged"] = (before, (_record(opt), opt.iterations))
+    other = _fsdp(mesh["shard"], hidden=8)
+    out["refused/shapes"] = _refused(lambda: _optimizer(other, "fp32", mesh).load_sharded(fp32))
+    plain = _model()  # 4 groups of one process
+    out["refused/groups"] = _refused(lambda: _optimizer(plain, "fp32", None).load_sharded(fp32))
+    nowhere = os.path.join(root, "nothing")
+    out["refused/missing"] = _refused(lambda: opt.load_sharded(nowhere))
+    model = _fsdp(mesh["shard"])
+    opt = _optimizer(model, "fp32", mesh, fragment_sync_delay=1)
+    _steps(model, opt, group, 0, H, w)  # the sync launched after step 2 is in flight
+    try:
+        opt.sharded_state_dict()
+        out["refused/in_flight"] = "not refused"
+    except ValueError as exc:
+        out["refused/in_flight"] = str(exc)
+    opt.finish()
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    root = str(tmp_path_factory.mktemp("group_checkpoint"))
+    return spawn(_bundle, 4, (root,), timeout=300)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
+
+
+def _same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    """The keys of ``a`` whose tensors differ in ``b`` (or are missing there)."""
+    return [k for k in a if k not in b or not _same(a[k], b[k])]
+
+
+def _union(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The two-phase residual of every parameter from the cross-group ranks' parts (each zero
+    outside what it averaged), by parameter index."""
+    out: dict[str, torch.Tensor] = {}
+    for part in parts:
+        for k, v in part.items():
+            if k.startswith("shard_residual."):
+                i = k.rsplit(".", 1)[1]
+                out[i] = torch.where(
+                    (v != 0) | torch.signbit(v), v, out.get(i, torch.zeros_like(v))
+                )
+    return out
+
+
+def _replica_keys(state: dict[str, torch.Tensor], g: int) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in state.items() if not k.startswith(("shard_residual.", "replica."))
+            or k.startswith(f"replica.{g}.")}  # fmt: skip
+
+
+@pytest.mark.parametrize("wire", WIRES)
+def test_a_reload_in_the_same_layout_is_the_uninterrupted_run(runs, wire):
+    for rank, run in enumerate(runs):
+        saved = run[f"{wire}/saved"]
+        assert run[f"{wire}/B/step"] == SAVE_AT
+        assert sorted(run[f"{wire}/B/loaded"]) == sorted(saved), rank
+        assert _same_state(saved, run[f"{wire}/B/loaded"]) == [], rank
+        assert _same(run[f"{wire}/B"], run[f"{wire}/A"]), rank
+    initial = torch.cat([p.detach().reshape(-1) for p in _model().parameters()])
+    assert not _same(runs[0][f"{wire}/A"], initial)  # training moved the model
+
+
+@pytest.mark.parametrize("wire", WIRES)
+def test_groups_of_one_process_load_the_state_two_processes_saved(runs, wire):
+    saved = {g: runs[2 * g][f"{wire}/saved"] for g in (0, 1)}  # group g: ranks 2g, 2g+1
+    assert _same_state(runs[1][f"{wire}/saved"], saved[0]) == []  # a group's processes agree
+    assert _same_state(runs[3][f"{wire}/saved"], saved[1]) == []
+    for rank, run in enumerate(runs):
+        g, loaded = rank % 2, run[f"{wire}/C/loaded"]
+        assert run[f"{wire}/C/step"] == SAVE_AT
+        mine = _replica_keys(saved[g], g)
+        assert _same_state(mine, loaded) == [], (rank, wire)
+    for first in (0, 2):  # the two-phase residuals, wherever each element now lies
+        want = _union([saved[0], saved[1]])
+        got = _union([runs[first][f"{wire}/C/loaded"], runs[first + 1][f"{wire}/C/loaded"]])
+        assert sorted(got) == sorted(want)
+        assert all(_same(want[i], got[i]) for i in want), first
+    if wire == "int8":  # the residuals are not all zero: the comparisons above can fail
+        assert any(v.abs().sum() > 0 for k, v in saved[0].items() if "residual" in k)
+        assert _union([saved[0], saved[1]])
+    # between syncs the groups differ (so each group's entries are its own)
+    assert not _same(saved[0]["replica.0.params.0"], saved[1]["replica.1.params.0"])
+
+
+def test_fp32_training_goes_on_after_resharding_as_the_uninterrupted_run(runs):
+    for rank, run in enumerate(runs):
+        assert _same(run["fp32/C"], runs[0]["fp32/A"]), rank
+
+
+def test_int8_training_goes_on_alike_in_both_one_process_layouts(runs):
+    for rank, run in enumerate(runs):  # FSDP2 on one process (0, 1) and plain tensors (2, 3)
+        assert _same(run["int8/C"], runs[0]["int8/C"]), rank
+        assert _same(run["int8/A"], runs[0]["int8/A"]), rank
+
+
+@pytest.mark.parametrize(
+    "case, says",
+    [
+        ("wire", "CheckpointMismatchError: DiLoCo DCP checkpoint of another configuration "
+                 "(differs in ['wire'])"),
+        ("shapes", "CheckpointMismatchError: DiLoCo DCP checkpoint: its parameters' global shapes"),
+        ("groups", "(differs in ['num_replicas'])"),
+        ("missing", "CheckpointError: could not load"),
+    ],
+)  # fmt: skip
+def test_a_checkpoint_that_does_not_fit_is_refused_on_every_rank(runs, case, says):
+    for rank, run in enumerate(runs):
+        assert says in run[f"refused/{case}"], (rank, run[f"refused/{case}"])
+
+
+def test_a_refusal_changes_nothing(runs):
+    for rank, run in enumerate(runs):
+        (before, step), (after, step_after) = run["refused/unchanged"]
+        assert step == step_after == H
+        assert sorted(before) == sorted(after) and _same_state(before, after) == [], rank
+
+
+def test_a_sync_in_flight_is_refused(runs):
+    for run in runs:
+        assert "is in flight, which a DCP checkpoint does not hold" in run["refused/in_flight"]
