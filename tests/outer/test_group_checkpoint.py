@@ -18,7 +18,8 @@ SGD are elementwise. The int8 wire is not (its scales are per chunk of a bucket 
 which another layout cuts differently), so after resharding its two one-process variants are
 compared with each other; its residuals are compared as saved. Refusals, before anything changes, on
 every rank: another wire, other parameter shapes, another number of replica groups, no checkpoint
-there, and a checkpoint asked for with a sync in flight.
+there, and a checkpoint asked for with a sync in flight. Two fast tests run one process without a
+process group (plain tensors, Adam's 0-dim ``step``, two fragments, a nested ``prefix``).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from torch import nn
 from distoptim import CheckpointError, DiLoCo
 from distoptim.launch import spawn
 
-pytestmark = pytest.mark.slow  # one 4-rank spawn
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process
 
 H, SAVE_AT, MORE = 2, 3, 4  # a sync every 2 steps; saved after step 3, then 4 more and finish()
 ROWS = 8
@@ -206,6 +207,7 @@ def _replica_keys(state: dict[str, torch.Tensor], g: int) -> dict[str, torch.Ten
             or k.startswith(f"replica.{g}.")}  # fmt: skip
 
 
+@pytest.mark.slow  # the 4-rank spawn
 @pytest.mark.parametrize("wire", WIRES)
 def test_a_reload_in_the_same_layout_is_the_uninterrupted_run(runs, wire):
     for rank, run in enumerate(runs):
@@ -218,6 +220,7 @@ def test_a_reload_in_the_same_layout_is_the_uninterrupted_run(runs, wire):
     assert not _same(runs[0][f"{wire}/A"], initial)  # training moved the model
 
 
+@pytest.mark.slow  # the 4-rank spawn
 @pytest.mark.parametrize("wire", WIRES)
 def test_groups_of_one_process_load_the_state_two_processes_saved(runs, wire):
     saved = {g: runs[2 * g][f"{wire}/saved"] for g in (0, 1)}  # group g: ranks 2g, 2g+1
@@ -240,17 +243,20 @@ def test_groups_of_one_process_load_the_state_two_processes_saved(runs, wire):
     assert not _same(saved[0]["replica.0.params.0"], saved[1]["replica.1.params.0"])
 
 
+@pytest.mark.slow  # the 4-rank spawn
 def test_fp32_training_goes_on_after_resharding_as_the_uninterrupted_run(runs):
     for rank, run in enumerate(runs):
         assert _same(run["fp32/C"], runs[0]["fp32/A"]), rank
 
 
+@pytest.mark.slow  # the 4-rank spawn
 def test_int8_training_goes_on_alike_in_both_one_process_layouts(runs):
     for rank, run in enumerate(runs):  # FSDP2 on one process (0, 1) and plain tensors (2, 3)
         assert _same(run["int8/C"], runs[0]["int8/C"]), rank
         assert _same(run["int8/A"], runs[0]["int8/A"]), rank
 
 
+@pytest.mark.slow  # the 4-rank spawn
 @pytest.mark.parametrize(
     "case, says",
     [
@@ -266,6 +272,7 @@ def test_a_checkpoint_that_does_not_fit_is_refused_on_every_rank(runs, case, say
         assert says in run[f"refused/{case}"], (rank, run[f"refused/{case}"])
 
 
+@pytest.mark.slow  # the 4-rank spawn
 def test_a_refusal_changes_nothing(runs):
     for rank, run in enumerate(runs):
         (before, step), (after, step_after) = run["refused/unchanged"]
@@ -273,6 +280,54 @@ def test_a_refusal_changes_nothing(runs):
         assert sorted(before) == sorted(after) and _same_state(before, after) == [], rank
 
 
+@pytest.mark.slow  # the 4-rank spawn
 def test_a_sync_in_flight_is_refused(runs):
     for run in runs:
         assert "is in flight, which a DCP checkpoint does not hold" in run["refused/in_flight"]
+
+
+# ---- one process, no process group (the format's plain-tensor side; fast) ------------------------
+def _lone(fragments: int = 2) -> tuple[nn.Module, DiLoCo]:
+    model = _model()
+    inner = torch.optim.AdamW(model.parameters(), lr=0.01)
+    outer = torch.optim.Adam(model.parameters(), lr=0.1)  # a 0-dim "step" and two moments
+    return model, DiLoCo(inner, outer, H, fragments)
+
+
+def _lone_steps(model: nn.Module, opt: DiLoCo, first: int, count: int) -> None:
+    _steps(model, opt, 0, first, count, 1.0)
+
+
+def test_one_process_nested_under_a_prefix_reloads_bit_for_bit(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    model, opt = _lone()
+    _lone_steps(model, opt, 0, SAVE_AT)
+    dcp.save({"optim": opt.sharded_state_dict()}, checkpoint_id=str(tmp_path))
+    _lone_steps(model, opt, SAVE_AT, MORE)
+    opt.finish()
+    again, fresh = _lone()
+    fresh.load_sharded(str(tmp_path), prefix="optim")
+    assert fresh.iterations == SAVE_AT
+    _lone_steps(again, fresh, SAVE_AT, MORE)
+    fresh.finish()
+    assert _same(_full(again), _full(model))
+    assert fresh.state_dict()["wrapper"]["syncs"] == opt.state_dict()["wrapper"]["syncs"]
+
+
+def test_one_process_refusals_change_nothing(tmp_path):
+    model, opt = _lone()
+    _lone_steps(model, opt, 0, SAVE_AT)
+    opt.save_sharded(str(tmp_path / "ckpt"))
+    other_model, other = _lone(fragments=1)
+    _lone_steps(other_model, other, 0, 1)
+    before = (_record(other), other.iterations, _full(other_model))
+    with pytest.raises(ValueError, match=r"differs in \['fragments'\]"):
+        other.load_sharded(str(tmp_path / "ckpt"))
+    with pytest.raises(CheckpointError, match="not a DiLoCo DCP checkpoint under 'optim'"):
+        other.load_sharded(str(tmp_path / "ckpt"), prefix="optim")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        other.load_sharded(str(tmp_path / "none"))
+    after = (_record(other), other.iterations, _full(other_model))
+    assert _same_state(before[0], after[0]) == [] and before[1] == after[1]
+    assert _same(before[2], after[2])
