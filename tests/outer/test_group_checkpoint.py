@@ -1,14 +1,16 @@
 """DCP checkpoints of DiLoCo's DTensor state, resharded to another number of processes per group.
 
-One 4-rank spawn (gloo, CPU). For the ``fp32`` and ``int8`` wires: 2 replica groups x 2
-processes with FSDP2 (``Shard(0)``, uneven pieces) train ``SAVE_AT`` steps -- between two syncs,
-so the groups' parameters and inner momenta differ, after a sync, so there are outer momenta and
-int8 residuals -- and ``save_sharded``; then go on uninterrupted. Fresh optimizers load the
-checkpoint into (B) the same layout on all four ranks and (C) 2 groups x 1 process, twice over:
-ranks 0 and 1 with FSDP2 on one-process meshes, ranks 2 and 3 with plain tensors (each pair with
-its own DCP process group). The parent checks every rank: what each loaded run exposes (global
-copy, outer state, each group's parameters, inner state and residuals, gathered whole) is what
-was saved, bitwise; and training goes on exactly as the uninterrupted run.
+One 4-rank spawn (gloo, CPU). For the ``fp32`` and ``int8`` wires: 2 replica groups x 2 processes
+with FSDP2 (``Shard(0)``, uneven pieces) train ``SAVE_AT`` steps -- between two syncs, so the
+groups' parameters and inner momenta differ, after a sync, so there are outer momenta and int8
+residuals -- and ``save_sharded``; then go on uninterrupted. Fresh optimizers load the checkpoint
+into (B) the same layout on all four ranks and (C) 2 groups x 1 process, twice over: ranks 0 and 1
+with FSDP2 on one-process meshes, ranks 2 and 3 with plain tensors (each pair with its own DCP
+process group), and (D) 2 groups x 2 with tensor parallelism (``Shard(0)``, ``Shard(1)`` and
+``Replicate`` pieces: another layout of the same size). The parent checks every rank: what each
+loaded run exposes (global copy, outer state, each group's parameters, inner state and residuals,
+gathered whole) is what was saved, bitwise; and training goes on exactly as the uninterrupted run
+(under TP within float32 roundings of its split matmuls).
 
 The runs of different layouts can be compared bitwise because the second process of each 2-process
 group contributes a zero gradient (its loss times 0) and the first twice its own (times 2): FSDP2's
@@ -56,6 +58,17 @@ def _fsdp(mesh: Any, hidden: int = 10) -> nn.Module:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
+
+
+def _tp(mesh: Any) -> nn.Module:
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    # Shard(0) weight and bias, then Shard(1) weight and a Replicate bias
+    return parallelize_module(_model(), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
 
 
 def _optimizer(model: nn.Module, wire: str, group: Any, **kw: Any) -> DiLoCo:
@@ -111,6 +124,7 @@ def _bundle(rank: int, world: int, root: str) -> dict[str, Any]:
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    tp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "tp"))
     singles = [dist.new_group([r]) for r in range(world)]  # every rank makes every group
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     group, w = rank // 2, 2.0 if rank % 2 == 0 else 0.0  # (2·g + 0) / 2 = g: see the module
@@ -143,6 +157,14 @@ def _bundle(rank: int, world: int, root: str) -> dict[str, Any]:
         _steps(model, opt, rank % 2, SAVE_AT, MORE, 1.0)
         opt.finish()
         out[f"{wire}/C"] = _full(model)
+
+        model = _tp(tp_mesh["tp"])  # D: 2 groups x 2 again, tensor-parallel (other pieces)
+        opt = _optimizer(model, wire, tp_mesh["replicate"])
+        opt.load_sharded(path)
+        out[f"{wire}/D/loaded"], out[f"{wire}/D/step"] = _record(opt), opt.iterations
+        _steps(model, opt, group, SAVE_AT, MORE, 1.0)  # TP: every process the whole batch
+        opt.finish()
+        out[f"{wire}/D"] = _full(model)
 
     fp32 = os.path.join(root, "fp32")
     model = _fsdp(mesh["shard"])
@@ -220,27 +242,45 @@ def test_a_reload_in_the_same_layout_is_the_uninterrupted_run(runs, wire):
     assert not _same(runs[0][f"{wire}/A"], initial)  # training moved the model
 
 
-@pytest.mark.slow  # the 4-rank spawn
-@pytest.mark.parametrize("wire", WIRES)
-def test_groups_of_one_process_load_the_state_two_processes_saved(runs, wire):
+def _check_loaded(runs: list[dict[str, Any]], wire: str, phase: str, groups: list[int]) -> None:
+    """Every rank of ``phase`` exposes what its group (``groups[rank]``) saved, bitwise; the
+    two-phase residuals of the two groups together are the saved ones, wherever each element
+    now lies (one rank of each group gathers its group's part)."""
     saved = {g: runs[2 * g][f"{wire}/saved"] for g in (0, 1)}  # group g: ranks 2g, 2g+1
     assert _same_state(runs[1][f"{wire}/saved"], saved[0]) == []  # a group's processes agree
     assert _same_state(runs[3][f"{wire}/saved"], saved[1]) == []
     for rank, run in enumerate(runs):
-        g, loaded = rank % 2, run[f"{wire}/C/loaded"]
-        assert run[f"{wire}/C/step"] == SAVE_AT
-        mine = _replica_keys(saved[g], g)
-        assert _same_state(mine, loaded) == [], (rank, wire)
-    for first in (0, 2):  # the two-phase residuals, wherever each element now lies
-        want = _union([saved[0], saved[1]])
-        got = _union([runs[first][f"{wire}/C/loaded"], runs[first + 1][f"{wire}/C/loaded"]])
+        g, loaded = groups[rank], run[f"{wire}/{phase}/loaded"]
+        assert run[f"{wire}/{phase}/step"] == SAVE_AT
+        assert _same_state(_replica_keys(saved[g], g), loaded) == [], (rank, wire)
+    want = _union([saved[0], saved[1]])
+    firsts = [groups.index(g) for g in (0, 1)]
+    pairs = [firsts] if phase == "D" else [[0, 1], [2, 3]]  # C: two runs of 2 groups x 1
+    for ranks in pairs:
+        got = _union([runs[r][f"{wire}/{phase}/loaded"] for r in ranks])
         assert sorted(got) == sorted(want)
-        assert all(_same(want[i], got[i]) for i in want), first
+        assert all(_same(want[i], got[i]) for i in want), ranks
     if wire == "int8":  # the residuals are not all zero: the comparisons above can fail
         assert any(v.abs().sum() > 0 for k, v in saved[0].items() if "residual" in k)
-        assert _union([saved[0], saved[1]])
+        assert any(v.abs().sum() > 0 for v in want.values())
     # between syncs the groups differ (so each group's entries are its own)
     assert not _same(saved[0]["replica.0.params.0"], saved[1]["replica.1.params.0"])
+
+
+@pytest.mark.slow  # the 4-rank spawn
+@pytest.mark.parametrize("wire", WIRES)
+def test_groups_of_one_process_load_the_state_two_processes_saved(runs, wire):
+    _check_loaded(runs, wire, "C", [0, 1, 0, 1])  # ranks 0, 1 and again 2, 3
+
+
+@pytest.mark.slow  # the 4-rank spawn
+@pytest.mark.parametrize("wire", WIRES)
+def test_tensor_parallel_groups_load_the_state_fsdp2_groups_saved(runs, wire):
+    _check_loaded(runs, wire, "D", [0, 0, 1, 1])
+    for rank, run in enumerate(runs):  # and train on as one model per group, then one model
+        assert _same(run[f"{wire}/D"], runs[0][f"{wire}/D"]), rank
+    # TP splits the matmuls (float32 roundings, ~1e-7 over these 4 steps), nothing else differs
+    torch.testing.assert_close(runs[0]["fp32/D"], runs[0]["fp32/A"], rtol=0, atol=1e-5)
 
 
 @pytest.mark.slow  # the 4-rank spawn
