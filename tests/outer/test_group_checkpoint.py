@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from distoptim import CheckpointError, DiLoCo
+from distoptim import CheckpointError, DiLoCo, LocalSGD
 from distoptim.launch import spawn
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process
@@ -327,9 +327,11 @@ def test_a_sync_in_flight_is_refused(runs):
 
 
 # ---- one process, no process group (the format's plain-tensor side; fast) ------------------------
-def _lone(fragments: int = 2) -> tuple[nn.Module, DiLoCo]:
+def _lone(fragments: int = 2, cls: str = "diloco") -> tuple[nn.Module, DiLoCo]:
     model = _model()
     inner = torch.optim.AdamW(model.parameters(), lr=0.01)
+    if cls == "localsgd":
+        return model, LocalSGD(inner, H)
     outer = torch.optim.Adam(model.parameters(), lr=0.1)  # a 0-dim "step" and two moments
     return model, DiLoCo(inner, outer, H, fragments)
 
@@ -338,15 +340,16 @@ def _lone_steps(model: nn.Module, opt: DiLoCo, first: int, count: int) -> None:
     _steps(model, opt, 0, first, count, 1.0)
 
 
-def test_one_process_nested_under_a_prefix_reloads_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("cls", ["diloco", "localsgd"])
+def test_one_process_nested_under_a_prefix_reloads_bit_for_bit(tmp_path, cls):
     import torch.distributed.checkpoint as dcp
 
-    model, opt = _lone()
+    model, opt = _lone(cls=cls)
     _lone_steps(model, opt, 0, SAVE_AT)
     dcp.save({"optim": opt.sharded_state_dict()}, checkpoint_id=str(tmp_path))
     _lone_steps(model, opt, SAVE_AT, MORE)
     opt.finish()
-    again, fresh = _lone()
+    again, fresh = _lone(cls=cls)
     fresh.load_sharded(str(tmp_path), prefix="optim")
     assert fresh.iterations == SAVE_AT
     _lone_steps(again, fresh, SAVE_AT, MORE)

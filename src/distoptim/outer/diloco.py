@@ -139,6 +139,9 @@ class DiLoCo(ManagedDiLoCo, DiLoCoFacts, DiLoCoState, DiLoCoShardedState, Wrappe
     at a sync step (and, with ``τ > 0`` and a two-phase wire, at the step that applies the sync
     in flight) and ``finish()``. ``state_dict()`` and ``load_state_dict()`` are local (with a
     sync in flight they wait for its launched collective, which every replica started).
+    ``save_sharded()`` / ``load_sharded()`` (``sharded_state_dict()`` for ``dcp.save``) are
+    the DCP format that reshards to another number of processes per replica group
+    (:mod:`distoptim.outer.sharded_state`, ``docs/groups.md``); collectives.
     """
 
     def __init__(
