@@ -36,7 +36,8 @@ limbs (bounded scratch memory): a read of the bytes, one float64 product of the 
 weight matrix with the chunk's ``64 x rows`` limbs, and a few int64 operations per row of 64
 limbs; one device-to-host copy of two integers at the end. On one CPU core it runs at about
 the speed of zlib's CRC-32 (1 GB/s); it moves nothing off the device, and it can be amortized:
-``parts=K`` costs ``1/K`` of the whole.
+``parts=K`` costs ``1/K`` of the whole (:func:`state_slices` picks ``K`` for a round's
+amortized check: CrossShardOptimizer's rounds, DiLoCo's syncs under a torchft manager).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ROW", "state_checksum"]
+__all__ = ["MAX_SLICES", "ROW", "SLICE_LIMBS", "state_checksum", "state_slices"]
 
 P = (1 << 31) - 1
 """The prime modulus of both accumulators."""
@@ -57,6 +58,17 @@ ROOTS = (16807, 48271)
 ROW = 64
 """Limbs per row (32 per accumulator): ``32 * 2**15 * 2**31 = 2**51`` keeps a row exact."""
 _HALF = ROW // 2
+SLICE_LIMBS = 1 << 16
+"""About this many 16-bit limbs of state (128 KiB) are checked per amortized round."""
+MAX_SLICES = 64
+"""A whole check at least every this many amortized rounds, whatever the state's size."""
+
+
+def state_slices(tensors: Sequence[torch.Tensor]) -> int:
+    """``K``: how many slices an amortized state check of ``tensors`` cycles through (>= 1):
+    about :data:`SLICE_LIMBS` limbs each, at most :data:`MAX_SLICES`."""
+    limbs = sum(t.numel() * max(t.element_size() // 2, 1) for t in tensors)
+    return max(1, min(MAX_SLICES, -(-limbs // SLICE_LIMBS)))
 
 
 def _powers(r: int, n: int, start: int = 0) -> list[int]:
