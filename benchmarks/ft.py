@@ -41,10 +41,10 @@ Figures:
   slower group's, and the paired ratio is per block (goal <= 0.95); beside it, the CPU time per
   step of both groups' processes (all their threads; what a loaded machine disturbs least). The
   state check's cost is timed apart, on the same tensors, after every block: a slice (what a
-  clean CrossShard round checks), the whole state (a DiLoCo sync's check, paid once per 20
-  steps), and the CRC-32 of a host copy this project used before; its share of a step (goal
-  <= 1 %). ``--profile NAME``
-  adds a cProfile of one contender's timed steps.
+  clean round checks: a CrossShard step, a DiLoCo sync, paid once per 20 steps), the whole
+  state (what a round after a heal or a membership change checks), and the CRC-32 of a host
+  copy this project used before; its share of a step (goal <= 1 %), and the checks' CPU time
+  inside the timed steps. ``--profile NAME`` adds a cProfile of one contender's timed steps.
 
 Run::
 
@@ -302,8 +302,7 @@ def _old_checksum(tensors: list[torch.Tensor]) -> int:
 
 def _time_check(tensors: list[torch.Tensor], repeats: int) -> dict[str, float]:
     """Milliseconds of the state check, as a managed round runs it: a slice, the whole, the old."""
-    from distoptim.comm.checksum import state_checksum
-    from distoptim.sync.replicated import state_slices
+    from distoptim.comm.checksum import state_checksum, state_slices
 
     parts = state_slices(tensors)
     out: dict[str, list[float]] = {}
@@ -432,8 +431,8 @@ def _vs_torchft(cfg: dict[str, Any]) -> dict[str, Any]:
         checks = [c for v in run.values for c in v["checks"][pair]]
         check = {k: statistics.median(c[k] for c in checks) for k in checks[0]}
         rounds_per_step = 1.0 if pair == "sync" else 1.0 / cfg["sync_every"]
-        # a clean CrossShard round checks a slice; a DiLoCo sync checks its whole fragment
-        per_round = check["slice_ms"] if pair == "sync" else check["whole_ms"]
+        # a clean round (a CrossShard step, a DiLoCo sync) checks a slice of its state
+        per_round = check["slice_ms"]
         check_per_step = per_round * rounds_per_step
         cpu_step = statistics.median(cpu_per_block[ours]) / 2  # one group's process
         # what the checks inside the timed steps cost (this thread's CPU), per step

@@ -1,10 +1,12 @@
-"""The amortized state check of a managed CrossShardOptimizer, across real replica processes.
+"""The amortized state check of a managed CrossShardOptimizer and DiLoCo, across real
+replica processes.
 
 Three replica groups around a real lighthouse train a model large enough that a clean round
-checks only a slice of the parameters (``state_slices`` > 1). One replica flips one bit of its
-last parameter right after a commit (a named point: its commit of :data:`FLIP_AT`): the check
+checks only a slice of the state (``state_slices`` > 1). One replica flips one bit of its
+state right after a commit (a named point: CrossShard's commit of :data:`FLIP_AT`, the last
+parameter; DiLoCo's sync :data:`D_FLIP_AT`, the global copy of the last parameter): the check
 must name it within ``K`` rounds, and the other two must go on and finish with equal states.
-The run without a flip shows the slicing never refuses a healthy round (no false alarm).
+The runs without a flip show the slicing never refuses a healthy round (no false alarm).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 
 import torch
 
-from distoptim import CrossShardOptimizer
+from distoptim import CrossShardOptimizer, DiLoCo
 from distoptim.comm.checksum import state_checksum
 from distoptim.ft.data import SlotShards
 from distoptim.ft.local import ReplicaContext, run_replicas
@@ -22,6 +24,7 @@ from distoptim.ft.replica import make_manager
 from distoptim.sync.replicated import state_slices
 
 FLIP_AT, STEPS, WIDTH = 5, 16, 384
+D_FLIP_AT, D_EVERY = 3, 2  # DiLoCo: the sync after which a bit flips; H
 RUN_TIMEOUT = 600.0
 
 
@@ -100,4 +103,96 @@ def test_slicing_raises_no_false_alarm_and_all_commit():
     for v in run.values:
         assert "error" not in v, v
         assert v["step"] == STEPS and v["slices"] >= 2
+    assert run.values[0]["state"] == run.values[1]["state"]
+
+
+def diloco_drifting(ctx: ReplicaContext, flip_slot: int | None) -> dict[str, Any]:
+    """DiLoCo (H = :data:`D_EVERY`) for ``D_FLIP_AT + 2 K`` syncs; replica ``flip_slot``
+    flips a bit of its global copy after sync ``D_FLIP_AT``. Records which slicings its
+    headers' state words used (``parts``: the real checksum runs, the spy only counts)."""
+    from distoptim.outer import managed as managed_module
+
+    model = _model()
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(256, WIDTH, generator=g), torch.randint(0, 3, (256,), generator=g)
+    inner = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def state() -> dict[str, Any]:
+        return copy.deepcopy({"model": model.state_dict(), "inner": inner.state_dict()})
+
+    def load(s: dict[str, Any]) -> None:
+        model.load_state_dict(s["model"])
+        inner.load_state_dict(s["inner"])
+
+    parts_seen: list[int] = []
+    checksum = managed_module.state_checksum
+
+    def spy(tensors: Any, part: int = 0, parts: int = 1) -> int:
+        parts_seen.append(parts)
+        return checksum(tensors, part, parts)
+
+    managed_module.state_checksum = spy  # type: ignore[assignment]
+    manager = make_manager(
+        ctx.lighthouse,
+        replica_id=ctx.replica_id,
+        state_dict=state,
+        load_state_dict=load,
+        timeout=30,
+        quorum_timeout=120,
+        connect_timeout=30,
+        init_sync=False,
+    )
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    opt = DiLoCo(inner, outer, sync_every=D_EVERY, manager=manager)
+    # the state word's tensors: the global copy and the outer momentum, of the same shapes
+    slices = state_slices(list(model.parameters()) * 2)
+    syncs = D_FLIP_AT + 2 * slices
+    shards = SlotShards(256, ctx.num_slots, ctx.slot, 8, seed=3)
+    ctx.wait_for_peers(240)
+    result: dict[str, Any] = {"slices": slices, "syncs_wanted": syncs}
+    try:
+        while opt.syncs < syncs:
+            idx = shards.batch(opt.iterations)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+            before = opt.syncs
+            opt.step()
+            if opt.syncs > before and opt.syncs == D_FLIP_AT and ctx.slot == flip_slot:
+                with torch.no_grad():  # a mantissa bit no later outer step rounds away
+                    list(opt.global_parameters)[-1].view(torch.int32)[-1] ^= 1 << 10
+    except Exception as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"
+    result.update(
+        syncs=opt.syncs,
+        state=state_checksum(list(opt.global_parameters)),
+        parts_seen=parts_seen,
+        failed=opt.replica_stats.failed,
+    )
+    manager.shutdown(wait=False)
+    return result
+
+
+def test_diloco_a_one_bit_drift_is_named_within_one_cycle_of_slices_and_the_others_go_on():
+    run = run_replicas(diloco_drifting, 3, args=(2,), timeout=RUN_TIMEOUT)
+    good, odd = run.values[:2], run.values[2]
+    slices = odd["slices"]
+    assert slices >= 2, odd  # the test needs slicing
+    assert "ParameterMismatchError" in odd.get("error", ""), odd
+    assert "not bit-for-bit equal" in odd["error"] and "refused" in odd["error"], odd
+    # the flip came after sync D_FLIP_AT; its slice is checked within the next `slices` syncs
+    assert D_FLIP_AT <= odd["syncs"] <= D_FLIP_AT + slices, odd
+    assert odd["parts_seen"][-1] == slices, odd  # the check that caught it: a slice
+    for v in good:
+        assert "error" not in v, v
+        assert v["syncs"] == v["syncs_wanted"], v
+    assert good[0]["state"] == good[1]["state"]
+
+
+def test_diloco_slicing_raises_no_false_alarm_and_all_commit():
+    run = run_replicas(diloco_drifting, 2, args=(None,), timeout=RUN_TIMEOUT)
+    for v in run.values:
+        assert "error" not in v, v
+        assert v["syncs"] == v["syncs_wanted"] and v["failed"] == 0, v
+        # the first sync checks the whole state, the clean ones after it slices of it
+        assert v["parts_seen"][0] == 1 and set(v["parts_seen"][1:]) == {v["slices"]}, v
     assert run.values[0]["state"] == run.values[1]["state"]

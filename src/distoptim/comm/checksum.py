@@ -36,7 +36,8 @@ limbs (bounded scratch memory): a read of the bytes, one float64 product of the 
 weight matrix with the chunk's ``64 x rows`` limbs, and a few int64 operations per row of 64
 limbs; one device-to-host copy of two integers at the end. On one CPU core it runs at about
 the speed of zlib's CRC-32 (1 GB/s); it moves nothing off the device, and it can be amortized:
-``parts=K`` costs ``1/K`` of the whole.
+``parts=K`` costs ``1/K`` of the whole (:func:`state_slices` picks ``K`` for a round's
+amortized check: CrossShardOptimizer's rounds, DiLoCo's syncs under a torchft manager).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ROW", "state_checksum"]
+__all__ = ["MAX_SLICES", "ROW", "SLICE_LIMBS", "state_checksum", "state_slices"]
 
 P = (1 << 31) - 1
 """The prime modulus of both accumulators."""
@@ -57,6 +58,17 @@ ROOTS = (16807, 48271)
 ROW = 64
 """Limbs per row (32 per accumulator): ``32 * 2**15 * 2**31 = 2**51`` keeps a row exact."""
 _HALF = ROW // 2
+SLICE_LIMBS = 1 << 16
+"""About this many 16-bit limbs of state (128 KiB) are checked per amortized round."""
+MAX_SLICES = 64
+"""A whole check at least every this many amortized rounds, whatever the state's size."""
+
+
+def state_slices(tensors: Sequence[torch.Tensor]) -> int:
+    """``K``: how many slices an amortized state check of ``tensors`` cycles through (>= 1):
+    about :data:`SLICE_LIMBS` limbs each, at most :data:`MAX_SLICES`."""
+    limbs = sum(t.numel() * max(t.element_size() // 2, 1) for t in tensors)
+    return max(1, min(MAX_SLICES, -(-limbs // SLICE_LIMBS)))
 
 
 def _powers(r: int, n: int, start: int = 0) -> list[int]:
@@ -90,6 +102,30 @@ def _row_weights(device: torch.device, rows: int) -> torch.Tensor:
         v = torch.tensor(list(zip(*cols)), dtype=torch.int64).to(device)
         _row_powers[(device, rows)] = v
     return v
+
+
+_at_rows: dict[tuple[torch.device, int, int], torch.Tensor] = {}  # (2, count) int64
+_AT_ROWS_BYTES = 1 << 24
+"""The cached row weights of recent chunks (a clean round's slices) take at most this much."""
+
+
+def _weights_at(device: torch.device, row: int, count: int, chunk_rows: int) -> torch.Tensor:
+    """``U[c, a] = r_c**(32 (row + a))`` for ``a < count``: the weights of the row sums of a
+    chunk starting at ``row``, kept for the next round that checks the same slice (a few
+    torch operations less per call: a slice's cost is mostly such fixed costs)."""
+    key = (device, row, count)
+    u = _at_rows.get(key)
+    if u is None:
+        step = [pow(pow(r, _HALF, P), row, P) for r in ROOTS]
+        shift = torch.tensor(step, dtype=torch.int64).to(device)
+        u = _row_weights(device, chunk_rows)[:count].t().mul(shift[:, None]).remainder_(P)
+        if count * 16 <= _AT_ROWS_BYTES:  # drop the oldest until the new one fits
+            while _at_rows and 16 * (count + sum(v.shape[1] for v in _at_rows.values())) > (
+                _AT_ROWS_BYTES
+            ):
+                _at_rows.pop(next(iter(_at_rows)))
+            _at_rows[key] = u
+    return u
 
 
 def _chunk_limbs(device: torch.device) -> int:
@@ -173,9 +209,7 @@ def _device_sums(
     end = min(rows * (part + 1) // parts * ROW, total)
     size = _chunk_limbs(device)
     w = _weight_matrix(device)
-    base = _row_weights(device, size // ROW)
-    step = pow(ROOTS[0], _HALF, P), pow(ROOTS[1], _HALF, P)
-    acc = torch.zeros(2, dtype=torch.int64, device=device)
+    partial = []
     for row, pieces in _chunks(limbs, begin, end, size):
         pieces = [p if p.dtype == torch.int16 else p.to(torch.int16) for p in pieces]
         n = sum(p.numel() for p in pieces)
@@ -184,13 +218,12 @@ def _device_sums(
             pieces.append(torch.zeros(pad, dtype=torch.int16, device=device))
         x = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         # (2, ROW) @ (ROW, rows): the wide product is the fast one; exact in any order
-        sums = (w @ x.to(torch.float64).view(-1, ROW).t()).t().to(torch.int64).remainder_(P)
-        count = sums.shape[0]
-        shift = torch.tensor([pow(step[0], row, P), pow(step[1], row, P)], dtype=torch.int64).to(
-            device, non_blocking=True
-        )
-        weights = base[:count].mul(shift).remainder_(P)
-        acc += sums.mul_(weights).remainder_(P).sum(0)
+        sums = (w @ x.to(torch.float64).view(-1, ROW).t()).to(torch.int64).remainder_(P)
+        weights = _weights_at(device, row, sums.shape[1], size // ROW)
+        partial.append(sums.mul_(weights).remainder_(P).sum(1))
+    if not partial:  # an empty slice (more slices than rows)
+        return torch.zeros(2, dtype=torch.int64, device=device)
+    acc = partial[0] if len(partial) == 1 else torch.stack(partial).sum(0)
     return acc.remainder_(P)
 
 

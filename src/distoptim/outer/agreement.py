@@ -4,7 +4,7 @@ Owns the small fixed-size all-gather (over the replicas'
 :class:`~distoptim.comm.channel.Channel`) that precedes every collective of a sync whose size
 depends on the fragment (the pseudo-gradient mean, or the second phase of a quantized mean),
 and the verdict every replica derives from it. Each replica sends one :class:`Header`,
-``HEADER_BYTES`` = 64 bytes, little-endian::
+``HEADER_BYTES`` = 68 bytes, little-endian::
 
     offset  bytes  field
          0      1  kind      what the replica is doing: 1 = a sync due in step(), 4 = finish()
@@ -24,10 +24,14 @@ and the verdict every replica derives from it. Each replica sends one :class:`He
         32      8  inner     the same for the inner optimizer (a scheduler moves it every step;
                              it must move alike on every replica)
         40      8  Σ θ_g     float64, over the fragment's global copy (the whole copy when
-        48      8  Σ θ_g²    float64   no fragment syncs)
+        48      8  Σ θ_g²    float64   no fragment syncs); 0 with a torchft manager, whose
+                             state word compares the copy bit for bit instead
         56      8  state     with a torchft manager: the bitwise checksum
-                             (:func:`~distoptim.comm.checksum.state_checksum`) of the same global
-                             copy and the outer optimizer's state of its parameters; else 0
+                             (:func:`~distoptim.comm.checksum.state_checksum`) of slice ``part``
+                             of ``parts`` of the same global copy and the outer optimizer's
+                             state of its parameters (see :mod:`distoptim.outer.managed`); else 0
+        64      2  part      the slice the state word covers (0 when ``parts`` = 1)
+        66      2  parts     how many slices the state was cut into (1: the whole state)
 
 (fingerprints: :mod:`distoptim.comm.fingerprint`, :mod:`distoptim.comm.hyperparameters`).
 Every replica receives the same table and reaches the same verdict, in this order:
@@ -41,9 +45,11 @@ Every replica receives the same table and reaches the same verdict, in this orde
 3. kind, step or fragment differ -> ``DesyncError`` ("out of step": a replica whose loop ended
    before this sync and called ``finish()``, an extra or a missing ``step()``, a checkpoint
    loaded on some replicas only);
-4. the global copies' sums differ beyond a relative 1e-9, or (with a manager) their state
-   checksums differ at all -> ``ParameterMismatchError`` (different initial weights or
-   checkpoints; with a manager: replicas that committed or healed into different states);
+4. (with a manager) the members checked different slices of the state -> the sync is void
+   (not applied: the next sync checks the whole state); their state checksums differ at all,
+   or (without a manager) the global copies' sums differ beyond a relative 1e-9 ->
+   ``ParameterMismatchError`` (different initial weights or checkpoints; with a manager:
+   replicas that committed or healed into different states);
 5. otherwise the sync stands, except that if some replica's flag says its pseudo-gradient is
    not finite, every replica refuses it (:meth:`SyncAgreement.check` returns those replicas;
    the caller keeps the global copy and says so).
@@ -57,7 +63,8 @@ Why a separate header and not a trailer in the payload (as CrossShardOptimizer's
 their words): fragments have different sizes, and a gloo collective whose ranks disagree on the
 size aborts the process. A fixed-size message first turns every such divergence into an error
 on every rank, before any size-dependent collective. Cost per header: ``(n - 1)`` messages of
-56 bytes per rank and one latency.
+68 bytes per rank and one latency, and the comparison of the global copy: without a manager
+two float64 sums over it; with one, the state word's checksum of a slice of it.
 """
 
 from __future__ import annotations
@@ -93,7 +100,7 @@ __all__ = [
     "SyncAgreement",
 ]
 
-_LAYOUT = struct.Struct("<BBHIQQQQddQ")
+_LAYOUT = struct.Struct("<BBHIQQQQddQHH")
 HEADER_BYTES = _LAYOUT.size
 """Bytes one replica sends to each peer per header."""
 NO_FRAGMENT = 0xFFFF
@@ -122,6 +129,8 @@ class Header:
     finite: bool = True
     healing: bool = False
     state: int = 0
+    part: int = 0
+    parts: int = 1
 
     def pack(self, sums: tuple[float, float]) -> bytes:
         fragment = NO_FRAGMENT if self.fragment is None else min(self.fragment, NO_FRAGMENT - 1)
@@ -136,6 +145,8 @@ class Header:
             self.inner,
             *sums,
             self.state,
+            self.part,
+            self.parts,
         )
 
     def describe(self) -> str:
@@ -223,9 +234,10 @@ class ReplicaIdentity:
         fragment: int | None,
         finite: bool,
         healing: bool = False,
-        state: int = 0,
+        state: tuple[int, int, int] = (0, 1, 0),
     ) -> Header:
-        """This replica's header for a sync of ``fragment`` (``None``: no payload follows)."""
+        """This replica's header for a sync of ``fragment`` (``None``: no payload follows);
+        ``state``: ``(part, parts, checksum)`` of the state word (with a manager)."""
         self.refresh()
         return Header(
             kind,
@@ -237,7 +249,9 @@ class ReplicaIdentity:
             fingerprint(self._describe(self.inner)),
             finite,
             healing,
-            state,
+            state[2],
+            state[0],
+            state[1],
         )
 
     def _outer(self) -> dict[str, Any]:
@@ -267,7 +281,9 @@ class ReplicaIdentity:
 
 def _unpack(row: bytes) -> tuple[Header | None, int, tuple[float, float]]:
     """``(header or None if its kind is unknown, raw kind, (Σ θ_g, Σ θ_g²))``."""
-    kind, flags, fragment, params, step, plan, outer, inner, s1, s2, state = _LAYOUT.unpack(row)
+    kind, flags, fragment, params, step, plan, outer, inner, s1, s2, state, part, parts = (
+        _LAYOUT.unpack(row)
+    )
     if kind not in (RoundKind.STEP, RoundKind.FINISH) or flags > _FINITE | _HEALING:
         return None, kind, (s1, s2)
     header = Header(
@@ -281,6 +297,8 @@ def _unpack(row: bytes) -> tuple[Header | None, int, tuple[float, float]]:
         finite=bool(flags & _FINITE),
         healing=bool(flags & _HEALING),
         state=state,
+        part=part,
+        parts=parts,
     )
     return header, kind, (s1, s2)
 
@@ -338,20 +356,14 @@ class SyncAgreement:
     ) -> HeaderVerdict:
         """All-gather ``header`` and the global copy's sums; raise on any disagreement.
 
-        Returns the :class:`HeaderVerdict` (every replica reads the same). ``describe()`` --
-        this replica's parameters, options and optimizers as JSON-able data -- is called only
-        when fingerprints differ.
+        ``global_copy``: the tensors compared by their float64 sums -- none under a torchft
+        manager, whose header's state word compares the same copy bit for bit (the sums would
+        only repeat it, weaker, at the cost of two float64 passes over the copy). Returns the
+        :class:`HeaderVerdict` (every replica reads the same). ``describe()`` -- this
+        replica's parameters, options and optimizers as JSON-able data -- is called only when
+        fingerprints differ.
         """
-        with torch.no_grad():
-            sums = (0.0, 0.0)
-            if global_copy:
-                both = torch.stack(
-                    [
-                        torch.stack([g.double().sum(), g.double().square().sum()])
-                        for g in global_copy
-                    ]
-                ).sum(0)
-                sums = (float(both[0]), float(both[1]))
+        sums = _sums(global_copy)
         mine = torch.frombuffer(bytearray(header.pack(sums)), dtype=torch.uint8).to(self.device)
         size = self.channel.size
         rows = mine.new_empty(size * HEADER_BYTES)
@@ -405,6 +417,13 @@ class SyncAgreement:
             for h in headers
         ):
             raise DesyncError(_out_of_step(self.owner, headers, names))
+        if len({(h.part, h.parts) for h in headers}) > 1:  # see distoptim.outer.managed
+            lines = ", ".join(f"{n} slice {h.part}/{h.parts}" for n, h in zip(names, headers))
+            why = (
+                f"the members checked different slices of their state ({lines}): not applied, "
+                "the next sync checks the whole state"
+            )
+            return HeaderVerdict([], first.step, first.fragment, len(headers), void=why)
         if len({h.state for h in headers}) > 1:
             lines = [f"  {n}: state checksum {h.state:016x}" for n, h in zip(names, headers)]
             message = (
@@ -497,6 +516,19 @@ class SyncAgreement:
             "the same hyperparameters -- and change them alike: an LR scheduler (or any "
             "param-group edit) must step on every replica, not on rank 0 only."
         )
+
+
+def _sums(tensors: Sequence[torch.Tensor]) -> tuple[float, float]:
+    """``(Σ θ, Σ θ²)`` over ``tensors`` in float64 (one float64 copy of each tensor)."""
+    if not tensors:
+        return 0.0, 0.0
+    with torch.no_grad():
+        parts = []
+        for g in tensors:
+            d = g.detach().reshape(-1).double()
+            parts.append(torch.stack([d.sum(), torch.dot(d, d)]))
+        both = torch.stack(parts).sum(0)
+    return float(both[0]), float(both[1])
 
 
 def _prints(h: Header) -> tuple[int, int, int, int]:

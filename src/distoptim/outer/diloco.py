@@ -431,16 +431,13 @@ class DiLoCo(ManagedDiLoCo, DiLoCoFacts, DiLoCoState, DiLoCoShardedState, Wrappe
             mine = f"rank {self._channel.ranks[self._channel.rank]}"
             return HeaderVerdict([] if finite else [mine], t, index, 1)
         copy = self._global if fragment is None else self._exchanges[fragment.index].global_
-        state = 0
-        if self._managed is not None:
-            outer_state = [
-                {k: local_view(v) for k, v in self._outer.state.get(p, {}).items()}
-                for p in self._fragment_params(fragment)
-            ]
-            state = self._managed.checksum(copy, outer_state)
+        state = (0, 1, 0)
+        if self._managed is not None:  # the state word compares the copy: no float64 sums
+            part, parts, word = self._state_word(kind, t, fragment)
             if self._within is not None:  # the group's: every process's checksum, in order
                 with self._peer_guard("the group's state checksum", t):
-                    state = combine_checksums(state, self._within)
+                    word = combine_checksums(word, self._within)
+            state, copy = (part, parts, word), []
         header = self._identity.header(kind, t, index, finite, healing, state)
         with self._peer_guard("the sync header", t):
             return self._agreement.check(header, copy, self._identity.describe)

@@ -14,9 +14,10 @@ One fragment sync, launched after inner step ``t``:
 2. **header** -- every member sends its header (:mod:`distoptim.outer.agreement`) with a
    *healing* flag (torchft will give it a peer's state at the commit: its own state is stale,
    so it contributes zeros) and the bitwise checksum of the fragment's global copy and outer
-   state. The contributing members must agree on the step, the fragment and the checksum; a
-   healing member adopts their step (and so the fragment), whatever its own counter said -- a
-   replica restarted from scratch lands on the schedule of the others.
+   state (whole, or a slice of it: below). The contributing members must agree on the step,
+   the fragment, the slice and the checksum; a healing member adopts their step (and so the
+   fragment), whatever its own counter said -- a replica restarted from scratch lands on the
+   schedule of the others.
 3. **payload** -- ``Δ`` (zeros from a healing member) averaged over the contributors; before
    it, the error-feedback residuals are saved, so a sync that is not committed takes nothing
    into them.
@@ -29,6 +30,21 @@ One fragment sync, launched after inner step ``t``:
    to the others (the next header checks it). On False (a peer died mid-sync, too few replicas,
    a refused joiner): no outer step; the fragment's local parameters are reset to its global
    copy (torchft's own DiLoCo does the same) and the residuals to their saved values.
+
+The state check, amortized as CrossShardOptimizer's (:mod:`distoptim.sync.replicated`). A
+sync checks its fragment's *whole* state unless its round runs *clean* on: the previous round
+of this replica was clean -- committed, in this same quorum (the same members), with every
+member contributing (none healing, none void) -- and so was every round since this quorum's
+chain of clean rounds began, one of which checked this fragment. Such a sync checks only slice
+``n mod K`` of ``K`` (:func:`~distoptim.comm.checksum.state_slices`), ``n`` the fragment's sync
+number (from the agreed step, so every member picks the same). Why every commit's members
+still agree on the whole state: in a chain of clean rounds nobody's state is replaced (no heal)
+and every member applies the same committed outer steps, deterministically, to states checked
+equal (wholly, at the chain's first check of the fragment, then by induction); a state that
+drifts nevertheless (a fault outside the protocol) differs in some slice, which a sync of that
+fragment within the next ``K`` compares. What a heal or a membership change brings in is
+checked whole at the next sync of each fragment. Members that ever picked different slices are
+told so by the header and the sync is void (not committed, so the next one is whole).
 
 What a healing replica does *not* receive: the error-feedback residuals (they are what this
 replica's own past contributions dropped; a copy of the donor's would count the donor's dropped
@@ -44,13 +60,14 @@ from typing import Any
 
 import torch
 
-from distoptim.comm.checksum import state_checksum
+from distoptim.comm.checksum import state_checksum, state_slices
 from distoptim.comm.guard import RoundKind
 from distoptim.ft.channel import QuorumChannel
 from distoptim.ft.replicas import ManagedReplicas
 from distoptim.outer.agreement import HeaderVerdict, SyncAgreement
 from distoptim.outer.exchange import FragmentExchange
 from distoptim.outer.fragments import Fragment, FragmentSchedule
+from distoptim.outer.groups import local_view
 from distoptim.outer.state import PendingSync
 
 __all__ = ["ManagedDiLoCo", "ManagedRound", "ManagedSyncs"]
@@ -64,6 +81,9 @@ class ManagedRound:
     healing: bool
     residuals: list[dict[str, torch.Tensor]]  # saved before the payload (restored on failure)
     adopted: bool = False  # a healing replica took the contributors' step from the header
+    quorum_id: int | None = None
+    fragment: int | None = None  # the fragment whose state this round's header checked
+    clean: bool = False  # the header's table: every member contributed, the sync stands
 
 
 class ManagedSyncs:
@@ -75,6 +95,10 @@ class ManagedSyncs:
         self.round: ManagedRound | None = None
         self._heals_at_start = 0
         self.needs_step = False  # healed without the contributors' step: heal-flag the next sync
+        # the chain of clean rounds this replica is in: its quorum, the fragments it checked
+        self._clean_quorum: int | None = None
+        self._checked: set[int] = set()
+        self._slices: dict[tuple[int, int], int] = {}  # K per (fragment, tensors), cached
 
     def register(
         self, state_dict: Callable[[], dict[str, Any]], load: Callable[[dict[str, Any]], None]
@@ -98,7 +122,7 @@ class ManagedSyncs:
         if channel is not None:
             for exchange in exchanges:
                 exchange.rebind(channel)
-        self.round = ManagedRound(channel, healing, [])
+        self.round = ManagedRound(channel, healing, [], quorum_id=quorum.quorum_id)
         return self.round
 
     @property
@@ -123,6 +147,39 @@ class ManagedSyncs:
         assert self.round is not None
         self.round.residuals = [{k: v.clone() for k, v in r.items()} for r in exchange.residuals]
 
+    def state_word(
+        self, fragment: int | None, number: int | None, tensors: Sequence[torch.Tensor]
+    ) -> tuple[int, int, int]:
+        """``(part, parts, checksum)`` of ``tensors`` (the state of ``fragment``, ``None``: the
+        whole global copy), this round's check (see the module docstring): a slice when the
+        round runs a clean chain on and ``number`` (the fragment's sync number) is given."""
+        rnd = self.round
+        part, parts = 0, 1
+        if (
+            rnd is not None
+            and fragment is not None
+            and number is not None
+            and rnd.quorum_id == self._clean_quorum
+            and fragment in self._checked
+        ):
+            key = (fragment, len(tensors))  # the outer state may appear after a first step
+            parts = self._slices.get(key) or self._slices.setdefault(key, state_slices(tensors))
+            part = number % parts
+        if rnd is not None:
+            rnd.fragment = fragment
+        return part, parts, state_checksum(tensors, part, parts)
+
+    def judged(self, verdict: HeaderVerdict) -> None:
+        """The header's verdict: whether this round's table was clean (every member
+        contributed and the sync stands)."""
+        rnd = self.round
+        if rnd is not None and rnd.channel is not None:
+            rnd.clean = (
+                verdict.contributors == rnd.channel.size
+                and not verdict.void
+                and not verdict.refusing
+            )
+
     def fail(self, why: str) -> None:
         """This round must not commit (every replica reaches the same decision)."""
         self.replicas.manager.report_error(RuntimeError(why))
@@ -131,20 +188,18 @@ class ManagedSyncs:
         """``should_commit()``; on False, the residuals go back to their saved values."""
         ok = self.replicas.commit()
         rnd, self.round = self.round, None
+        if ok and rnd is not None and rnd.clean and rnd.fragment is not None:
+            if rnd.quorum_id != self._clean_quorum:  # a new chain: this round checked whole
+                self._clean_quorum, self._checked = rnd.quorum_id, set()
+            self._checked.add(rnd.fragment)
+        else:  # not clean: every fragment's next sync checks the whole state
+            self._clean_quorum, self._checked = None, set()
         if not ok and rnd is not None and rnd.residuals:
             with torch.no_grad():
                 for mine, saved in zip(exchange.residuals, rnd.residuals):
                     for name, value in mine.items():
                         value.copy_(saved[name])
         return ok
-
-    @staticmethod
-    def checksum(global_copy: Sequence[torch.Tensor], outer_state: Sequence[Any]) -> int:
-        """The bitwise checksum of a fragment's global copy and its outer optimizer state."""
-        tensors = list(global_copy)
-        for state in outer_state:
-            tensors += [v for _, v in sorted(state.items()) if isinstance(v, torch.Tensor)]
-        return state_checksum(tensors)
 
 
 class ManagedDiLoCo:
@@ -159,6 +214,7 @@ class ManagedDiLoCo:
     _exchanges: list[FragmentExchange]
     _schedule: FragmentSchedule
     _global: list[torch.Tensor]
+    _params: list[torch.Tensor]
     _outer: torch.optim.Optimizer
     _syncs: int
     _refused_syncs: int
@@ -179,6 +235,7 @@ class ManagedDiLoCo:
         exchange = self._exchanges[fragment.index]
         finite = True if rnd.healing else exchange.form()
         verdict = self._agree(kind, t, fragment, finite, healing=rnd.healing)
+        managed.judged(verdict)
         if rnd.healing and not verdict.void:  # take the contributors' step and fragment
             managed.adopted()
             self.iterations = verdict.step - 1  # step() counts this one afterwards
@@ -197,6 +254,28 @@ class ManagedDiLoCo:
         rnd.channel.contributors = verdict.contributors
         managed.save_residuals(exchange)
         return PendingSync(fragment, t, exchange.launch())
+
+    def _state_word(
+        self, kind: RoundKind, t: int, fragment: Fragment | None
+    ) -> tuple[int, int, int]:
+        """The header's state word ``(part, parts, checksum)``: the bitwise checksum of
+        ``fragment``'s global copy and its parameters' outer optimizer state (this process's
+        shards), whole or one slice (see :mod:`distoptim.outer.managed`)."""
+        managed = self._managed
+        assert managed is not None
+        if fragment is None:
+            tensors, params = list(self._global), self._params
+        else:
+            tensors = list(self._exchanges[fragment.index].global_)
+            params = self._params[fragment.start : fragment.stop]
+        for p in params:
+            state = self._outer.state.get(p, {})
+            tensors += [local_view(v) for _, v in sorted(state.items()) if torch.is_tensor(v)]
+        number = None  # a sync in step(): the fragment's sync number, the same on every member
+        if fragment is not None and kind is RoundKind.STEP:
+            number = (t // self._schedule.period - 1) // len(self._schedule)
+        index = None if fragment is None else fragment.index
+        return managed.state_word(index, number, tensors)
 
     def _role(self) -> str:
         """This replica's role in the round in progress, as fault injection names it."""

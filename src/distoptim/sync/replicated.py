@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from distoptim.comm.checksum import state_checksum
+from distoptim.comm.checksum import MAX_SLICES, SLICE_LIMBS, state_checksum, state_slices
 from distoptim.comm.compression import WireFormat
 from distoptim.comm.guard import RoundKind
 from distoptim.comm.reducer import ReduceRound
@@ -62,17 +62,6 @@ from distoptim.ft.agreement import ReplicaWords, decode, encode, hparams_digest,
 from distoptim.ft.replicas import ManagedReplicas
 
 __all__ = ["MAX_SLICES", "SLICE_LIMBS", "ReplicatedRounds", "state_slices"]
-
-SLICE_LIMBS = 1 << 16
-"""About this many 16-bit limbs of state (128 KiB) are checked per clean round."""
-MAX_SLICES = 64
-"""A whole check at least every this many clean rounds, whatever the state's size."""
-
-
-def state_slices(params: Sequence[torch.Tensor]) -> int:
-    """``K``: the number of slices a clean round's state check cycles through (>= 1)."""
-    limbs = sum(p.numel() * max(p.element_size() // 2, 1) for p in params)
-    return max(1, min(MAX_SLICES, -(-limbs // SLICE_LIMBS)))
 
 
 class ReplicatedRounds:
