@@ -1,0 +1,340 @@
+"""Healing torchft replica groups of several processes: a whole group killed and restarted.
+
+Real processes around a real lighthouse (in this process): replica groups of 2 processes each,
+every group its own gloo world with FSDP2 inside (``tests/ft/group_workloads.py``), one
+``torchft.Manager`` per process (the group's ``replica_id``, its group rank), DiLoCo across the
+groups. The victim group's two processes stop themselves at a named point of a sync's round
+(``after_quorum``, :mod:`distoptim.ft.inject`); the test kills both by pid, lets the survivors
+commit without them, and starts the group again. Each restarted process must heal from its
+counterpart (the same group rank in a surviving group), contribute again, and end -- as every
+process of every group -- with the same shards, bit for bit, as its counterparts.
+
+Every wait is bounded and driven by what the processes log, never by a sleep; the end of the
+run is decided inside the processes from what they all see alike (``group_workloads``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing
+import os
+import signal
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from distoptim.ft.lighthouse import Lighthouse
+from distoptim.launch import ProcessOutcome, ProcessSupervisor, RankFailedError
+from tests.ft import group_workloads
+from tests.ft.group_workloads import Member
+
+pytestmark = pytest.mark.slow
+
+SIZE = 2  # processes per replica group
+RUN_TIMEOUT = 420  # seconds: a bound on a hung run (it takes well under a minute alone)
+WAIT = 300  # seconds: a bound on each wait for what the processes log
+KILL_AT = "after_quorum:contributor@3"  # the victim group stops in its third sync's round
+
+
+class GroupRun:
+    """Replica groups of :data:`SIZE` processes around one lighthouse, supervised.
+
+    Each group incarnation gets a TCPStore hosted here (its processes' gloo world and their
+    managers' store), so a restarted group starts on a fresh one. A process killed by
+    :meth:`kill_group` is expected to die; any other failure ends the run, naming it.
+    """
+
+    def __init__(self, workdir: str, groups: int, fn: Callable[[Member], Any]) -> None:
+        self.workdir, self.groups, self.fn = workdir, groups, fn
+        self.lighthouse = Lighthouse(min_replicas=1, heartbeat_timeout=2, join_timeout=60)
+        self.supervisor = ProcessSupervisor(
+            timeout=RUN_TIMEOUT, num_threads=1, on_failure=self._failed
+        )
+        self.barrier = multiprocessing.get_context("spawn").Barrier(groups * SIZE)
+        self.stores: list[Any] = []
+        self.index: dict[tuple[int, int, int], int] = {}  # (group, rank, inc) -> process
+        self.expected: set[int] = set()
+        self.outcomes: list[ProcessOutcome] | None = None
+        self.error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def _failed(self, outcome: ProcessOutcome) -> None:
+        if outcome.index not in self.expected:
+            raise RankFailedError(
+                outcome.index, outcome.name, outcome.headline(), outcome.error, []
+            )
+
+    def log_path(self, group: int, rank: int, inc: int) -> str:
+        return os.path.join(self.workdir, f"group{group}_rank{rank}_inc{inc}.jsonl")
+
+    def start_group(
+        self,
+        group: int,
+        inc: int,
+        faults: str = "",
+        perturb: frozenset[int] = frozenset(),
+        end_at_sync: int = 0,
+    ) -> None:
+        """Start the group's processes (``perturb``: the ranks whose shard goes off)."""
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.stores.append(store)
+        for rank in range(SIZE):
+            member = Member(
+                group,
+                rank,
+                SIZE,
+                self.groups,
+                inc,
+                self.lighthouse.address,
+                store.port,
+                self.log_path(group, rank, inc),
+                faults,
+                rank in perturb,
+                end_at_sync,
+                self.barrier if inc == 0 else None,
+            )
+            self.index[group, rank, inc] = self.supervisor.add(
+                self.fn,
+                (member,),
+                name=f"group {group} rank {rank}" + (f" (restart {inc})" if inc else ""),
+                env={"OMP_NUM_THREADS": "1"},
+                critical=False,
+            )
+
+    def run_in_background(self) -> None:
+        def run() -> None:
+            try:
+                self.outcomes = self.supervisor.run()
+            except BaseException as exc:  # surfaced by wait_for / join
+                self.error = exc
+
+        self._thread = threading.Thread(target=run, name="group-heal-supervisor", daemon=True)
+        self._thread.start()
+
+    def kill_group(self, group: int, inc: int) -> list[int]:
+        """SIGKILL every process of the group (by pid: processes this test started)."""
+        pids = []
+        for rank in range(SIZE):
+            index = self.index[group, rank, inc]
+            pid = self.supervisor.pid(index)
+            assert pid is not None, (group, rank, inc)
+            self.expected.add(index)
+            os.kill(pid, signal.SIGKILL)
+            pids.append(pid)
+        return pids
+
+    def events(self) -> list[dict[str, Any]]:
+        out = []
+        for name in sorted(os.listdir(self.workdir)):
+            if not name.endswith(".jsonl"):
+                continue
+            with open(os.path.join(self.workdir, name), encoding="utf-8") as f:
+                for line in f:
+                    with contextlib.suppress(json.JSONDecodeError):  # a line cut by a SIGKILL
+                        out.append(json.loads(line))
+        return sorted(out, key=lambda e: e["t"])
+
+    def wait_for(self, what: str, predicate: Callable[[list[dict[str, Any]]], bool]) -> None:
+        """Until ``predicate(events)`` holds; fails naming ``what`` after :data:`WAIT` seconds
+        or as soon as the run fails."""
+        deadline = time.monotonic() + WAIT
+        while not predicate(self.events()):
+            if self.error is not None:
+                raise self.error
+            if self._thread is not None and not self._thread.is_alive():
+                raise AssertionError(f"the run ended before {what}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not within {WAIT} s: {what}")
+            time.sleep(0.05)  # polls the processes' logs (files), not a synchronisation
+
+    def join(self) -> list[ProcessOutcome]:
+        assert self._thread is not None
+        self._thread.join(RUN_TIMEOUT + 60)
+        if self.error is not None:
+            raise self.error
+        assert self.outcomes is not None, "the supervisor did not end"
+        return self.outcomes
+
+    def value(self, group: int, rank: int, inc: int) -> Any:
+        assert self.outcomes is not None
+        return self.outcomes[self.index[group, rank, inc]].value
+
+    def close(self) -> None:
+        self.supervisor.close()  # kills what is still running (idempotent)
+        if self._thread is not None:
+            self._thread.join(60)
+        self.lighthouse.close()
+        self.stores.clear()
+
+
+@contextlib.contextmanager
+def _group_run(groups: int, fn: Callable[[Member], Any]) -> Any:
+    with tempfile.TemporaryDirectory(prefix="distoptim-groupheal-") as workdir:
+        run = GroupRun(workdir, groups, fn)
+        try:
+            yield run
+        finally:
+            run.close()
+
+
+def _of(events: list[dict[str, Any]], kind: str, **match: Any) -> list[dict[str, Any]]:
+    return [e for e in events if e["kind"] == kind and all(e[k] == v for k, v in match.items())]
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2groups", "3groups"])
+def healed(request) -> dict[str, Any]:
+    """Kill the last group (both processes) at its third sync's quorum, restart it, run on."""
+    groups = request.param
+    victim = groups - 1
+    with _group_run(groups, group_workloads.member) as run:
+        for g in range(groups):
+            run.start_group(g, 0, faults=KILL_AT if g == victim else "")
+        run.run_in_background()
+        run.wait_for(
+            f"both processes of group {victim} stopped at after_quorum",
+            lambda ev: len(_of(ev, "inject", group=victim)) == SIZE,
+        )
+        killed_at = time.time()
+        pids = run.kill_group(victim, 0)
+        run.wait_for(
+            "the survivors committed a sync without the dead group",
+            lambda ev: any(
+                e["group"] != victim and e["participants"] < groups and e["t"] > killed_at
+                for e in _of(ev, "commit")
+            ),
+        )
+        restarted_at = time.time()
+        run.start_group(victim, 1)
+        run.join()
+        values = {
+            (g, r, inc): run.value(g, r, inc)
+            for (g, r, inc) in run.index
+            if not (g == victim and inc == 0)
+        }
+        return {
+            "groups": groups,
+            "victim": victim,
+            "pids": pids,
+            "killed_at": killed_at,
+            "restarted_at": restarted_at,
+            "events": run.events(),
+            "values": values,
+        }
+
+
+def test_both_processes_of_the_victim_group_stopped_at_the_same_round(healed):
+    stops = _of(healed["events"], "inject", group=healed["victim"])
+    assert sorted(e["rank"] for e in stops) == list(range(SIZE))
+    assert len({(e["point"], e["role"], e["syncs"], e["step"]) for e in stops}) == 1, stops
+    assert stops[0]["point"] == "after_quorum" and stops[0]["role"] == "contributor"
+    assert len(set(healed["pids"])) == SIZE
+
+
+def test_every_process_of_the_restarted_group_heals_from_its_counterpart(healed):
+    victim, events = healed["victim"], healed["events"]
+    for rank in range(SIZE):
+        loads = _of(events, "loading", group=victim, rank=rank, inc=1)
+        assert loads, f"rank {rank} of the restarted group never loaded a peer's state"
+        for e in loads:
+            assert e["from_rank"] == rank, e  # its counterpart, not another shard's holder
+            assert e["from_group"] != victim, e
+            assert e["got"] == e["sent"], e  # it holds, bitwise, what the donor sent
+            served = _of(events, "serving", group=e["from_group"], rank=rank)
+            assert any(s["sent"] == e["sent"] for s in served), (e, served)
+        assert healed["values"][victim, rank, 1]["heals"] >= 1
+
+
+def test_every_process_ends_bitwise_equal_to_its_counterparts(healed):
+    values, groups = healed["values"], healed["groups"]
+    for rank in range(SIZE):
+        mine = [values[g, rank, 1 if g == healed["victim"] else 0] for g in range(groups)]
+        for key in ("state", "model", "step", "syncs"):
+            assert len({v[key] for v in mine}) == 1, (rank, key, mine)
+    # the shards of one group differ (the comparison above is not of equal halves), and every
+    # process of every group gathers the same whole model
+    finals = list(values.values())
+    assert len({values[0, r, 0]["state"] for r in range(SIZE)}) == SIZE
+    assert len({v["whole"] for v in finals}) == 1
+
+
+def test_at_every_commit_counterparts_hold_the_same_shards(healed):
+    by: dict[tuple[int, int], set[int]] = defaultdict(set)
+    for e in _of(healed["events"], "commit"):
+        by[e["rank"], e["syncs"]].add(e["state"])
+    bad = {k: v for k, v in by.items() if len(v) > 1}
+    assert not bad, f"counterparts committed different shards at (rank, sync) {sorted(bad)[:5]}"
+
+
+def test_the_survivors_never_stopped(healed):
+    victim, events = healed["victim"], healed["events"]
+    for g in range(healed["groups"]):
+        if g == victim:
+            continue
+        for rank in range(SIZE):
+            mine = _of(events, "commit", group=g, rank=rank)
+            assert {e["inc"] for e in mine} == {0}  # one process throughout
+            syncs = [e["syncs"] for e in mine]
+            assert syncs == list(range(1, len(syncs) + 1)), syncs  # every sync committed in turn
+            alone = [
+                e
+                for e in mine
+                if healed["killed_at"] < e["t"] < healed["restarted_at"]
+                and e["participants"] < healed["groups"]
+            ]
+            assert alone, f"group {g} rank {rank} committed nothing while the victim was dead"
+
+
+def test_the_restarted_group_contributes_again(healed):
+    victim, events = healed["victim"], healed["events"]
+    for rank in range(SIZE):
+        assert healed["values"][victim, rank, 1]["contributed"] >= 1
+        last = _of(events, "commit", group=victim, rank=rank, inc=1)[-1]
+        assert last["contributed"] and last["participants"] == healed["groups"], last
+
+
+# ---- a group whose processes differ from one another ---------------------------------------
+ODD, END = 1, 6  # the group whose rank 1 perturbs its shard after sync 2; syncs to run
+
+
+@pytest.fixture(scope="module")
+def differing() -> dict[str, Any]:
+    """3 groups; rank 1 of group 1 adds 1e-3 to its shard of the global copy after sync 2."""
+    groups = 3
+    with _group_run(groups, group_workloads.refused) as run:
+        for g in range(groups):
+            run.start_group(
+                g, 0, perturb=frozenset({1}) if g == ODD else frozenset(), end_at_sync=END
+            )
+        run.run_in_background()
+        run.join()
+        values = {key: run.value(*key) for key in run.index}
+        return {"groups": groups, "events": run.events(), "values": values}
+
+
+def test_a_group_whose_processes_differ_is_refused_by_name_on_both_its_processes(differing):
+    for rank in range(SIZE):  # both: its rank 0 matches its counterparts, yet it is refused
+        says = differing["values"][ODD, rank, 0].get("refused", "no error")
+        assert says.startswith("ParameterMismatchError"), (rank, says)
+        assert "state checksum" in says, (rank, says)
+        assert "is refused before it contributes" in says, (rank, says)
+
+
+def test_the_other_groups_go_on_without_it_and_stay_bitwise_equal(differing):
+    values = differing["values"]
+    others = [g for g in range(differing["groups"]) if g != ODD]
+    for rank in range(SIZE):
+        mine = [values[g, rank, 0] for g in others]
+        assert all("refused" not in v for v in mine), mine
+        assert {v["syncs"] for v in mine} == {END}
+        assert len({v["state"] for v in mine}) == 1, (rank, mine)
+        assert len({v["model"] for v in mine}) == 1, (rank, mine)
+        late = [e for e in _of(differing["events"], "commit", rank=rank) if e["syncs"] > 2]
+        assert late and all(e["group"] != ODD for e in late), late  # nothing after the fault
+        assert all(e["participants"] == len(others) for e in late), late
