@@ -8,7 +8,9 @@ every process averages its shards with its counterpart's (the same group rank) i
 group. Module-level functions: the supervisor starts processes with the ``spawn`` method.
 
 Each member appends JSON lines to its own log (flushed, so they survive a SIGKILL): ``ready``;
-``inject`` when its fault trigger fires (:mod:`distoptim.ft.inject`; it then stops itself with
+``failed`` with the error that ends it (a group that lost one
+of its processes fails in the survivor's next collective inside the group); ``inject`` when its
+fault trigger fires (:mod:`distoptim.ft.inject`; it then stops itself with
 SIGSTOP, for the test to kill); ``serving`` when it copies its state for a healing peer and
 ``loading`` when it loads one (each with the sender's group, rank and a checksum of what was
 sent, so the test sees who healed from whom); ``commit`` after every committed sync (the sync
@@ -174,6 +176,9 @@ def member(m: Member) -> dict[str, Any]:
         if m.start_barrier is not None:
             m.start_barrier.wait(240)
         return _train(m, model, opt, outer, manager)
+    except Exception as exc:  # e.g. its group lost a process: logged, then raised
+        m.log("failed", error=f"{type(exc).__name__}: {exc}"[:2000])
+        raise
     finally:
         manager.shutdown(wait=False)
         dist.destroy_process_group()

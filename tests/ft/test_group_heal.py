@@ -78,11 +78,12 @@ class GroupRun:
         self,
         group: int,
         inc: int,
-        faults: str = "",
+        faults: dict[int, str] | None = None,
         perturb: frozenset[int] = frozenset(),
         end_at_sync: int = 0,
     ) -> None:
-        """Start the group's processes (``perturb``: the ranks whose shard goes off)."""
+        """Start the group's processes (``faults``: an inject spec per rank; ``perturb``: the
+        ranks whose shard goes off)."""
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         self.stores.append(store)
         for rank in range(SIZE):
@@ -95,7 +96,7 @@ class GroupRun:
                 self.lighthouse.address,
                 store.port,
                 self.log_path(group, rank, inc),
-                faults,
+                (faults or {}).get(rank, ""),
                 rank in perturb,
                 end_at_sync,
                 self.barrier if inc == 0 else None,
@@ -118,16 +119,21 @@ class GroupRun:
         self._thread = threading.Thread(target=run, name="group-heal-supervisor", daemon=True)
         self._thread.start()
 
-    def kill_group(self, group: int, inc: int) -> list[int]:
-        """SIGKILL every process of the group (by pid: processes this test started)."""
+    def expect_death(self, group: int, inc: int) -> None:
+        """The group's processes are about to die (killed, or failing because a peer was)."""
+        self.expected.update(self.index[group, rank, inc] for rank in range(SIZE))
+
+    def kill(self, group: int, inc: int, ranks: list[int]) -> list[int]:
+        """SIGKILL those processes of the group (by pid: processes this test started); a
+        process that has exited already is skipped."""
+        self.expect_death(group, inc)
         pids = []
-        for rank in range(SIZE):
-            index = self.index[group, rank, inc]
-            pid = self.supervisor.pid(index)
+        for rank in ranks:
+            pid = self.supervisor.pid(self.index[group, rank, inc])
             assert pid is not None, (group, rank, inc)
-            self.expected.add(index)
-            os.kill(pid, signal.SIGKILL)
-            pids.append(pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+                pids.append(pid)
         return pids
 
     def events(self) -> list[dict[str, Any]]:
@@ -188,21 +194,35 @@ def _of(events: list[dict[str, Any]], kind: str, **match: Any) -> list[dict[str,
     return [e for e in events if e["kind"] == kind and all(e[k] == v for k, v in match.items())]
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["2groups", "3groups"])
+SCENARIOS = {  # id: (replica groups, the victim group's ranks that stop at KILL_AT and die)
+    "3groups-whole-group-killed": (3, [0, 1]),
+    "2groups-one-process-killed": (2, [1]),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(SCENARIOS))
 def healed(request) -> dict[str, Any]:
-    """Kill the last group (both processes) at its third sync's quorum, restart it, run on."""
-    groups = request.param
+    """The last group's ``stopped`` ranks stop at its third sync's quorum and are killed; with
+    one process killed, the other must fail on its own (a group that lost a process is dead)
+    and is then killed too, as torchrun's agent does; the group restarts; all run on."""
+    groups, stopped = SCENARIOS[request.param]
     victim = groups - 1
     with _group_run(groups, group_workloads.member) as run:
         for g in range(groups):
-            run.start_group(g, 0, faults=KILL_AT if g == victim else "")
+            run.start_group(g, 0, faults={r: KILL_AT for r in stopped} if g == victim else None)
         run.run_in_background()
         run.wait_for(
-            f"both processes of group {victim} stopped at after_quorum",
-            lambda ev: len(_of(ev, "inject", group=victim)) == SIZE,
+            f"ranks {stopped} of group {victim} stopped at after_quorum",
+            lambda ev: len(_of(ev, "inject", group=victim)) == len(stopped),
         )
         killed_at = time.time()
-        pids = run.kill_group(victim, 0)
+        pids = run.kill(victim, 0, stopped)
+        left = [r for r in range(SIZE) if r not in stopped]
+        run.wait_for(
+            f"ranks {left} of group {victim} failed once it lost a process",
+            lambda ev: len(_of(ev, "failed", group=victim, inc=0)) == len(left),
+        )
+        pids += run.kill(victim, 0, left)  # what is left of the group, as torchrun's agent
         run.wait_for(
             "the survivors committed a sync without the dead group",
             lambda ev: any(
@@ -221,6 +241,7 @@ def healed(request) -> dict[str, Any]:
         return {
             "groups": groups,
             "victim": victim,
+            "stopped": stopped,
             "pids": pids,
             "killed_at": killed_at,
             "restarted_at": restarted_at,
@@ -229,12 +250,29 @@ def healed(request) -> dict[str, Any]:
         }
 
 
-def test_both_processes_of_the_victim_group_stopped_at_the_same_round(healed):
+def test_the_victim_processes_stopped_at_the_same_round(healed):
     stops = _of(healed["events"], "inject", group=healed["victim"])
-    assert sorted(e["rank"] for e in stops) == list(range(SIZE))
+    assert sorted(e["rank"] for e in stops) == healed["stopped"]
     assert len({(e["point"], e["role"], e["syncs"], e["step"]) for e in stops}) == 1, stops
     assert stops[0]["point"] == "after_quorum" and stops[0]["role"] == "contributor"
-    assert len(set(healed["pids"])) == SIZE
+
+
+def test_a_group_that_loses_a_process_dies_whole(healed):
+    """The processes not killed fail by themselves, naming the cause, before the restart."""
+    victim, events = healed["victim"], healed["events"]
+    for rank in range(SIZE):
+        if rank in healed["stopped"]:
+            assert not _of(events, "failed", group=victim, rank=rank, inc=0)
+            continue
+        (failed,) = _of(events, "failed", group=victim, rank=rank, inc=0)
+        assert failed["t"] < healed["restarted_at"], failed
+        # in its first collective after the quorum, inside the group, naming its group rank
+        says = failed["error"]
+        assert says.startswith(f"DesyncError: DiLoCo: rank {rank} of its replica group"), says
+        assert "another process of this replica group died or stopped" in says, says
+        commits = _of(events, "commit", group=victim, rank=rank, inc=0)
+        stop = _of(events, "inject", group=victim)[0]
+        assert all(e["syncs"] <= stop["syncs"] for e in commits), commits  # nothing after it
 
 
 def test_every_process_of_the_restarted_group_heals_from_its_counterpart(healed):

@@ -435,8 +435,7 @@ class DiLoCo(ManagedDiLoCo, DiLoCoFacts, DiLoCoState, WrappedOptimizer):
             ]
             state = self._managed.checksum(copy, outer_state)
             if self._within is not None:  # the group's: every process's checksum, in order
-                with self._peer_guard("the group's state checksum", t):
-                    state = combine_checksums(state, self._within)
+                state = combine_checksums(state, self._within, self._name, t)
         header = self._identity.header(kind, t, index, finite, healing, state)
         with self._peer_guard("the sync header", t):
             return self._agreement.check(header, copy, self._identity.describe)
