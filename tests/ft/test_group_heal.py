@@ -35,7 +35,7 @@ from distoptim.launch import ProcessOutcome, ProcessSupervisor, RankFailedError
 from tests.ft import group_workloads
 from tests.ft.group_workloads import Member
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(540)]  # bounded inside, RUN_TIMEOUT
 
 SIZE = 2  # processes per replica group
 RUN_TIMEOUT = 420  # seconds: a bound on a hung run (it takes well under a minute alone)
