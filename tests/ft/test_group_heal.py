@@ -318,6 +318,7 @@ def test_the_survivors_never_stopped(healed):
         for rank in range(SIZE):
             mine = _of(events, "commit", group=g, rank=rank)
             assert {e["inc"] for e in mine} == {0}  # one process throughout
+            assert healed["values"][g, rank, 0]["heals"] == 0  # it never took a peer's state
             syncs = [e["syncs"] for e in mine]
             assert syncs == list(range(1, len(syncs) + 1)), syncs  # every sync committed in turn
             alone = [
