@@ -238,3 +238,36 @@ def refused(m: Member) -> dict[str, Any]:
     except DesyncError as exc:
         m.log("refused", error=f"{type(exc).__name__}: {exc}")
         return {"refused": f"{type(exc).__name__}: {exc}"}
+
+
+def restarted_manager(rank: int, lighthouse: str, store_port: int) -> dict[str, Any]:
+    """One process of a 2-process replica group restarted on its old store (as torchrun's
+    ``--max-restarts`` does: ``TORCHELASTIC_RESTART_COUNT`` > 0, the dead incarnation's torchft
+    keys still there). Rank 1 builds its manager first, then rank 0; both take one quorum."""
+    from distoptim.ft.replica import make_manager
+
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=False, wait_for_workers=False)
+    if rank == 0:
+        store.wait(["rank1_building"])  # rank 1 asks for rank 0's address before it exists
+    else:
+        store.set("rank1_building", "1")
+    manager = make_manager(
+        lighthouse,
+        replica_id="restarted",
+        state_dict=lambda: {},
+        load_state_dict=lambda _: None,
+        rank=rank,
+        world_size=2,
+        store_addr="127.0.0.1",
+        store_port=store_port,
+        timeout=30,
+        quorum_timeout=60,
+        connect_timeout=10,
+        init_sync=False,
+    )
+    try:
+        manager.start_quorum()
+        manager.wait_quorum()
+        return {"participants": manager.num_participants(), "errored": manager.errored()}
+    finally:
+        manager.shutdown(wait=False)

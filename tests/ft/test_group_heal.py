@@ -377,3 +377,30 @@ def test_the_other_groups_go_on_without_it_and_stay_bitwise_equal(differing):
         late = [e for e in _of(differing["events"], "commit", rank=rank) if e["syncs"] > 2]
         assert late and all(e["group"] != ODD for e in late), late  # nothing after the fault
         assert all(e["participants"] == len(others) for e in late), late
+
+
+# ---- torchrun's restart of a group on its old store ------------------------------------------
+def test_a_group_restarted_on_its_old_store_does_not_reach_its_dead_managers_address():
+    """The group's store still holds the dead incarnation's torchft keys (a manager address
+    nobody serves); both processes of the restarted group build their managers on it, rank 1
+    first, and take a quorum together."""
+    stale = "http://127.0.0.1:1"
+    with Lighthouse(min_replicas=1) as lighthouse:
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        store.set("manager_addr", stale)
+        store.set("replica_id", "restarted:dead-incarnation")
+        supervisor = ProcessSupervisor(timeout=240, num_threads=1)
+        try:
+            for rank in range(SIZE):
+                supervisor.add(
+                    group_workloads.restarted_manager,
+                    (rank, lighthouse.address, store.port),
+                    name=f"restarted rank {rank}",
+                    env={"OMP_NUM_THREADS": "1", "TORCHELASTIC_RESTART_COUNT": "1"},
+                )
+            outcomes = supervisor.run()
+        finally:
+            supervisor.close()
+        assert store.get("manager_addr").decode() != stale
+    for rank, outcome in enumerate(outcomes):
+        assert outcome.value == {"participants": 1, "errored": None}, (rank, outcome)
