@@ -9,6 +9,12 @@ commit without them, and starts the group again. Each restarted process must hea
 counterpart (the same group rank in a surviving group), contribute again, and end -- as every
 process of every group -- with the same shards, bit for bit, as its counterparts.
 
+With one process of the group killed instead, the other must fail by itself, naming its group
+rank (a group that lost a process is a group that died), before it is killed too. Also: a group
+whose processes differ from one another (one rank's shard perturbed) is refused on both its
+processes while the other groups go on; and a group restarted on its old store (torchrun's
+``--max-restarts``) does not reach its dead incarnation's manager address.
+
 Every wait is bounded and driven by what the processes log, never by a sleep; the end of the
 run is decided inside the processes from what they all see alike (``group_workloads``).
 """
