@@ -23,6 +23,9 @@ of the first incarnation: the others went on without the dead group, then it cam
 in a restarted process, the first committed sync it contributed to. Every member of every group
 commits that same sync, so all stop at the same step. A run without restarts (``end_at_sync``)
 stops after that many committed syncs.
+
+:func:`restarted_manager` is one process of a group restarted on its old store (torchrun's
+``--max-restarts``), where the dead incarnation's manager address is still published.
 """
 
 from __future__ import annotations

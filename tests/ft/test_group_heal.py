@@ -390,6 +390,9 @@ def test_a_group_restarted_on_its_old_store_does_not_reach_its_dead_managers_add
     """The group's store still holds the dead incarnation's torchft keys (a manager address
     nobody serves); both processes of the restarted group build their managers on it, rank 1
     first, and take a quorum together."""
+    from distoptim.ft import _torchft
+
+    assert _torchft.group_store_keys() == ("manager_addr", "replica_id")  # torchft 0.2.0's
     stale = "http://127.0.0.1:1"
     with Lighthouse(min_replicas=1) as lighthouse:
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)

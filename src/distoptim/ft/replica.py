@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from distoptim import checks
-from distoptim.ft._torchft import advertised_http_transport, quiet, require
+from distoptim.ft._torchft import advertised_http_transport, group_store_keys, quiet, require
 from distoptim.ft.lighthouse import lighthouse_status
 
 __all__ = [
@@ -112,7 +112,6 @@ class LighthouseWatch:
 
 RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
 """torchrun's count of this worker group's restarts (0, or unset, for its first start)."""
-_TORCHFT_KEYS = ("manager_addr", "replica_id")  # what torchft's Manager publishes, unprefixed
 
 
 def _forget_dead_incarnation(dist: Any, addr: str, port: int | None, rank: int) -> None:
@@ -130,7 +129,7 @@ def _forget_dead_incarnation(dist: Any, addr: str, port: int | None, rank: int) 
     store = dist.TCPStore(addr, port, is_master=False, wait_for_workers=False)
     mark = f"distoptim/torchft_keys_cleared/{os.environ.get(RESTART_ENV, '0')}"
     if rank == 0:
-        for key in _TORCHFT_KEYS:
+        for key in group_store_keys():
             store.delete_key(key)
         store.set(mark, "1")
     else:
