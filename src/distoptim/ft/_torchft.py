@@ -13,7 +13,9 @@ torchft upgrade that moves them breaks one small module and its test
 * whether the manager is healing in the current quorum (``Manager._healing``), so a replica
   that is about to receive a peer's state contributes nothing to this step's mean;
 * the future of the quorum in progress (``Manager._quorum_future``), so a replica can wait for
-  it in slices and say why it does not come (``wait_quorum()`` takes no timeout).
+  it in slices and say why it does not come (``wait_quorum()`` takes no timeout);
+* the keys the manager writes in its replica group's store (``group_store_keys``), which a
+  group restarted on the same store must clear first.
 
 ``TORCHFT_VERSION`` is the version these were read from (``pyproject.toml`` pins it).
 """
@@ -29,6 +31,7 @@ from typing import Any
 __all__ = [
     "TORCHFT_VERSION",
     "MissingExtraError",
+    "group_store_keys",
     "is_healing",
     "quorum_future",
     "min_replica_size",
@@ -136,3 +139,11 @@ def quorum_timeout_seconds(manager: Any) -> float:
 def quorum_id(manager: Any) -> int:
     """The id of the manager's current quorum (changes when membership changes)."""
     return int(manager._quorum_id)
+
+
+def group_store_keys() -> tuple[str, ...]:
+    """The keys torchft's manager writes, unprefixed, in its replica group's store: group rank
+    0's manager address and replica id, which the other ranks read (``torchft.manager``'s
+    ``MANAGER_ADDR_KEY`` and ``REPLICA_ID_KEY``)."""
+    manager = require("torchft.manager")
+    return (manager.MANAGER_ADDR_KEY, manager.REPLICA_ID_KEY)

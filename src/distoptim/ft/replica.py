@@ -18,15 +18,17 @@ address before that is rejoined: torchft's manager retries its quorum request
 from __future__ import annotations
 
 import datetime
+import os
 import time
 from collections.abc import Callable
 from typing import Any
 
 from distoptim import checks
-from distoptim.ft._torchft import advertised_http_transport, quiet, require
+from distoptim.ft._torchft import advertised_http_transport, group_store_keys, quiet, require
 from distoptim.ft.lighthouse import lighthouse_status
 
 __all__ = [
+    "GroupManagerUnreachableError",
     "LighthouseGoneError",
     "LighthouseUnreachableError",
     "LighthouseWatch",
@@ -37,6 +39,10 @@ __all__ = [
 
 class LighthouseUnreachableError(ConnectionError):
     """No torchft lighthouse answered at the given address within the connect timeout."""
+
+
+class GroupManagerUnreachableError(ConnectionError):
+    """A process of a replica group of several could not reach its group's rank 0 manager."""
 
 
 class LighthouseGoneError(LighthouseUnreachableError):
@@ -104,6 +110,32 @@ class LighthouseWatch:
         self._alone_since = None
 
 
+RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
+"""torchrun's count of this worker group's restarts (0, or unset, for its first start)."""
+
+
+def _forget_dead_incarnation(dist: Any, addr: str, port: int | None, rank: int) -> None:
+    """Make the group's store safe to build torchft managers on again after a restart.
+
+    torchft's ``Manager`` publishes group rank 0's manager address in the group's store under
+    fixed keys, and the other ranks read it. torchrun restarts a worker group
+    (``--max-restarts``) on the same store (its agent's), which still holds the dead
+    incarnation's address: a rank above 0 would connect to it. Here group rank 0 deletes those
+    keys, then marks this incarnation (``TORCHELASTIC_RESTART_COUNT``); the other ranks wait
+    for the mark (the store's timeout bounds it) before torchft reads the address, which rank
+    0's new manager then writes."""
+    if port is None:
+        raise ValueError("store_port is needed with store_addr (the replica group's store)")
+    store = dist.TCPStore(addr, port, is_master=False, wait_for_workers=False)
+    mark = f"distoptim/torchft_keys_cleared/{os.environ.get(RESTART_ENV, '0')}"
+    if rank == 0:
+        for key in group_store_keys():
+            store.delete_key(key)
+        store.set(mark, "1")
+    else:
+        store.wait([mark])
+
+
 def _seconds(name: str, value: Any) -> datetime.timedelta:
     return datetime.timedelta(seconds=checks.check_seconds(name, value))
 
@@ -140,7 +172,10 @@ def make_manager(
         min_replica_size: replica groups a step needs to be committed.
         rank, world_size: this process in its replica group (1 process per group by default).
         store_addr, store_port: the replica group's TCPStore; ``None`` with ``world_size=1``
-            starts one here (on ``host``, a free port).
+            starts one here (on ``host``, a free port). With ``world_size > 1``, group rank 0
+            first deletes the keys a dead incarnation's torchft manager left there (torchrun's
+            ``--max-restarts`` restarts a group on the same store) and the other ranks wait for
+            that, so none of them reaches a dead manager's address.
         host: the address peers reach this process at (manager server, checkpoint server).
         timeout: bound of every collective, ``should_commit`` and checkpoint transfer (s);
             also how long a SIGSTOPped peer holds a collective up.
@@ -188,6 +223,8 @@ def make_manager(
             )
         keepalive = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
         store_addr, store_port = host, keepalive.port
+    elif world_size > 1:
+        _forget_dead_incarnation(dist, store_addr, store_port, rank)
     try:
         manager = torchft.Manager(
             pg=torchft.ProcessGroupGloo(timeout=timeouts["timeout"]),
@@ -208,6 +245,14 @@ def make_manager(
             **timeouts,
         )
     except RuntimeError as exc:
+        if "failed to connect" in str(exc) and rank > 0:  # only rank 0 talks to the lighthouse
+            raise GroupManagerUnreachableError(
+                f"replica {replica_id!r}, rank {rank} of its {world_size} processes: its group's "
+                f"rank 0 manager did not answer within connect_timeout={connect_timeout}s "
+                f"({exc}). Rank 0 of this replica group publishes its address in the group's "
+                f"store ({store_addr}:{store_port}); it is not running, not reachable at that "
+                "address, or the address is a dead incarnation's."
+            ) from exc
         if "failed to connect" in str(exc):
             raise LighthouseUnreachableError(
                 f"replica {replica_id!r}: no torchft lighthouse answered at {lighthouse} within "

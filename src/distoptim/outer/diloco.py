@@ -435,8 +435,7 @@ class DiLoCo(ManagedDiLoCo, DiLoCoFacts, DiLoCoState, DiLoCoShardedState, Wrappe
         if self._managed is not None:  # the state word compares the copy: no float64 sums
             part, parts, word = self._state_word(kind, t, fragment)
             if self._within is not None:  # the group's: every process's checksum, in order
-                with self._peer_guard("the group's state checksum", t):
-                    word = combine_checksums(word, self._within)
+                word = combine_checksums(word, self._within, self._name, t)
             state, copy = (part, parts, word), []
         header = self._identity.header(kind, t, index, finite, healing, state)
         with self._peer_guard("the sync header", t):

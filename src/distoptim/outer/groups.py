@@ -289,16 +289,35 @@ def within_group(layout: GroupLayout) -> Any:
     return dist.new_group(ranks=list(layout.ranks), use_local_synchronization=True)
 
 
-def combine_checksums(state: int, group: Any) -> int:
+def combine_checksums(state: int, group: Any, owner: str = "DiLoCo", step: int = -1) -> int:
     """The replica group's state checksum: the 64-bit checksum of its processes' checksums in
     group-rank order (all-gathered over ``group``, bounded by its timeout). Equal in two groups
     iff every process equals its counterpart (up to checksum collisions); the same on every
-    process of a group."""
+    process of a group.
+
+    Raises ``DesyncError`` naming this process's group rank when the all-gather fails: another
+    process of this replica group died or stopped (the other replica groups are not part of
+    this collective), and a group that lost a process cannot go on -- it must be restarted
+    whole (``docs/fault_tolerance.md``)."""
     from distoptim.comm.checksum import state_checksum
     from distoptim.comm.groups import comm_device
+    from distoptim.comm.guard import DesyncError
 
     words = torch.tensor([state >> 32, state & 0xFFFFFFFF], dtype=torch.int64)
     words = words.to(comm_device(group))
-    table = words.new_empty(2 * dist.get_world_size(group))
-    dist.all_gather_single(table, words, group=group)
+    size = dist.get_world_size(group)
+    table = words.new_empty(2 * size)
+    try:
+        dist.all_gather_single(table, words, group=group)
+    except RuntimeError as exc:
+        raise DesyncError(
+            f"{owner}: rank {dist.get_rank(group)} of its replica group ({size} processes): "
+            f"the group's state checksum of step {step} (an all-gather over the group's own "
+            "processes, before the sync's header) failed: another process of this replica "
+            "group died or stopped. A replica group that lost a process is dead: end its "
+            "other processes and start the whole group again (under torchrun, kill its "
+            "workers by their process ids); the other groups go on, and the restarted "
+            "group's processes heal from their counterparts.\n(the collective said: "
+            f"{type(exc).__name__}: {str(exc).strip()})"
+        ) from exc
     return state_checksum([table.cpu()])
