@@ -196,6 +196,36 @@ def test_a_worker_dropped_after_idle_timeout_is_told_so_not_that_the_shard_died(
         assert "died" not in text and "is gone" not in text
 
 
+def test_each_request_after_an_idle_drop_is_told_so_at_once():
+    """Twenty drops in a row: each time the shard drops the quiet connection (its own state says
+    so: the worker is counted dead), the worker's next request is posted to a pair the shard no
+    longer reads and must fail at once with WorkerDroppedError -- never wait out its timeout
+    (a send gloo queued on the closed pair is never told; the reply's receive, posted first, is)
+    -- and a reconnect makes the connection usable again."""
+    from distoptim.agn import ParameterServer, WorkerDroppedError
+    from distoptim.agn.store import store_namespace
+    from distoptim.agn.transport.messages import Ping
+    from distoptim.agn.transport.p2p import P2PTransport
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    namespace = store_namespace()
+    server = ParameterServer(0, 1, 1)
+    server.incarnation = int(dist.PrefixStore(namespace, store).add("shard/0/incarnation", 1))
+    shard = P2PTransport("127.0.0.1", store.port, namespace, num_ps=1, timeout=30, idle_timeout=0.2)
+    shard.serve(server)
+    worker = P2PTransport("127.0.0.1", store.port, namespace, num_ps=1, timeout=30)
+    try:
+        worker.connect(0, timeout=30)
+        for _ in range(20):
+            server.wait_for_workers(lambda pending: {}, probe_period_s=0.05, timeout_s=30)
+            with pytest.raises(WorkerDroppedError, match=r"idle_timeout=0\.2s"):
+                worker.send(0, Ping(), 30).wait()
+            worker.reconnect(0, timeout=30)
+    finally:
+        worker.close()
+        shard.close()
+
+
 # ---- streamed and whole commits, replies in place or copied: the same math -----------------------
 def _centers_after_training(**server_options):
     from distoptim.agn.transport.shared_center import SharedCenters
