@@ -43,7 +43,13 @@ class _Flow:
 
 
 class CommitRound:
-    """Mixin of :class:`~distoptim.agn.worker.AsyncWorkerOptimizer`: its commit round."""
+    """Mixin of :class:`~distoptim.agn.worker.AsyncWorkerOptimizer`: its commit round.
+
+    It uses the optimizer's connection (``_require_connected``), its per-algorithm pieces
+    (``_payload_target``, ``_payload_part``, ``_payload``, ``_absorb_part``, ``_absorbed``,
+    ``_absorb``, ``_server_rule``, ``_in_parts``) and ``_resync``/``_reset_to``; it updates
+    ``global_step`` and ``lost_commits``.
+    """
 
     def _outbox(self, link: ShardLink) -> dict[str, torch.Tensor] | None:
         """The transport's free buffers for this link's payload, typed like its layout."""
@@ -74,11 +80,7 @@ class CommitRound:
         for link in conn.links:  # a shard restarted under another optimizer's request
             if cluster.incarnation(link.shard) != link.incarnation:
                 self._resync(link)
-        from distoptim.agn.worker import AsyncWorkerOptimizer
-
-        base = AsyncWorkerOptimizer
-        parts_out = type(self)._payload is base._payload
-        parts_in = type(self)._absorb is base._absorb
+        parts_out, parts_in = self._in_parts()
         multi = len(conn.links) > 1
         uses_opt = self._server_rule().uses_optimizer
         flows = [_Flow(link) for link in conn.links]

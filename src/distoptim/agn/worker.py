@@ -5,7 +5,8 @@ session-run hook. It validates its parameters and hyperparameters at constructio
 the cluster of its process, places each parameter's center variable on a shard
 (``AGNCustomGetter``), seeds or pulls the centers, runs the wrapped optimizer locally every step
 and, every ``communication_period`` (λ) steps, sends **one request per shard** carrying one
-flat buffer per dtype and receives that shard's center in the same round trip. The algorithms
+flat buffer per dtype and receives that shard's center in the same round trip (that round is
+:class:`~distoptim.agn.commit_round.CommitRound`, a base of the optimizer). The algorithms
 (:mod:`~distoptim.agn.agn`, :mod:`~distoptim.agn.downpour`, :mod:`~distoptim.agn.easgd`)
 differ only in three small pieces a subclass provides, per
 :class:`~distoptim.agn.shard_link.ShardLink` and per chunk of its plan (the extension point,
@@ -238,6 +239,13 @@ class AsyncWorkerOptimizer(CommitRound, WrappedOptimizer):
         for chunk in link.chunks:
             self._absorb_part(link, chunk, reply)
         self._absorbed(link, reply)
+
+    def _in_parts(self) -> tuple[bool, bool]:
+        """Whether this algorithm writes its payload chunk by chunk (it does not override
+        :meth:`_payload`) and absorbs replies chunk by chunk (it does not override
+        :meth:`_absorb`)."""
+        base = AsyncWorkerOptimizer
+        return type(self)._payload is base._payload, type(self)._absorb is base._absorb
 
     # ---- shared worker machinery ----------------------------------------------------------------
     def _reset_to(self, link: ShardLink, center: dict[str, torch.Tensor]) -> None:
