@@ -20,8 +20,13 @@ import torch.distributed as dist
 from distoptim.agn.transport.messages import Commit, Echo, Pull
 from distoptim.agn.transport.p2p import _Pipe
 from distoptim.agn.transport.shm import CONTROL_BYTES, Segment, layout_offsets
+from distoptim.launch import import_dynamo_before_groups
 
 pytestmark = pytest.mark.timeout(60)
+
+# Paid here, at collection, not by the first test that makes a P2PTransport (which imports it):
+# seconds of CPU, which on a machine loaded many times over outlasted that test's timeout.
+import_dynamo_before_groups()
 
 
 @pytest.fixture
@@ -181,6 +186,8 @@ def test_a_worker_dropped_after_idle_timeout_is_told_so_not_that_the_shard_died(
     idle_timeout -- the shard is alive."""
     from distoptim.agn import WorkerDroppedError
 
+    warm = torch.nn.Linear(3, 2)  # torch's first backward and step set up lazily: not in the
+    _train(torch.optim.SGD(warm.parameters(), lr=0.1), warm, 1)  # shard's 3 s window below
     with _shard_and_worker(idle_timeout=3) as (server, worker):
         model = torch.nn.Linear(3, 2)
         opt = _agn(worker, model)
