@@ -206,9 +206,10 @@ def test_a_worker_dropped_after_idle_timeout_is_told_so_not_that_the_shard_died(
 def test_each_request_after_an_idle_drop_is_told_so_at_once():
     """Twenty drops in a row: each time the shard drops the quiet connection (its own state says
     so: the worker is counted dead), the worker's next request is posted to a pair the shard no
-    longer reads and must fail at once with WorkerDroppedError -- never wait out its timeout
-    (a send gloo queued on the closed pair is never told; the reply's receive, posted first, is)
-    -- and a reconnect makes the connection usable again."""
+    longer reads and must fail at once with WorkerDroppedError -- not wait out its 30 s timeout
+    and say "Timed out" (a send gloo queued on the closed pair is never told that it closed; the
+    reply's receive, posted first, is). The worker then reconnects: the shard counts it alive
+    again, until it drops that connection too."""
     from distoptim.agn import ParameterServer, WorkerDroppedError
     from distoptim.agn.store import store_namespace
     from distoptim.agn.transport.messages import Ping
