@@ -20,8 +20,13 @@ import torch.distributed as dist
 from distoptim.agn.transport.messages import Commit, Echo, Pull
 from distoptim.agn.transport.p2p import _Pipe
 from distoptim.agn.transport.shm import CONTROL_BYTES, Segment, layout_offsets
+from distoptim.launch import import_dynamo_before_groups
 
 pytestmark = pytest.mark.timeout(60)
+
+# Paid here, at collection, not by the first test that makes a P2PTransport (which imports it):
+# seconds of CPU, which on a machine loaded many times over outlasted that test's timeout.
+import_dynamo_before_groups()
 
 
 @pytest.fixture
@@ -181,6 +186,8 @@ def test_a_worker_dropped_after_idle_timeout_is_told_so_not_that_the_shard_died(
     idle_timeout -- the shard is alive."""
     from distoptim.agn import WorkerDroppedError
 
+    warm = torch.nn.Linear(3, 2)  # torch's first backward and step set up lazily: not in the
+    _train(torch.optim.SGD(warm.parameters(), lr=0.1), warm, 1)  # shard's 3 s window below
     with _shard_and_worker(idle_timeout=3) as (server, worker):
         model = torch.nn.Linear(3, 2)
         opt = _agn(worker, model)
@@ -194,6 +201,37 @@ def test_a_worker_dropped_after_idle_timeout_is_told_so_not_that_the_shard_died(
         assert "dropped worker 0's connection" in text and "idle_timeout=3s" in text
         assert "the shard itself is alive" in text and "idle_timeout=SECONDS" in text
         assert "died" not in text and "is gone" not in text
+
+
+def test_each_request_after_an_idle_drop_is_told_so_at_once():
+    """Twenty drops in a row: each time the shard drops the quiet connection (its own state says
+    so: the worker is counted dead), the worker's next request is posted to a pair the shard no
+    longer reads and must fail at once with WorkerDroppedError -- not wait out its 30 s timeout
+    and say "Timed out" (a send gloo queued on the closed pair is never told that it closed; the
+    reply's receive, posted first, is). The worker then reconnects: the shard counts it alive
+    again, until it drops that connection too."""
+    from distoptim.agn import ParameterServer, WorkerDroppedError
+    from distoptim.agn.store import store_namespace
+    from distoptim.agn.transport.messages import Ping
+    from distoptim.agn.transport.p2p import P2PTransport
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    namespace = store_namespace()
+    server = ParameterServer(0, 1, 1)
+    server.incarnation = int(dist.PrefixStore(namespace, store).add("shard/0/incarnation", 1))
+    shard = P2PTransport("127.0.0.1", store.port, namespace, num_ps=1, timeout=30, idle_timeout=0.2)
+    shard.serve(server)
+    worker = P2PTransport("127.0.0.1", store.port, namespace, num_ps=1, timeout=30)
+    try:
+        worker.connect(0, timeout=30)
+        for _ in range(20):
+            server.wait_for_workers(lambda pending: {}, probe_period_s=0.05, timeout_s=30)
+            with pytest.raises(WorkerDroppedError, match=r"idle_timeout=0\.2s"):
+                worker.send(0, Ping(), 30).wait()
+            worker.reconnect(0, timeout=30)
+    finally:
+        worker.close()
+        shard.close()
 
 
 # ---- streamed and whole commits, replies in place or copied: the same math -----------------------

@@ -5,7 +5,8 @@ session-run hook. It validates its parameters and hyperparameters at constructio
 the cluster of its process, places each parameter's center variable on a shard
 (``AGNCustomGetter``), seeds or pulls the centers, runs the wrapped optimizer locally every step
 and, every ``communication_period`` (λ) steps, sends **one request per shard** carrying one
-flat buffer per dtype and receives that shard's center in the same round trip. The algorithms
+flat buffer per dtype and receives that shard's center in the same round trip (that round is
+:class:`~distoptim.agn.commit_round.CommitRound`, a base of the optimizer). The algorithms
 (:mod:`~distoptim.agn.agn`, :mod:`~distoptim.agn.downpour`, :mod:`~distoptim.agn.easgd`)
 differ only in three small pieces a subclass provides, per
 :class:`~distoptim.agn.shard_link.ShardLink` and per chunk of its plan (the extension point,
@@ -43,28 +44,22 @@ next commit (their ``incarnation`` is behind the connection's).
 
 from __future__ import annotations
 
-import contextlib
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from distoptim.agn.center_guard import finite, finite_tensor
 from distoptim.agn.cluster import Cluster, current_cluster
+from distoptim.agn.commit_round import CommitRound
 from distoptim.agn.flat import Chunk, FlatLayout, nbytes
 from distoptim.agn.getter import AGNCustomGetter
 from distoptim.agn.rules import ServerRule
 from distoptim.agn.shard_link import ShardLink
-from distoptim.agn.transport.base import Pending, ShardLostError, Stream
+from distoptim.agn.transport.base import ShardLostError
 from distoptim.agn.transport.messages import (
-    Commit,
-    CommitReply,
-    ErrorReply,
     Pull,
     PullReply,
-    Reply,
     Seed,
     TableSpec,
 )
@@ -111,19 +106,6 @@ class SessionRunHook:
 
 
 @dataclass
-class _Flow:
-    """One link's part of a commit in progress."""
-
-    link: ShardLink
-    payload: dict[str, torch.Tensor] | None = None
-    hparams: dict[int, dict[str, Any]] | None = None
-    stream: Stream | None = None
-    pending: Pending | None = None
-    lost: ShardLostError | None = None
-    finite: bool = True
-
-
-@dataclass
 class _Connection:
     cluster: Cluster
     task_index: int
@@ -164,7 +146,7 @@ def _check_params(owner: str, optimizer: torch.optim.Optimizer) -> None:
                 )
 
 
-class AsyncWorkerOptimizer(WrappedOptimizer):
+class AsyncWorkerOptimizer(CommitRound, WrappedOptimizer):
     """Base of the parameter-server optimizers (see the module docstring).
 
     Read-outs: ``local_step`` (worker steps), ``global_step`` (the center's version as last
@@ -257,6 +239,13 @@ class AsyncWorkerOptimizer(WrappedOptimizer):
         for chunk in link.chunks:
             self._absorb_part(link, chunk, reply)
         self._absorbed(link, reply)
+
+    def _in_parts(self) -> tuple[bool, bool]:
+        """Whether this algorithm writes its payload chunk by chunk (it does not override
+        :meth:`_payload`) and absorbs replies chunk by chunk (it does not override
+        :meth:`_absorb`)."""
+        base = AsyncWorkerOptimizer
+        return type(self)._payload is base._payload, type(self)._absorb is base._absorb
 
     # ---- shared worker machinery ----------------------------------------------------------------
     def _reset_to(self, link: ShardLink, center: dict[str, torch.Tensor]) -> None:
@@ -467,176 +456,6 @@ class AsyncWorkerOptimizer(WrappedOptimizer):
         self.local_step += 1
         if self.local_step % self.communication_period == 0:
             self._commit()
-
-    def _outbox(self, link: ShardLink) -> dict[str, torch.Tensor] | None:
-        """The transport's free buffers for this link's payload, typed like its layout."""
-        specs = link.layout.buffers()
-        sizes = [n * torch.empty((), dtype=d).element_size() for _, d, n in specs]
-        raw = self._require_connected().cluster.transport.outbox(link.shard, sizes)
-        if raw is None:
-            return None
-        return {k: b.view(d) for (k, d, _), b in zip(specs, raw)}
-
-    def _hparams(self, link: ShardLink) -> dict[int, dict[str, Any]] | None:
-        """Numeric hyperparameters that changed since the last commit (LR schedules)."""
-        changed: dict[int, dict[str, Any]] = {}
-        for gi, g in enumerate(self.param_groups):
-            now = {
-                k: v
-                for k, v in g.items()
-                if k != "params" and isinstance(v, (int, float)) and not isinstance(v, bool)
-            }
-            if now != link.sent_hparams.get(gi):
-                changed[gi] = now
-                link.sent_hparams[gi] = now
-        return changed or None
-
-    def _commit(self) -> None:
-        conn = self._require_connected()
-        cluster = conn.cluster
-        for link in conn.links:  # a shard restarted under another optimizer's request
-            if cluster.incarnation(link.shard) != link.incarnation:
-                self._resync(link)
-        base = AsyncWorkerOptimizer
-        parts_out = type(self)._payload is base._payload
-        parts_in = type(self)._absorb is base._absorb
-        multi = len(conn.links) > 1
-        uses_opt = self._server_rule().uses_optimizer
-        flows = [_Flow(link) for link in conn.links]
-        try:
-            for f in flows:  # streams start now, so each shard works while payloads are written
-                link = f.link
-                link.out = self._outbox(link)
-                link.plan(cluster.transport.chunk_bytes(link.shard))
-                if parts_out and link.streamable:
-                    f.payload = self._payload_target(link)
-                    f.hparams = self._hparams(link) if uses_opt else None
-                    commit = self._commit_request(link, f.payload, f.hparams, False)
-                    try:
-                        f.stream = cluster.stream(link.shard, commit, link.chunks, link.inbox)
-                    except ShardLostError as exc:
-                        f.lost = exc
-            for f in flows:
-                self._write_payload(f, parts_out, check=multi)
-            refuse = not all(f.finite for f in flows)
-            for f in flows:
-                self._send(f, cluster, refuse, uses_opt)
-            reasons: list[str] = []
-            for f in flows:
-                self._finish_link(f, cluster, parts_in, reasons)
-        except BaseException:
-            for f in flows:  # wind every exchange down: the connections stay usable
-                if f.stream is not None:
-                    f.stream.abandon()
-                if f.pending is not None:
-                    with contextlib.suppress(Exception):
-                        f.pending.wait()
-            raise
-        lost = [f for f in flows if f.lost is not None]
-        for f in lost:  # the commit is lost; wait for the shard, take its center
-            cluster.reconnect(f.link.shard, f.lost)
-            self._resync(f.link)
-        self.lost_commits += bool(lost)
-        if reasons:
-            warnings.warn(
-                f"{self._name}: worker {conn.task_index}'s commit at local step {self.local_step} "
-                f"was refused by the parameter server ({'; '.join(sorted(set(reasons)))}); the "
-                "center is unchanged and the local parameters were reset to it",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-
-    def _commit_request(
-        self,
-        link: ShardLink,
-        flats: dict[str, torch.Tensor],
-        hparams: dict[int, dict[str, Any]] | None,
-        refused: bool,
-    ) -> Commit:
-        conn = self._require_connected()
-        transmit(nbytes(flats))
-        return Commit(self._name, conn.task_index, link.version, flats, hparams, refused)
-
-    def _write_payload(self, f: _Flow, parts: bool, check: bool) -> None:
-        """Write link ``f.link``'s payload (chunk by chunk, each made ready as it is written
-        when streaming); with ``check``, note whether it is finite (a sum per chunk, in cache)."""
-        link = f.link
-        if not parts:
-            f.payload = self._payload(link)
-            f.finite = not check or finite(f.payload)
-            return
-        dst = f.payload if f.payload is not None else self._payload_target(link)
-        f.payload = dst
-        for chunk in link.chunks:
-            self._payload_part(link, chunk, dst)
-            if check and f.finite:
-                f.finite = finite_tensor(chunk.of(dst))
-            if f.stream is not None and f.lost is None:
-                try:
-                    f.stream.ready(chunk.index)
-                except ShardLostError as exc:
-                    f.lost, f.stream = exc, None
-
-    def _send(self, f: _Flow, cluster: Cluster, refuse: bool, uses_opt: bool) -> None:
-        """Tell a streaming shard the verdict; send a whole commit to the others."""
-        link = f.link
-        if f.lost is not None:
-            return
-        try:
-            if f.stream is not None:
-                f.stream.finish("refuse" if refuse else "ok")
-                return
-            assert f.payload is not None
-            hp = self._hparams(link) if uses_opt and not refuse else None
-            commit = self._commit_request(link, {} if refuse else f.payload, hp, refuse)
-            f.pending = cluster.send(link.shard, commit, into=link.reply_buffers())
-        except ShardLostError as exc:
-            f.lost, f.stream = exc, None
-
-    def _finish_link(self, f: _Flow, cluster: Cluster, parts: bool, reasons: list[str]) -> None:
-        """Take the reply: chunk by chunk as it arrives (streaming), then the outcome. A whole
-        reply may be the shard's own memory, read in place: released once absorbed."""
-        link = f.link
-        if f.lost is not None:
-            return
-        assert f.payload is not None
-        pending: Pending | None = None
-        try:
-            if f.stream is not None:
-                stream = f.stream
-                for chunk in link.chunks:
-                    stream.arrived(chunk.index)
-                    if parts:
-                        self._absorb_part(link, chunk, stream.reply_flats)
-                f.stream = None
-                reply: Reply = stream.wait()
-                center = stream.reply_flats
-            else:
-                assert f.pending is not None
-                pending, f.pending = f.pending, None
-                reply = pending.wait()
-                center = getattr(reply, "flats", {})
-        except ShardLostError as exc:
-            f.lost = exc
-            return
-        try:  # absorbed, and only then released
-            if isinstance(reply, ErrorReply):
-                self._resync(link)  # the local copy may hold part of a reply: take the center
-                raise reply.to_exception()
-            assert isinstance(reply, CommitReply)
-            link.version = reply.version
-            self.global_step = max(self.global_step, reply.version)
-            if reply.refused:
-                reasons.append(reply.reason or "refused")
-                link.sent_hparams.clear()
-                self._reset_to(link, reply.flats)
-            elif reply.streamed and parts:
-                self._absorbed(link, center)
-            else:
-                self._absorb(link, f.payload, center if reply.streamed else reply.flats)
-        finally:
-            if pending is not None:
-                pending.release()
 
     # ---- state ----------------------------------------------------------------------------------
     def _wrapper_state_dict(self) -> dict[str, Any]:

@@ -190,7 +190,9 @@ class Welcome(Reply):
     its process ``pid`` on ``host``, the ``chunk_bytes`` of its tables' chunk plans when commits
     on this connection are streamed in that plan (0: they travel whole, :mod:`distoptim.agn.flat`)
     and, when its centers may be read in place, a small region to try mapping (``centers``,
-    :mod:`~distoptim.agn.transport.shared_center`)."""
+    :mod:`~distoptim.agn.transport.shared_center`). ``idle_timeout``: seconds the shard waits
+    for this connection's next request before dropping it (0: unknown), so that a worker whose
+    connection breaks after a pause that long knows to look for the shard's drop notice."""
 
     shard: int
     incarnation: int
@@ -198,6 +200,7 @@ class Welcome(Reply):
     host: str = ""
     chunk_bytes: int = 0
     centers: RegionRef | None = None
+    idle_timeout: float = 0.0
 
 
 @dataclass

@@ -15,17 +15,22 @@ Rendezvous and control (all keys under the cluster's namespace in the job's ``TC
   own thread. ``close()`` pushes a stop request, which ends the acceptor without any timeout.
 * ``shard/<s>/<inc>/pg/<k>/...`` -- the ``PrefixStore`` in which connection ``k``'s 2-rank
   ``ProcessGroupGloo`` (shard rank 0, worker rank 1) makes its own rendezvous.
-* ``shard/<s>/<inc>/dropped/<k>`` -- set (to the shard's ``idle_timeout``) when the shard dropped
-  connection ``k`` because its worker sent no request for that long; a worker whose connection
-  broke reads it to tell this from a shard that died
-  (:class:`~distoptim.agn.transport.base.WorkerDroppedError`).
+* ``shard/<s>/<inc>/ended/<k>`` -- the shard's notice, written as it ends connection ``k``:
+  ``dropped <idle_timeout>`` when its worker sent no request for that long, else ``closed``. A
+  worker whose connection broke reads it to tell a drop from a shard that died
+  (:class:`~distoptim.agn.transport.base.WorkerDroppedError`). The pair breaks a moment before
+  the notice is written, so a worker that was quiet for the shard's ``idle_timeout`` (told in
+  ``Welcome``) waits for it: until it is there, the shard's process is known to have ended (same
+  machine), or :data:`NOTICE_S` passed (a shard on another machine).
 
 A connection starts with :class:`~distoptim.agn.transport.messages.Hello` (the worker's task,
 pid and host; the reply is :class:`~distoptim.agn.transport.messages.Welcome`), then carries one
-request and its reply at a time. Every receive has a timeout: a worker waits ``timeout`` for a
-reply; a shard waits ``idle_timeout`` for the next request (a worker silent for longer is
-dropped; if it comes back it reconnects like a late worker). A timeout closes the connection
-(gloo closes the pair), so the next request on it reconnects.
+request and its reply at a time; the worker posts the receive of the reply before it sends the
+request (gloo tells a posted receive when the pair breaks, but not a send it queued on a pair the
+shard already closed: that one would wait out its timeout). Every receive has a timeout: a
+worker waits ``timeout`` for a reply; a shard waits ``idle_timeout`` for the next request (a
+worker silent for longer is dropped; if it comes back it reconnects like a late worker). A
+timeout closes the connection (gloo closes the pair), so the next request on it reconnects.
 
 Replies are sent from the live center when possible (see :mod:`distoptim.agn.server`): the shard
 sends the reply before it reads the next request and releases the table's read lock once the
@@ -69,6 +74,7 @@ Tensors must be on the CPU (gloo); process groups are made directly
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import pickle
 import socket
@@ -101,6 +107,8 @@ from distoptim.agn.transport.messages import (
     Welcome,
 )
 from distoptim.agn.transport.p2p_worker import (
+    CLOSED,
+    DROPPED,
     _Channel,
     _P2PPending,
     _P2PStream,
@@ -111,10 +119,14 @@ from distoptim.agn.transport.shared_center import MappedCenters
 from distoptim.agn.transport.shm import Segment
 from distoptim.launch import import_dynamo_before_groups
 
-__all__ = ["DEFAULT_IDLE_TIMEOUT", "P2PTransport"]
+__all__ = ["DEFAULT_IDLE_TIMEOUT", "NOTICE_S", "P2PTransport"]
 
 DEFAULT_IDLE_TIMEOUT = 1800.0
 """Seconds a shard waits for a connected worker's next request before dropping it."""
+
+NOTICE_S = 10.0
+"""Seconds a worker whose connection broke after a pause of the shard's ``idle_timeout`` waits
+for the notice of a shard on another machine (one that died leaves none)."""
 
 _STOP = b"stop"
 _FOREVER = timedelta(days=3650)
@@ -228,11 +240,14 @@ class P2PTransport(Transport):
             timedelta(seconds=wait_s),
         )
         pipe = _Pipe(pg, 0, replies=False)
+        started = time.monotonic()
         try:
             hello = Hello(self._task, os.getpid(), socket.gethostname())
-            end = time.monotonic() + max(wait_s, self.timeout)
-            _wait_all(pipe.send(hello)[0], end)
-            reply = pipe.recv(end)[0]
+            end = started + max(wait_s, self.timeout)
+            welcome = pipe.post()  # before the request (see _P2PPending.wait)
+            works = pipe.send(hello)[0]
+            reply = pipe.recv(end, posted=welcome)[0]
+            _wait_all(works, end)
             if not isinstance(reply, Welcome):
                 raise ParameterServerError(f"parameter server {shard} answered hello with {reply}")
         except BaseException:
@@ -253,6 +268,8 @@ class P2PTransport(Transport):
             reply.pid,
             reply.host,
             reply.chunk_bytes,
+            idle_timeout=reply.idle_timeout,
+            answered=started,
         )
 
     def send(
@@ -265,11 +282,13 @@ class P2PTransport(Transport):
         ch = self._connected(shard)
         what = type(request).__name__
         self._hold(ch)
+        started = time.monotonic()
         try:
+            reply = ch.pipe.post()  # before the request (see _P2PPending.wait)
             works = ch.pipe.send(request)[0]
         except Exception as exc:
             raise self._broke(ch, what, exc) from exc
-        return _P2PPending(self, ch, works, into, timeout, what)
+        return _P2PPending(self, ch, works, reply, into, timeout, what, started)
 
     def chunk_bytes(self, shard: int) -> int:
         ch = self._channels.get(shard)
@@ -363,29 +382,46 @@ class P2PTransport(Transport):
             f"parameter server {ch.shard} (incarnation {ch.incarnation}) did not complete "
             f"{what} ({elapsed:.1f}s, timeout {self.timeout:g}s): {exc}"
         )
+        notice = self._end_notice(ch, wait=ch.may_be_dropped())
+        if notice is not None and notice.startswith(DROPPED):
+            return self._dropped(ch, notice)
         if "Timed out" in str(exc):
             return ParameterServerError(text)
-        idle = self._dropped_after(ch)
-        if idle is not None:
-            return WorkerDroppedError(
-                ch.shard,
-                f"parameter server {ch.shard} dropped worker {self._task}'s connection because "
-                f"the worker sent it no request for idle_timeout={idle}s (a pause between steps "
-                "longer than that: evaluation, saving, a debugger); the shard itself is alive. "
-                "Raise the shards' idle_timeout (agn.spawn(..., idle_timeout=SECONDS), "
-                "Cluster.from_env(idle_timeout=SECONDS) or ClusterOptions(idle_timeout=SECONDS)), "
-                "or start workers with reconnect_timeout > 0 to reconnect after such a drop "
-                "(the commit in flight is then lost)",
-            )
         return ShardLostError(ch.shard, text)
 
-    def _dropped_after(self, ch: _Channel) -> str | None:
-        """The shard's ``idle_timeout`` if it dropped connection ``ch`` for idleness, else None."""
-        key = f"shard/{ch.shard}/{ch.incarnation}/dropped/{ch.number}"
-        try:
-            return self._store.get(key).decode() if self._store.check([key]) else None
-        except Exception:  # the store is gone too: the job is ending, say what was seen
-            return None
+    def _dropped(self, ch: _Channel, notice: str) -> WorkerDroppedError:
+        """The error of a worker whose connection ``ch`` the shard dropped (``notice``)."""
+        idle = notice[len(DROPPED) :].strip()
+        return WorkerDroppedError(
+            ch.shard,
+            f"parameter server {ch.shard} dropped worker {self._task}'s connection because "
+            f"the worker sent it no request for idle_timeout={idle}s (a pause between steps "
+            "longer than that: evaluation, saving, a debugger); the shard itself is alive. "
+            "Raise the shards' idle_timeout (agn.spawn(..., idle_timeout=SECONDS), "
+            "Cluster.from_env(idle_timeout=SECONDS) or ClusterOptions(idle_timeout=SECONDS)), "
+            "or start workers with reconnect_timeout > 0 to reconnect after such a drop "
+            "(the commit in flight is then lost)",
+        )
+
+    def _end_notice(self, ch: _Channel, wait: bool) -> str | None:
+        """The notice the shard left as it ended connection ``ch`` (None: none). With ``wait``
+        (the connection broke after a pause that may have got it dropped), wait for it until it
+        is there, the shard's process is known to have ended, or the bound (``timeout`` for a
+        shard on this machine, whose process is watched; :data:`NOTICE_S` for another)."""
+        key = f"shard/{ch.shard}/{ch.incarnation}/ended/{ch.number}"
+        local = ch.host == socket.gethostname() and ch.pid > 0
+        end = time.monotonic() + ((self.timeout if local else NOTICE_S) if wait else 0.0)
+        pause = 0.001
+        while True:
+            try:
+                if self._store.check([key]):
+                    return self._store.get(key).decode()
+            except Exception:  # the store is gone too: the job is ending, say what was seen
+                return None
+            if time.monotonic() >= end or _process_gone(ch.pid, ch.host):
+                return None
+            time.sleep(pause)  # the shard writes it right after the pair closed
+            pause = min(0.05, pause * 2)
 
     def reconnect(self, shard: int, timeout: float) -> int:
         """Drop the broken connection to ``shard`` and connect to its next incarnation."""
@@ -451,12 +487,16 @@ class P2PTransport(Transport):
             return  # the worker went away before the connection was made
         pipe = _Pipe(pg, 1, replies=True)
         pool: dict[framing.BufferSpec, torch.Tensor] = {}
+        notice: list[str] = []  # left in the store once, before the pair closes when it can be
         try:
             first = pipe.recv(time.monotonic() + self.timeout)[0]
             if not isinstance(first, Hello) or first.task != task:
                 return
             handled = handler.handle(first)
-            _wait_all(pipe.send(handled.reply)[0], time.monotonic() + self.timeout)
+            welcome = handled.reply
+            if isinstance(welcome, Welcome):  # the worker learns how long it may be quiet
+                welcome = dataclasses.replace(welcome, idle_timeout=self.idle_timeout)
+            _wait_all(pipe.send(welcome)[0], time.monotonic() + self.timeout)
 
             def probe() -> None:
                 if _process_gone(first.pid, first.host):
@@ -473,8 +513,7 @@ class P2PTransport(Transport):
                     )
                     posted = None
                 except _Idle:  # the worker is told why, should it come back (WorkerDroppedError)
-                    with contextlib.suppress(Exception):
-                        store.set(f"{self._prefix()}/dropped/{k}", f"{self.idle_timeout:g}")
+                    self._leave_notice(store, k, f"{DROPPED} {self.idle_timeout:g}", notice)
                     handler.connection_lost(task)
                     return
                 except Exception:
@@ -516,7 +555,15 @@ class P2PTransport(Transport):
         except Exception:
             handler.connection_lost(task)
         finally:
+            self._leave_notice(store, k, CLOSED, notice)
             pipe.close()
+
+    def _leave_notice(self, store: dist.Store, k: int, text: str, left: list[str]) -> None:
+        """Tell connection ``k``'s worker why the shard ended it (once: ``left`` remembers)."""
+        if not left:
+            left.append(text)
+            with contextlib.suppress(Exception):  # the store is gone: the job is ending
+                store.set(f"{self._prefix()}/ended/{k}", text)
 
     def gone(self, tasks: Sequence[int]) -> list[int]:
         return []  # a broken connection already told the shard (connection_lost)

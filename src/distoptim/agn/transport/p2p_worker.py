@@ -36,6 +36,15 @@ from distoptim.agn.transport.shm import PROGRESS_SUPPORTED
 if TYPE_CHECKING:
     from distoptim.agn.transport.p2p import P2PTransport
 
+DROPPED = "dropped"
+"""How the notice a shard leaves for a connection it ended begins when it dropped it for
+idleness (followed by its ``idle_timeout``); otherwise the notice is :data:`CLOSED`."""
+CLOSED = "closed"
+
+_NOTICE_CHECK_S = 0.5
+"""How often a streamed commit waiting on a shared-memory counter after a long pause looks for
+the shard's drop notice in the store."""
+
 
 def _process_gone(pid: int, host: str) -> bool:
     """Whether process ``pid`` on ``host`` is known to have ended (False when unknown)."""
@@ -68,11 +77,19 @@ class _Channel:
     chunk_bytes: int = 0  # the shard's chunk plan (from Welcome; 0: no streaming)
     broken: bool = False
     shm_refused: bool = False  # the shard could not map a segment (another machine)
+    idle_timeout: float = 0.0  # the shard's (from Welcome): it drops a connection this quiet
+    answered: float = 0.0  # when the last request that was answered started (monotonic)
 
     def probe(self) -> None:
         """Raise if the shard's process is known to have ended."""
         if _process_gone(self.pid, self.host):
             raise ShardLostError(self.shard, f"parameter server {self.shard}'s process ended")
+
+    def may_be_dropped(self) -> bool:
+        """Whether the shard may have dropped this connection for idleness by now: it began to
+        wait for the next request after answering the last one, which started at ``answered``,
+        so a drop needs at least ``idle_timeout`` since then."""
+        return self.idle_timeout > 0 and time.monotonic() - self.answered >= self.idle_timeout
 
 
 class _P2PPending(Pending):
@@ -81,17 +98,20 @@ class _P2PPending(Pending):
         transport: P2PTransport,
         channel: _Channel,
         works: list[Any],
+        reply: tuple[torch.Tensor, Any],
         into: dict[str, torch.Tensor] | None,
         timeout: float,
         what: str,
+        started: float,
     ) -> None:
         self._t = transport
         self._ch = channel
         self._works = works
+        self._reply = reply  # the reply header's receive, posted before the request was sent
         self._into = into
         self._timeout = timeout
         self._what = what
-        self._started = time.monotonic()
+        self._started = started
         self._done = False
 
     def wait(self) -> Reply:
@@ -101,13 +121,18 @@ class _P2PPending(Pending):
         ch = self._ch
         deadline = self._started + self._timeout
         try:
+            # the reply first: a receive is told at once when the pair breaks, while a send
+            # that gloo queued on a pair the shard closed is never told and would wait out
+            # the deadline. Once the reply is here, the shard has read the whole request.
+            reply = ch.pipe.recv(deadline, into=self._into, posted=self._reply)[0]
             _wait_all(self._works, deadline)
-            return ch.pipe.recv(deadline, into=self._into)[0]
         except Exception as exc:
             ch.broken = True
             raise self._t._lost(ch, self._what, exc, time.monotonic() - self._started) from exc
         finally:
             ch.lock.release()
+        ch.answered = self._started
+        return reply
 
     def release(self) -> None:
         with self._ch.lock:
@@ -142,6 +167,7 @@ class _P2PStream(Stream):
         self._finished = False
         self._closed = False
         self._sends: list[Any] = []
+        self._next_notice_check = 0.0
         specs = [framing.BufferSpec(k, t.dtype, t.numel()) for k, t in flats.items()]
         offsets = pipe.place(flats) if PROGRESS_SUPPORTED else None
         self._seg = pipe.segment if offsets is not None else None
@@ -160,6 +186,7 @@ class _P2PStream(Stream):
             self._copy = [None] * self._n
             self.reply_flats = {s.key: pipe._buffer(s, into, None) for s in specs}
             info = framing.StreamInfo(ch.chunk_bytes)
+        self._reply_header = pipe.post()  # before the request (see _P2PPending.wait)
         self._sends += pipe.send(request, info, copy=False)[0]
         if self._seg is None:
             self._recvs = [
@@ -217,13 +244,26 @@ class _P2PStream(Stream):
                 k = self._next_arrived
                 if self._seg is not None:
                     self._seg.reply_progress.wait(
-                        self._reply_base + k + 1, self._deadline, self._ch.probe
+                        self._reply_base + k + 1, self._deadline, self._probe
                     )
                 else:
                     self._recvs[k].wait(_seconds(self._deadline))
                 self._next_arrived += 1
         except Exception as exc:
             raise self._fail(exc) from exc
+
+    def _probe(self) -> None:
+        """Between sleeps on a reply counter: raise if the shard's process ended or (after a
+        pause long enough for it) the shard left notice that it dropped this connection -- the
+        counter lives in shared memory, which does not break with the pair."""
+        ch = self._ch
+        ch.probe()
+        now = time.monotonic()
+        if ch.may_be_dropped() and now >= self._next_notice_check:
+            self._next_notice_check = now + _NOTICE_CHECK_S
+            notice = self._t._end_notice(ch, wait=False)
+            if notice is not None and notice.startswith(DROPPED):
+                raise self._t._dropped(ch, notice)
 
     def wait(self) -> Reply:
         if self._closed:
@@ -232,12 +272,14 @@ class _P2PStream(Stream):
             raise RuntimeError("finish() a stream before waiting for its reply")
         self.arrived(self._n - 1)
         try:
+            ch = self._ch
+            reply = ch.pipe.recv(self._deadline, into=self.reply_flats, posted=self._reply_header)
             _wait_all(self._sends, self._deadline)
-            reply = self._ch.pipe.recv(self._deadline, into=self.reply_flats)[0]
         except Exception as exc:
             raise self._fail(exc) from exc
+        self._ch.answered = self._started
         self._release()
-        return reply
+        return reply[0]
 
     def abandon(self) -> None:
         if self._closed:
