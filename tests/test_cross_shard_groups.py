@@ -22,7 +22,10 @@ construction errors. The parent checks every rank:
     the unsharded group's; the rest is the buckets' fixed words (presence flags, sequence
     words), the same few bytes in both;
 (d) configurations that cannot be one model, or that are not supported with ``DTensor``
-    parameters, raise at construction, before any group is created.
+    parameters, raise at construction, before any group is created (the TF path: at its
+    call); counterparts laid out
+    differently (FSDP2 in one group, tensor parallelism in the other) fail the first round's
+    parameter-list agreement on every rank.
 """
 
 from __future__ import annotations
@@ -194,6 +197,7 @@ def _errors() -> dict[str, str]:
         ("overlap", True),
         ("gradient_as_bucket_view", True),
         ("max_grad_norm", 1.0),
+        ("backward_passes_per_step", 2),
     ]:
         attempt(option, lambda o=option, v=value: CrossShardOptimizer(sgd, group=mesh, **{o: v}))
     mixed = _model()
@@ -201,7 +205,40 @@ def _errors() -> dict[str, str]:
     attempt("mixed", lambda: CrossShardOptimizer(_inner(mixed, "sgd"), group=mesh))
     hsdp = _shard(_model(), mesh)  # FSDP2 over the 2-D mesh already all-reduces across groups
     attempt("hsdp_twice", lambda: CrossShardOptimizer(_inner(hsdp, "sgd"), group=mesh))
+    x, y = _batch(0, 0)
+    loss = F.mse_loss(model(x), y)
+    tf = CrossShardOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), group=mesh)
+    attempt("compute_gradients", lambda: tf.compute_gradients(loss))
+    pairs = [(torch.zeros_like(p), p) for p in model.parameters()]
+    attempt("apply_gradients", lambda: tf.apply_gradients(pairs))
     return out
+
+
+def _mismatched_layouts() -> str:
+    """Group 0 shards with FSDP2, group 1 with TP: counterparts hold pieces of other shapes."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from distoptim.comm.guard import DesyncError
+
+    mesh = _mesh()
+    model = _model()
+    if dist.get_rank() < PER_GROUP:
+        _shard(model, mesh["shard"])
+    else:
+        plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+        model = parallelize_module(model, mesh["shard"], plan)
+    opt = CrossShardOptimizer(_inner(model, "sgd"), group=mesh)
+    x, y = _batch(0, 0)
+    F.mse_loss(model(x), y).backward()
+    try:
+        opt.step()  # the first round: its parameter-list agreement
+    except DesyncError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
 
 
 def _run(rank: int, world: int) -> dict[Any, Any]:
@@ -211,6 +248,7 @@ def _run(rank: int, world: int) -> dict[Any, Any]:
         out["torch", name] = _torch_hsdp(name)
     out["unsharded"] = _unsharded()
     out["errors"] = _errors()
+    out["mismatched"] = _mismatched_layouts()
     return out
 
 
@@ -265,14 +303,23 @@ ERRORS = {
     "overlap": "overlap=True",
     "gradient_as_bucket_view": "gradient_as_bucket_view=True",
     "max_grad_norm": "max_grad_norm=",
+    "backward_passes_per_step": "backward_passes_per_step > 1",
     "mixed": "are plain tensors",
     "hsdp_twice": "would average its shard",
+    "compute_gradients": "the TF path",
+    "apply_gradients": "the TF path",
 }
 
 
 @pytest.mark.parametrize("case", sorted(ERRORS))
-def test_configurations_that_are_not_one_model_fail_at_construction(runs, case):
+def test_configurations_that_are_not_one_model_are_refused(runs, case):
     for rank, out in enumerate(runs):
         message = out["errors"][case]
         assert message.startswith("ValueError") or message.startswith("TypeError"), message
         assert ERRORS[case] in message, (rank, message)
+
+
+def test_counterparts_laid_out_differently_fail_the_first_round(runs):
+    for rank, out in enumerate(runs):
+        message = out["mismatched"]
+        assert message.startswith("ParameterMismatchError"), (rank, message)

@@ -123,6 +123,7 @@ def _check_groups(
         "gradient_as_bucket_view=True": options.gradient_as_bucket_view,
         "shard_optimizer_state=True": options.shard_optimizer_state,
         "max_grad_norm=": options.max_grad_norm is not None,
+        "backward_passes_per_step > 1": options.backward_passes_per_step > 1,
     }
     checks.check_cross_group(owner, params, replica_ranks(options.group_assignment, pg), refused)
     return pg
@@ -191,7 +192,8 @@ class CrossShardOptimizer(CrossShardTFPath, CrossShardState, WrappedOptimizer):
             of the bytes of an unsharded group (:mod:`distoptim.sync.local_grads`). A channel
             holding another process of this process's own group is a ``ValueError``; so are
             ``DTensor`` parameters with ``manager=``, ``overlap``, ``gradient_as_bucket_view``,
-            ``shard_optimizer_state`` or ``max_grad_norm`` (not supported yet).
+            ``shard_optimizer_state``, ``max_grad_norm`` or ``backward_passes_per_step > 1``
+            (not supported yet).
 
     Collectives are bucketed (see :mod:`distoptim.comm.bucket`). A parameter whose gradient is
     None on some ranks is zero-filled there; one with no gradient on any rank keeps ``None``.
