@@ -11,7 +11,8 @@ same cross-group channel) for the bytes, and the
 construction errors. The parent checks every rank:
 
 (a) every process of every group ends with one model: the gathered shards are bitwise equal on
-    all four ranks;
+    all four ranks; the same model over each cross-group channel (``group=mesh``, its
+    replicate dimension's ``ProcessGroup``, ``group_assignment=[[0, 2], [1, 3]]``);
 (b) the result is torch's HSDP result bitwise. Why bitwise: both runs compute the same local
     gradients, reduce-scatter them the same way inside the group (FSDP2's own collective), and
     then add the two groups' pieces -- one addition of two float32 numbers, commutative, the
@@ -48,6 +49,7 @@ GROUPS, PER_GROUP = 2, 2
 ROWS = 8  # a group's batch per step (each of its 2 processes takes 4 rows)
 STEPS = 6
 OPTIMIZERS = ["sgd", "adam"]
+CHANNELS = ["process_group", "assignment"]  # besides group=mesh
 
 
 def _model() -> nn.Module:
@@ -113,11 +115,17 @@ def _train(model: nn.Module, opt: Any, per_step: list[int] | None = None) -> Non
             per_step.append(opt.comm_stats.bytes_sent - before)
 
 
-def _hsdp_cross_shard(name: str) -> dict[str, Any]:
-    """FSDP2 inside each group, CrossShardOptimizer across the groups."""
+def _hsdp_cross_shard(name: str, channel: str = "mesh") -> dict[str, Any]:
+    """FSDP2 inside each group, CrossShardOptimizer across the groups over ``channel``: the
+    2-D mesh, its replicate dimension's ProcessGroup, or a group_assignment."""
     mesh = _mesh()
     model = _shard(_model(), mesh["shard"])
-    opt = CrossShardOptimizer(_inner(model, name), group=mesh)
+    across: dict[str, Any] = {
+        "mesh": {"group": mesh},
+        "process_group": {"group": mesh.get_group("replicate")},
+        "assignment": {"group_assignment": [[0, 2], [1, 3]]},
+    }[channel]
+    opt = CrossShardOptimizer(_inner(model, name), **across)
     per_step: list[int] = []
     _train(model, opt, per_step)
     opt.finish()
@@ -246,6 +254,8 @@ def _run(rank: int, world: int) -> dict[Any, Any]:
     for name in OPTIMIZERS:
         out["cross_shard", name] = _hsdp_cross_shard(name)
         out["torch", name] = _torch_hsdp(name)
+    for channel in CHANNELS:
+        out["channel", channel] = _hsdp_cross_shard("sgd", channel)["full"]
     out["unsharded"] = _unsharded()
     out["errors"] = _errors()
     out["mismatched"] = _mismatched_layouts()
@@ -272,6 +282,12 @@ def test_equal_to_torchs_hsdp_bitwise(runs, name):
         assert torch.equal(ours, theirs), (
             f"rank {rank}: max |diff| {(ours - theirs).abs().max().item():.3g}"
         )
+
+
+@pytest.mark.parametrize("channel", CHANNELS)
+def test_every_cross_group_channel_gives_the_same_model(runs, channel):
+    for rank, out in enumerate(runs):
+        assert torch.equal(out["channel", channel], out["cross_shard", "sgd"]["full"]), rank
 
 
 def test_each_process_sends_one_kth_of_the_unsharded_groups_bytes(runs):
