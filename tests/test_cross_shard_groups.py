@@ -13,11 +13,13 @@ construction errors. The parent checks every rank:
 (a) every process of every group ends with one model: the gathered shards are bitwise equal on
     all four ranks; the same model over each cross-group channel (``group=mesh``, its
     replicate dimension's ``ProcessGroup``, ``group_assignment=[[0, 2], [1, 3]]``);
-(b) the result is torch's HSDP result bitwise. Why bitwise: both runs compute the same local
-    gradients, reduce-scatter them the same way inside the group (FSDP2's own collective), and
-    then add the two groups' pieces -- one addition of two float32 numbers, commutative, the
-    same in gloo's all-reduce and in CrossShard's -- and divide by powers of two (exact); the
-    inner optimizer then runs on identical ``DTensor`` gradients;
+(b) the result is torch's HSDP result bitwise (SGD with momentum, Adam; uneven shards too).
+    Why bitwise: both runs compute the same local gradients, reduce-scatter them the same way
+    inside the group (FSDP2's own collective), then add the two groups' pieces -- one addition
+    of two float32 numbers, commutative, the same in gloo's all-reduce and in CrossShard's --
+    and divide by powers of two (exact); the inner optimizer then runs on identical ``DTensor``
+    gradients. (With more than two groups the sums may associate differently: rounding-level
+    differences, not tested here);
 (c) the bytes each process sends per step are counted (``comm_stats.bytes_sent``, the ring
     model ``2 (n - 1) / n`` of the bucket bytes) and the gradient payload is exactly ``1/k`` of
     the unsharded group's; the rest is the buckets' fixed words (presence flags, sequence
@@ -55,6 +57,14 @@ CHANNELS = ["process_group", "assignment"]  # besides group=mesh
 def _model() -> nn.Module:
     torch.manual_seed(0)  # sizes divisible by k: every shard is exactly 1/k of the model
     return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
+
+
+def _uneven() -> nn.Module:
+    torch.manual_seed(0)  # 10 and 5 rows over 2 processes: FSDP2's uneven shards (5/5, 3/2)
+    return nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 4))
+
+
+MODELS = {"even": _model, "uneven": _uneven}
 
 
 def _inner(model: nn.Module, name: str) -> torch.optim.Optimizer:
@@ -115,11 +125,11 @@ def _train(model: nn.Module, opt: Any, per_step: list[int] | None = None) -> Non
             per_step.append(opt.comm_stats.bytes_sent - before)
 
 
-def _hsdp_cross_shard(name: str, channel: str = "mesh") -> dict[str, Any]:
+def _hsdp_cross_shard(name: str, channel: str = "mesh", shape: str = "even") -> dict[str, Any]:
     """FSDP2 inside each group, CrossShardOptimizer across the groups over ``channel``: the
     2-D mesh, its replicate dimension's ProcessGroup, or a group_assignment."""
     mesh = _mesh()
-    model = _shard(_model(), mesh["shard"])
+    model = _shard(MODELS[shape](), mesh["shard"])
     across: dict[str, Any] = {
         "mesh": {"group": mesh},
         "process_group": {"group": mesh.get_group("replicate")},
@@ -141,9 +151,9 @@ def _hsdp_cross_shard(name: str, channel: str = "mesh") -> dict[str, Any]:
     }
 
 
-def _torch_hsdp(name: str) -> torch.Tensor:
+def _torch_hsdp(name: str, shape: str = "even") -> torch.Tensor:
     """torch's own HSDP: FSDP2 over the 2-D mesh, the same optimizer, no wrapper."""
-    model = _shard(_model(), _mesh())
+    model = _shard(MODELS[shape](), _mesh())
     opt = _inner(model, name)
     for t in range(STEPS):
         x, y = _batch(dist.get_rank() // PER_GROUP, t)
@@ -254,6 +264,8 @@ def _run(rank: int, world: int) -> dict[Any, Any]:
     for name in OPTIMIZERS:
         out["cross_shard", name] = _hsdp_cross_shard(name)
         out["torch", name] = _torch_hsdp(name)
+    out["uneven"] = _hsdp_cross_shard("adam", shape="uneven")["full"]
+    out["torch", "uneven"] = _torch_hsdp("adam", shape="uneven")
     for channel in CHANNELS:
         out["channel", channel] = _hsdp_cross_shard("sgd", channel)["full"]
     out["unsharded"] = _unsharded()
@@ -282,6 +294,12 @@ def test_equal_to_torchs_hsdp_bitwise(runs, name):
         assert torch.equal(ours, theirs), (
             f"rank {rank}: max |diff| {(ours - theirs).abs().max().item():.3g}"
         )
+
+
+def test_uneven_shards_equal_torchs_hsdp_bitwise(runs):
+    for rank, out in enumerate(runs):
+        assert torch.equal(out["uneven"], out["torch", "uneven"]), rank
+        assert torch.equal(out["uneven"], runs[0]["uneven"]), rank
 
 
 @pytest.mark.parametrize("channel", CHANNELS)
