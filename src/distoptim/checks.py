@@ -24,6 +24,7 @@ __all__ = [
     "check_bool",
     "check_bucket_cap_mb",
     "check_choice",
+    "check_cross_group",
     "check_finite_hyperparameters",
     "check_int",
     "check_optional_int",
@@ -245,3 +246,50 @@ def _finite(value: Any) -> bool:
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
         return math.isfinite(float(value))
     return True  # None and other non-numbers are torch's business
+
+
+def check_cross_group(
+    owner: str,
+    params: Iterable[torch.Tensor],
+    replicas: list[int] | None,
+    refused: dict[str, bool],
+) -> None:
+    """Parameters that are ``DTensor``s (a replica group of several processes, each holding
+    its piece) are averaged only with their counterparts in other groups.
+
+    ``replicas``: the global ranks this process would average with (``None``: not in a process
+    group); ``refused``: options that cannot be combined with ``DTensor`` parameters, by name,
+    ``True`` where given. Raises ``ValueError`` (parameters mixed, meshes over different ranks,
+    a channel that holds another piece of this process's own model, a refused option); changes
+    nothing.
+    """
+    from distoptim.local_shards import sharded_ranks
+
+    params = list(params)
+    ranks = sharded_ranks(owner, params)
+    if ranks is None:
+        return
+    given = [name for name, on in refused.items() if on]
+    if given:
+        raise ValueError(
+            f"{owner}: the parameters are DTensors (a model sharded over ranks {list(ranks)}), "
+            f"which {', '.join(given)} does not support yet; allowed with DTensor parameters: "
+            "the default apply path (packed .grad, overlap=False) over group= or "
+            "group_assignment="
+        )
+    if replicas is None:
+        return
+    import torch.distributed as dist
+
+    me = dist.get_rank()
+    shared = sorted((set(ranks) & set(replicas)) - {me})
+    if shared:
+        raise ValueError(
+            f"{owner}: rank {me} would average its shard of the model with ranks {shared}, "
+            f"which hold other pieces of the same model (its parameters are DTensors over ranks "
+            f"{list(ranks)}): averaging them mixes different parameters. Pass the cross-group "
+            "channel -- this process and its counterpart in every other replica group: "
+            "group=mesh with mesh_dim_names=('replicate', 'shard') and the model sharded over "
+            "mesh['shard'], group=<that ProcessGroup>, or a group_assignment like "
+            "[[0, 2], [1, 3]] for 2 groups of 2 processes"
+        )

@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from distoptim.local_shards import local_view
+
 __all__ = ["Bucket", "BucketPlan"]
 
 
@@ -268,6 +270,9 @@ class BucketPlan:
     ``trailer_dtype`` on ``trailer_device``. ``pad_to=n`` pads every bucket's gradient region
     to a multiple of ``n`` elements (``n`` equal shards); ``flags=False`` leaves out the flag
     regions (the caller carries presence flags in another buffer).
+
+    A ``DTensor`` parameter (FSDP2, tensor parallelism) is laid out by its local tensor: its
+    slot has the shape, dtype and device of what this process holds of it.
     """
 
     def __init__(
@@ -302,7 +307,7 @@ class BucketPlan:
         open_: dict[tuple[torch.dtype, torch.device], Bucket] = {}
         first_of: dict[tuple[torch.dtype, torch.device], int] = {}
         for i in ready:
-            p = self.params[i]
+            p = local_view(self.params[i])  # a DTensor's piece: what this process reduces
             key = (p.dtype, p.device)
             nbytes = p.numel() * p.element_size()
             bucket = open_.get(key)

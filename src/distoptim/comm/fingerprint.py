@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from distoptim.comm.guard import ParameterMismatchError
+from distoptim.local_shards import is_dtensor, local_view
 
 __all__ = ["MESSAGE_BYTES", "ParameterMismatchError", "check_agreement", "digest"]
 
@@ -31,10 +32,17 @@ MESSAGE_BYTES = 8 * (1 + _WORDS)
 
 
 def digest(params: Sequence[torch.Tensor], options: Mapping[str, object]) -> bytes:
-    """32 bytes that differ when the ordered shapes/dtypes/requires_grad or ``options`` do."""
+    """32 bytes that differ when the ordered shapes/dtypes/requires_grad or ``options`` do.
+
+    A ``DTensor``'s shape is its global shape and the shape of this process's local piece (what
+    the buckets hold): counterparts laid out differently (FSDP2 in one replica group, tensor
+    parallelism in another) differ. A plain tensor's digest is unchanged."""
     h = hashlib.blake2b(digest_size=8 * _WORDS)
     for p in params:
-        h.update(f"{tuple(p.shape)}|{p.dtype}|{int(p.requires_grad)};".encode())
+        shape = f"{tuple(p.shape)}"
+        if is_dtensor(p):
+            shape += f"/{tuple(local_view(p).shape)}"
+        h.update(f"{shape}|{p.dtype}|{int(p.requires_grad)};".encode())
     h.update(repr(sorted((k, repr(v)) for k, v in options.items())).encode())
     return h.digest()
 

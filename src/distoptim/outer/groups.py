@@ -11,7 +11,8 @@ Owns the layout side of DiLoCo / LocalSGD / Streaming DiLoCo (``docs/groups.md``
   handed to the outer optimizer is rebuilt as a ``DTensor`` of the parameter's mesh and
   placements around the averaged local tensor (:func:`like_param`, no communication), so the
   outer optimizer's state is a local-shard ``DTensor`` too. A plain tensor is its own local
-  view: nothing changes for it.
+  view: nothing changes for it. (These helpers live in :mod:`distoptim.local_shards`, shared
+  with ``CrossShardOptimizer`` across replica groups; re-exported here.)
 * **the cross-group channel** -- :func:`resolve_group`: ``group=`` may be a ``DeviceMesh``; a
   1-D mesh is its group, a mesh of several dimensions gives its dimension named ``"replicate"``
   (or ``"dp_replicate"``, torchtitan's name).
@@ -40,6 +41,14 @@ import torch
 import torch.distributed as dist
 
 from distoptim.checks import type_name
+from distoptim.local_shards import (
+    REPLICATE_DIMS,
+    is_dtensor,
+    like_param,
+    local_view,
+    resolve_group,
+    sharded_ranks,
+)
 
 __all__ = [
     "REPLICATE_DIMS",
@@ -54,66 +63,6 @@ __all__ = [
     "resolve_group",
     "within_group",
 ]
-
-REPLICATE_DIMS = ("replicate", "dp_replicate")
-"""Names of the mesh dimension across replica groups, when ``group=`` is a mesh of several."""
-
-
-def is_dtensor(t: Any) -> bool:
-    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (a sharded or replicated piece)."""
-    if not isinstance(t, torch.Tensor) or not dist.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
-def local_view(p: torch.Tensor) -> torch.Tensor:
-    """What this process holds of ``p``: a ``DTensor``'s local tensor, else ``p`` itself.
-
-    The result aliases ``p``'s storage (in-place writes change ``p``). Take it anew at each use:
-    FSDP2 may replace a parameter's local tensor object (its lazy initialisation re-pads it).
-    """
-    if is_dtensor(p):
-        with torch.no_grad():
-            return p.to_local()
-    return p
-
-
-def like_param(t: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """``t`` (shaped like ``local_view(p)``) as ``p``'s kind: a ``DTensor`` of ``p``'s mesh,
-    placements, global shape and stride around ``t`` (no communication, no copy), or ``t``."""
-    if not is_dtensor(p):
-        return t
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(
-        t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-    )
-
-
-def resolve_group(owner: str, group: Any) -> Any:
-    """``group=`` as DiLoCo takes it: a ``DeviceMesh`` becomes the process group of its
-    cross-group dimension; anything else is returned as it is (checked elsewhere)."""
-    if not dist.is_available():
-        return group
-    from torch.distributed.device_mesh import DeviceMesh
-
-    if not isinstance(group, DeviceMesh):
-        return group
-    if group.ndim == 1:
-        return group.get_group()
-    names = tuple(group.mesh_dim_names or ())
-    found = [n for n in names if n in REPLICATE_DIMS]
-    if len(found) != 1:
-        raise ValueError(
-            f"{owner}: group is a {group.ndim}-D DeviceMesh with dimensions {names or 'unnamed'}; "
-            "say which dimension runs across the replica groups: name exactly one dimension "
-            f"{' or '.join(map(repr, REPLICATE_DIMS))} (init_device_mesh(..., "
-            "mesh_dim_names=('replicate', 'shard'))), or pass that dimension's 1-D mesh, "
-            "group=mesh['<name>']"
-        )
-    return group.get_group(found[0])
 
 
 @dataclass(frozen=True)
@@ -186,23 +135,8 @@ def group_layout(owner: str, params: Sequence[torch.Tensor], inner: Any, model: 
                 f"{owner}: model must hold the inner optimizer's parameters; {len(missing)} of "
                 f"them (shapes {missing[:5]}) are not model.parameters()"
             )
-    sharded = [p for p in params if is_dtensor(p)]
-    if sharded:
-        if len(sharded) != len(params):
-            plain = [tuple(p.shape) for p in params if not is_dtensor(p)]
-            raise ValueError(
-                f"{owner}: {len(sharded)} parameters are DTensors and {len(plain)} are plain "
-                f"tensors (shapes {plain[:5]}): inside a replica group every parameter must be "
-                "laid out by the same wrapper (fully_shard or parallelize_module over the whole "
-                "model)"
-            )
-        meshes = {tuple(p.device_mesh.mesh.flatten().tolist()) for p in sharded}
-        ranks = max(meshes, key=len)
-        if any(not set(m) <= set(ranks) for m in meshes):
-            raise ValueError(
-                f"{owner}: the parameters' DTensor meshes cover different processes "
-                f"({sorted(meshes)}): a replica group's parameters must live on one set of ranks"
-            )
+    ranks = sharded_ranks(owner, params)
+    if ranks is not None:
         return GroupLayout(len(ranks), "sharded", ranks)
     from torch.nn.parallel import DistributedDataParallel
 

@@ -15,7 +15,9 @@ Down the floors a ``step()`` takes:
   chosen at construction: :mod:`~distoptim.sync.packed`, :mod:`~distoptim.sync.views`
   (gradients as bucket views) or :mod:`~distoptim.sync.sharded` (weight-update sharding, over
   the flat update of :mod:`distoptim.sync.sharding`); :mod:`distoptim.sync.clipping` --
-  ``max_grad_norm``, the reduced gradient clipped by its global norm.
+  ``max_grad_norm``, the reduced gradient clipped by its global norm;
+* :mod:`distoptim.sync.local_grads` -- ``DTensor`` parameters across replica groups (HSDP):
+  each process reduces its local piece of the gradient over the cross-group ``group=``.
 
 The bytes themselves move in :mod:`distoptim.comm`. ``distoptim.cross_shard`` and
 ``distoptim.cross_shard_sharding`` re-export the 0.2.0 names.

@@ -50,6 +50,7 @@ from distoptim.elementwise_rule import is_per_element
 from distoptim.protocol import GradsAndVars, swapped_grads
 from distoptim.sync.clipping import GradClip
 from distoptim.sync.collectives import Collectives
+from distoptim.sync.local_grads import as_grad_of
 from distoptim.sync.options import SyncOptions
 from distoptim.sync.sharding import State
 
@@ -156,7 +157,7 @@ class SwappedHeld(Held):
         by_id = {id(v): g for g, v in pairs}
         for p in params:
             g = by_id.get(id(p))
-            p.grad = None if g is None else g.to(dtype=p.dtype, device=p.device)
+            p.grad = None if g is None else as_grad_of(g, p)
 
     def step(self, opt: torch.optim.Optimizer, clip: GradClip | None) -> None:
         try:

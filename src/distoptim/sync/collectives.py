@@ -65,8 +65,15 @@ class Replicas:
         return None
 
     @classmethod
-    def join(cls, groups: list[list[int]] | None, stacklevel: int, quiet: bool = False) -> Replicas:
-        """The replicas of this rank: all ranks, or its subgroup of ``groups`` (validated).
+    def join(
+        cls,
+        groups: list[list[int]] | None,
+        stacklevel: int,
+        quiet: bool = False,
+        pg: dist.ProcessGroup | None = None,
+    ) -> Replicas:
+        """The replicas of this rank: all ranks, its subgroup of ``groups`` (validated), or the
+        given process group ``pg`` (the cross-group channel; ``groups`` is then None).
 
         Creating subgroups is a collective of the default group: every rank calls this with the
         same ``groups``. Outside a process group, or with world size 1, warns once (at
@@ -89,8 +96,8 @@ class Replicas:
                 stacklevel=stacklevel + 1,
             )
             return cls(None, 1, 0, [0])
-        group: dist.ProcessGroup | None = None
-        size = world
+        group: dist.ProcessGroup | None = pg
+        size = world if pg is None else dist.get_world_size(pg)
         if groups is not None:
             group, _ = dist.new_subgroups_by_enumeration(groups)
             size = len(groups[0])

@@ -60,6 +60,7 @@ from distoptim.comm.stats import CommStats
 from distoptim.protocol import WrappedOptimizer, run_closure
 from distoptim.sync.apply import ApplyStrategy
 from distoptim.sync.collectives import Collectives, Replicas
+from distoptim.sync.local_grads import cross_group, replica_ranks
 from distoptim.sync.options import Reduction, SyncOptions
 from distoptim.sync.packed import PackedApply, TensorGrads
 from distoptim.sync.replicated import ReplicatedRounds
@@ -98,6 +99,34 @@ def _check_managed(manager: Any, options: SyncOptions) -> None:
             "healing replica would need every peer's shard of the optimizer state; shard "
             "within a replica group only once that is built, or drop one of the two"
         )
+
+
+def _check_groups(
+    opt: torch.optim.Optimizer, options: SyncOptions, group: Any, manager: Any
+) -> Any:
+    """``group=`` resolved (a ``DeviceMesh``'s cross-group dimension), and ``DTensor``
+    parameters averaged only with their counterparts (checked before any side effect)."""
+    owner = "CrossShardOptimizer"
+    pg = cross_group(owner, group)
+    if pg is not None and options.group_assignment is not None:
+        raise ValueError(
+            f"{owner}: pass group= (the cross-group channel) or group_assignment=, not both"
+        )
+    if pg is not None and manager is not None:
+        raise ValueError(
+            f"{owner}: pass group= or manager= (torchft connects the replica groups), not both"
+        )
+    params = [p for g in opt.param_groups for p in g["params"]]
+    refused = {
+        "manager=": manager is not None,
+        "overlap=True": options.overlap,
+        "gradient_as_bucket_view=True": options.gradient_as_bucket_view,
+        "shard_optimizer_state=True": options.shard_optimizer_state,
+        "max_grad_norm=": options.max_grad_norm is not None,
+        "backward_passes_per_step > 1": options.backward_passes_per_step > 1,
+    }
+    checks.check_cross_group(owner, params, replica_ranks(options.group_assignment, pg), refused)
+    return pg
 
 
 class CrossShardOptimizer(CrossShardTFPath, CrossShardState, WrappedOptimizer):
@@ -154,6 +183,17 @@ class CrossShardOptimizer(CrossShardTFPath, CrossShardState, WrappedOptimizer):
             (``torch.nn.utils.clip_grad_norm_``'s rule; bitwise DDP's ``backward();
             clip_grad_norm_(params, c); step()``; with ``shard_optimizer_state`` the norm is
             summed over the shards with one scalar all-reduce).
+        group: ``None`` or the cross-group channel instead of ``group_assignment``: a
+            ``ProcessGroup`` or a ``DeviceMesh`` (a 1-D mesh, or the dimension named
+            ``"replicate"`` / ``"dp_replicate"`` of a mesh of several). With a model sharded
+            inside each replica group (``fully_shard(model, mesh=mesh["shard"])``, parameters
+            ``DTensor``s: HSDP) it must hold this process and its counterpart in every other
+            group only: each process averages its local shard's gradient with theirs, ``1/k``
+            of the bytes of an unsharded group (:mod:`distoptim.sync.local_grads`). A channel
+            holding another process of this process's own group is a ``ValueError``; so are
+            ``DTensor`` parameters with ``manager=``, ``overlap``, ``gradient_as_bucket_view``,
+            ``shard_optimizer_state``, ``max_grad_norm`` or ``backward_passes_per_step > 1``
+            (not supported yet).
 
     Collectives are bucketed (see :mod:`distoptim.comm.bucket`). A parameter whose gradient is
     None on some ranks is zero-filled there; one with no gradient on any rank keeps ``None``.
@@ -184,6 +224,7 @@ class CrossShardOptimizer(CrossShardTFPath, CrossShardState, WrappedOptimizer):
         shard_optimizer_state: bool = False,
         max_grad_norm: float | None = None,
         manager: Any = None,
+        group: Any = None,
     ) -> None:
         # validate everything before any side effect (subgroup creation is collective)
         options = SyncOptions.check(
@@ -203,7 +244,10 @@ class CrossShardOptimizer(CrossShardTFPath, CrossShardState, WrappedOptimizer):
         )
         if manager is not None:
             _check_managed(manager, options)
-        replicas = Replicas.join(options.group_assignment, stacklevel=2, quiet=manager is not None)
+        pg = _check_groups(opt, options, group, manager)
+        replicas = Replicas.join(
+            options.group_assignment, stacklevel=2, quiet=manager is not None, pg=pg
+        )
         super().__init__(opt, name=name)
         self._options = options
         comm = Collectives(replicas, options.wire, CommStats())

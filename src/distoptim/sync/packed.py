@@ -27,6 +27,7 @@ from distoptim.sync.apply import (
     reduced_pairs,
 )
 from distoptim.sync.collectives import Collectives
+from distoptim.sync.local_grads import local_grad
 from distoptim.sync.options import SyncOptions
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -43,7 +44,7 @@ class TensorGrads(GradSource):
 
     def grads_of(self, plan: BucketPlan) -> Callable[[Bucket], Sequence[torch.Tensor | None]]:
         params = plan.params
-        return lambda b: [params[i].grad for i in b.members]
+        return lambda b: [local_grad(params[i]) for i in b.members]
 
     def buffers(self, plan: BucketPlan, fresh: bool, copy: bool) -> tuple[BufferOf, None]:
         return (Bucket.new_buffer if fresh else Bucket.persistent_buffer), None

@@ -4,17 +4,19 @@ Owns the two hooks :class:`~distoptim.protocol.TFOptimizerProtocol` leaves to a 
 the :class:`CrossShardTFPath` mixin the optimizer inherits: the loss scaling of
 ``compute_gradients`` (``loss / n`` for MEAN on ``n > 1`` replicas, else the loss itself) and
 the application of ``apply_gradients``' pairs (summed across the group into fresh tensors,
-applied once). The semantics are the optimizer's (``docs/cross_shard.md``,
+applied once). ``DTensor`` parameters (HSDP) are refused here: ``backward()`` and ``step()``
+only. The semantics are the optimizer's (``docs/cross_shard.md``,
 :mod:`distoptim.sync.optimizer`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
+from distoptim.local_shards import is_dtensor
 from distoptim.protocol import GradsAndVars, swapped_grads
 from distoptim.sync.apply import ApplyStrategy
 from distoptim.sync.options import Reduction
@@ -40,7 +42,19 @@ class CrossShardTFPath:
     step: Callable[..., Any]
 
     # ---- TF path: compute_gradients / apply_gradients -----------------------------------------
+    def _refuse_dtensors(self, params: Iterable[torch.Tensor]) -> None:
+        """The TF path takes plain parameters only: under FSDP2 the sharded parameters are not
+        in the autograd graph (FSDP2 reduce-scatters into their ``.grad`` in backward)."""
+        if any(is_dtensor(p) for p in params):
+            raise TypeError(
+                "CrossShardOptimizer: the TF path (compute_gradients / apply_gradients / "
+                "minimize) does not take DTensor parameters (FSDP2 or tensor parallelism "
+                "inside a replica group): FSDP2 reduces their gradients into .grad during "
+                "backward(); use loss.backward() and step()"
+            )
+
     def _scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        self._refuse_dtensors(self._all_params())
         if self.reduction is Reduction.MEAN and self.num_shards > 1:
             return loss / self.num_shards
         return loss
@@ -52,6 +66,7 @@ class CrossShardTFPath:
                 "CrossShardOptimizer(manager=...) reduces .grad in step(); the TF path "
                 "(apply_gradients/minimize) is not fault-tolerant: use backward() and step()"
             )
+        self._refuse_dtensors(v for _, v in pairs)
         for _, v in pairs:
             if not v.requires_grad:
                 raise ValueError(
