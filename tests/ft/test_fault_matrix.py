@@ -30,6 +30,7 @@ from tests.ft import workloads
 
 RUN_TIMEOUT = 600  # a bound on a hung case (a case takes 1-4 min on 2 loaded cores)
 FAR = 96  # steps between the scenario's "stop at" and where the replicas are when it says so
+REPLICAS, MIN_REPLICAS = 3, 2  # the replicas of a case, and the lighthouse's floor of a quorum
 
 
 class _Injected:
@@ -40,23 +41,38 @@ class _Injected:
     * ``"kill-final"``: SIGKILL it and do not restart it (a fault inside ``finish()``);
     * ``"kill-once"``: the same as ``"kill"`` for the first replica that answers with it,
       ``"cont"`` after (e.g. whichever of two possible donors serves first);
-    * ``"stop"``: leave it frozen until the others committed two more rounds, then SIGCONT it;
+    * ``"stop"``: leave it frozen until the others went on without it, then SIGCONT it;
     * ``"cont"``: SIGCONT it at once.
+
+    *Went on without it*: another slot committed a round of a quorum numbered above the one
+    the frozen replica logged at its ``inject`` (the lighthouse numbers its quorums in
+    increasing order, a new number whenever the members change, and a frozen process joins no
+    quorum), whichever order the two slots' events arrive in. A freeze that would leave fewer
+    than ``min_replicas`` replicas unfrozen (no quorum could form, nobody would commit, nobody
+    would be thawed) thaws the replica frozen longest at once instead (in the two-joiners
+    bundle the newer freeze's quorum was formed without it). Either way a thawed replica must
+    contribute again: to a round after the one it was frozen in.
 
     Ends the run (``finish_at``) once ``expected`` injections happened and every replica taken
     down contributed to a commit after coming back.
     """
 
-    def __init__(self, responses: dict[str, str], expected: int, key: str) -> None:
+    def __init__(
+        self, responses: dict[str, str], expected: int, key: str, replicas: int, min_replicas: int
+    ) -> None:
         self.responses = responses
         self.expected = expected
         self.key = key  # "syncs" (DiLoCo family) or "step" (CrossShard)
+        self.replicas, self.min_replicas = replicas, min_replicas
         self.top = 0
-        self.frozen: dict[int, int] = {}  # slot -> the others' round when it was frozen
+        self.committed_in: dict[int, int] = {}  # slot -> the newest quorum it committed in
+        self.frozen: dict[int, int] = {}  # slot -> the quorum it froze in, oldest freeze first
         self.down: dict[int, tuple[int, int]] = {}  # slot -> (incarnation back, contributed)
         self.injected: list[tuple[int, int, str, str, str]] = []
+        self.thawed: list[tuple[int, str]] = []  # (slot, why), in order
         self.once_used = False
         self.ended = False
+        self.ended_at = 0.0  # time.monotonic() when the end was decided
 
     def _response(self, e: dict[str, Any]) -> str:
         r = self.responses.get(f"{e['slot']}.{e['inc']}")
@@ -67,14 +83,32 @@ class _Injected:
             r, self.once_used = ("cont" if self.once_used else "kill"), True
         return r
 
+    def _went_on_without(self, slot: int) -> bool:
+        return any(q > self.frozen[slot] for s, q in self.committed_in.items() if s != slot)
+
+    def _thaw(self, slot: int, why: str, c: Controls) -> None:
+        del self.frozen[slot]
+        self.thawed.append((slot, why))
+        c.cont(slot)
+
+    def _freeze(self, e: dict[str, Any], c: Controls) -> None:
+        slot = e["slot"]
+        # its frozen round may still commit (a stop between should_commit and the apply): the
+        # contribution it must make again is one after that round
+        self.down[slot] = (e["inc"], e["contributed"] + (e["point"] == "before_apply"))
+        self.frozen[slot] = e["quorum"]
+        if self._went_on_without(slot):  # the others' evidence arrived before its inject
+            self._thaw(slot, "the others went on without it", c)
+        while self.frozen and self.replicas - len(self.frozen) < self.min_replicas:
+            self._thaw(next(iter(self.frozen)), "a second freeze: no quorum without it", c)
+
     def __call__(self, e: dict[str, Any], c: Controls) -> None:
         slot = e["slot"]
         if e["kind"] == "commit":
             self.top = max(self.top, e["step"])
-            for s, mark in list(self.frozen.items()):
-                if s != slot and e[self.key] >= mark + 2:
-                    del self.frozen[s]
-                    c.cont(s)
+            self.committed_in[slot] = max(self.committed_in.get(slot, -1), e["quorum"])
+            for s in [s for s in self.frozen if s != slot and self._went_on_without(s)]:
+                self._thaw(s, "the others went on without it", c)
             back = self.down.get(slot)
             if back is not None and e["inc"] >= back[0] and e["contributed"] > back[1]:
                 del self.down[slot]
@@ -89,18 +123,13 @@ class _Injected:
             elif response == "kill-final":  # inside finish(): the run is ending, no restart
                 assert c.kill(slot)
             elif response == "stop":
-                rounds = [h[self.key] for h in c.history if h["kind"] == "commit"]
-                self.frozen[slot] = max(rounds, default=0)
-                self.down[slot] = (e["inc"], e["contributed"])
+                self._freeze(e, c)
             else:
                 c.cont(slot)
         done = len(self.injected) >= self.expected and not self.down and not self.frozen
         if not self.ended and done:
             c.finish_at(self.top + FAR)
-            self.ended = True
-
-
-TIMES: dict[str, float] = {}
+            self.ended, self.ended_at = True, time.monotonic()
 
 
 def _case(
@@ -113,13 +142,22 @@ def _case(
 ) -> list[tuple[int, int, str, str, str]]:
     """Run one bundle of faults; check the survivors, the rejoins and every commit's state."""
     key = "step" if fn is workloads.cross_shard else "syncs"
-    scenario = _Injected(responses, expected, key)
+    scenario = _Injected(responses, expected, key, REPLICAS, MIN_REPLICAS)
     start = time.monotonic()
     run = run_replicas(
-        fn, 3, args=(*args, faults), on_event=scenario, timeout=RUN_TIMEOUT, min_replicas=2
+        fn,
+        REPLICAS,
+        args=(*args, faults),
+        on_event=scenario,
+        timeout=RUN_TIMEOUT,
+        min_replicas=MIN_REPLICAS,
     )
-    took = time.monotonic() - start
-    print(f"\n[fault matrix] {name}: {took:.1f} s, injected {scenario.injected}")
+    end = time.monotonic()
+    tail = end - scenario.ended_at if scenario.ended else float("nan")
+    print(
+        f"\n[fault matrix] {name}: {end - start:.1f} s ({tail:.1f} s after the end was decided),"
+        f" injected {scenario.injected}, thawed {scenario.thawed}"
+    )
     assert scenario.ended, (scenario.injected, scenario.down, scenario.frozen)
     killed_finally = {(slot, r) for slot, _, _, _, r in scenario.injected}
     finals = [v for s, v in enumerate(run.values) if (s, "kill-final") not in killed_finally]
@@ -168,16 +206,8 @@ def _points(injected: list[tuple[int, int, str, str, str]]) -> set[tuple[str, st
 
 
 # ---- the matrix: every algorithm under each bundle ---------------------------------------
-# Cases that found a defect not fixed yet. CrossShard with two restarted replicas, one frozen
-# after its quorum and one between should_commit and the apply, then both thawed: passed alone
-# (64 s at load ~20) but ran past pytest's 300 s bound in a full two-worker run -- a hang not
-# diagnosed yet; skipped so the suite stays bounded, the finding stays visible here.
-_OPEN = {
-    "cross-shard-two-joiners-stops": pytest.mark.skip(
-        reason="open: ran past 300 s once in a full -n 2 run (a hang under CrossShard with two "
-        "frozen-and-thawed joiners, not diagnosed yet)"
-    )
-}
+# Cases that found a defect not fixed yet (a pytest.mark.skip naming it, per case id).
+_OPEN: dict[str, Any] = {}
 
 CASES = [
     ("diloco-int8", workloads.diloco, ("int8",), KILLS),
