@@ -245,6 +245,93 @@ def test_fault_matrix(fn, args, bundle, request):
     assert {r for _, _, _, _, r in injected} >= {"kill"}
 
 
+# ---- the scenario's thaw rule, on the event orders a run meets only by chance --------------
+class _Recorder:
+    """What the two-joiners scenario asks of the run's controls, recorded (no processes: these
+    are the orderings of events from different replicas that a real run produces by chance)."""
+
+    def __init__(self) -> None:
+        self.thawed: list[int] = []
+        self.finish: list[int] = []
+
+    def stop(self, slot: int) -> bool:
+        return True
+
+    def cont(self, slot: int) -> None:
+        self.thawed.append(slot)
+
+    def finish_at(self, step: int) -> None:
+        self.finish.append(step)
+
+
+def _commit(slot: int, inc: int, syncs: int, quorum: int, contributed: int) -> dict[str, Any]:
+    step, participants = 8 * syncs, 2
+    return dict(
+        kind="commit",
+        slot=slot,
+        inc=inc,
+        step=step,
+        syncs=syncs,
+        quorum=quorum,
+        participants=participants,
+        contributed=contributed,
+    )
+
+
+def _stopped(slot: int, point: str, quorum: int, contributed: int) -> dict[str, Any]:
+    return dict(
+        kind="inject",
+        slot=slot,
+        inc=1,
+        point=point,
+        role="contributor",
+        quorum=quorum,
+        contributed=contributed,
+    )
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["commits-first", "inject-first"])
+def test_two_joiners_scenario_thaws_on_evidence_whichever_order_the_events_arrive_in(late):
+    """1.1 stops between should_commit and the apply of sync 12 (quorum 5, with 0 and 2.1);
+    the others' commits of that sync arrive before or after its inject. The first quorum
+    without it (6) commits: that thaws it. The old rule (thaw at the others' sync mark + 2,
+    mark read when the inject arrived) waited for sync 14 when the commits came first, and 2.1
+    stopping in sync 14's quorum then deadlocked the run."""
+    scenario, c = _Injected(TWO[1], 2, "syncs", 3, 2), _Recorder()
+    freeze = _stopped(1, "before_apply", 5, 1)
+    same_sync = [_commit(0, 0, 12, 5, 12), _commit(2, 1, 12, 5, 2)]
+    for e in [freeze, *same_sync] if late else [*same_sync, freeze]:
+        scenario(e, c)  # type: ignore[arg-type]
+    assert c.thawed == [] and scenario.frozen == {1: 5}  # its own quorum proves nothing
+    scenario(_commit(0, 0, 13, 6, 13), c)  # type: ignore[arg-type]
+    assert c.thawed == [1] and not scenario.frozen
+    scenario(_commit(1, 1, 12, 5, 2), c)  # type: ignore[arg-type]  # its frozen sync's apply
+    assert scenario.down == {1: (1, 2)}  # ... is not the contribution it must make again
+    scenario(_commit(1, 1, 15, 7, 3), c)  # type: ignore[arg-type]
+    assert 1 not in scenario.down
+
+
+def test_two_joiners_scenario_never_leaves_fewer_than_min_replicas_unfrozen():
+    """2.1 stops in the first quorum formed without the frozen 1.1 (6), before anyone commits
+    in it: slot 0 alone could form no quorum, so 1.1 is thawed at once (and must still
+    contribute again); 2.1 is thawed once a quorum without it (7) commits. Then the run ends."""
+    scenario, c = _Injected(TWO[1], 2, "syncs", 3, 2), _Recorder()
+    for e in [
+        _commit(0, 0, 12, 5, 12),
+        _stopped(1, "before_apply", 5, 1),
+        _stopped(2, "after_quorum", 6, 2),
+    ]:
+        scenario(e, c)  # type: ignore[arg-type]
+    assert c.thawed == [1] and scenario.frozen == {2: 6}
+    assert scenario.thawed == [(1, "a second freeze: no quorum without it")]
+    assert scenario.down == {1: (1, 2), 2: (1, 2)}
+    for e in [_commit(1, 1, 12, 5, 2), _commit(0, 0, 13, 7, 13), _commit(1, 1, 14, 7, 3)]:
+        scenario(e, c)  # type: ignore[arg-type]
+    assert c.thawed == [1, 2] and not scenario.frozen and scenario.down == {2: (1, 2)}
+    scenario(_commit(2, 1, 16, 8, 3), c)  # type: ignore[arg-type]
+    assert not scenario.down and scenario.ended and c.finish == [8 * 16 + FAR]
+
+
 # ---- only the odd one fails ------------------------------------------------------------------
 class _OddOnes:
     """Restart ``slot`` each time its incarnation returns (refused), up to ``last``; kill and
