@@ -73,6 +73,7 @@ class _Injected:
         self.once_used = False
         self.ended = False
         self.ended_at = 0.0  # time.monotonic() when the end was decided
+        self.early: list[int] = []  # slots that returned before it (an error, e.g. no quorum)
 
     def _response(self, e: dict[str, Any]) -> str:
         r = self.responses.get(f"{e['slot']}.{e['inc']}")
@@ -112,6 +113,11 @@ class _Injected:
             back = self.down.get(slot)
             if back is not None and e["inc"] >= back[0] and e["contributed"] > back[1]:
                 del self.down[slot]
+        if e["kind"] == "returned" and not self.ended:  # a replica gave up before the end:
+            self.early.append(slot)  # thaw and end the rest, so the case fails now, naming it
+            for s in list(self.frozen):
+                self._thaw(s, "a replica returned before the end", c)
+            c.finish_at(self.top + FAR)
         if e["kind"] == "inject":
             response = self._response(e)
             self.injected.append((slot, e["inc"], e["point"], e["role"], response))
@@ -154,11 +160,19 @@ def _case(
     )
     end = time.monotonic()
     tail = end - scenario.ended_at if scenario.ended else float("nan")
+    left = [e["end"] - e["step"] for e in run.events if e["kind"] == "end_seen"]
     print(
-        f"\n[fault matrix] {name}: {end - start:.1f} s ({tail:.1f} s after the end was decided),"
-        f" injected {scenario.injected}, thawed {scenario.thawed}"
+        f"\n[fault matrix] {name}: {end - start:.1f} s ({tail:.1f} s after the end was decided;"
+        f" of the FAR={FAR} steps, {min(left, default=FAR)} or more were left when a replica read"
+        f" it), injected {scenario.injected}, thawed {scenario.thawed}"
     )
-    assert scenario.ended, (scenario.injected, scenario.down, scenario.frozen)
+    assert scenario.ended and not scenario.early, (
+        scenario.early,
+        scenario.injected,
+        scenario.down,
+        scenario.frozen,
+        run.values,
+    )
     killed_finally = {(slot, r) for slot, _, _, _, r in scenario.injected}
     finals = [v for s, v in enumerate(run.values) if (s, "kill-final") not in killed_finally]
     assert all(v is not None and "refused" not in v for v in finals), finals

@@ -89,12 +89,20 @@ def _arm(ctx: ReplicaContext, faults: dict[str, str] | None, stats: Any, manager
     inject.arm(spec, action=stop_here)
 
 
+_END_SEEN: list[int] = []  # this process saw the scenario's end (it logged ``end_seen``)
+
+
 def _stop(ctx: ReplicaContext, step: int, committed: int, waits: bool = False) -> bool:
     """Stop at the scenario's step; a restarted replica that never joined stops at the end
-    (unless it ``waits``: an odd replica started to be refused after another returned)."""
+    (unless it ``waits``: an odd replica started to be refused after another returned). Logs
+    ``end_seen`` with its step when it first reads the end (how much of the margin the
+    scenario left it was used up on the way)."""
     if ctx.incarnation and committed == 0 and ctx.ending() and not waits:
         return True
     end = ctx.finish_at()
+    if end is not None and not _END_SEEN:
+        _END_SEEN.append(end)
+        ctx.log("end_seen", step=step, end=end)
     return (end is not None and step >= end) or step >= MAX_STEPS
 
 
