@@ -5,10 +5,12 @@ Each case runs real replica processes around an in-process lighthouse
 (:mod:`distoptim.ft.inject`) and stop themselves *at* the named point (after the quorum, inside
 the heal as donor or joiner, between ``should_commit`` and the apply, with a Streaming fragment
 in flight, inside ``finish()``), log it, and the scenario kills (and restarts) or thaws them. No
-fault is dealt by the clock, so the outcome does not depend on the machine's load. Every case
-asserts that the survivors finish, that every replica taken down contributes again afterwards
-(a restarted one: at least one contributing commit; a thawed one: more than before), and that
-at every commit the replicas that committed it hold bitwise-equal synchronised state.
+fault is dealt by the clock, and a frozen replica is thawed on evidence (the others committed
+in a quorum formed without it), not after some number of rounds, so the outcome does not depend
+on the machine's load. Every case asserts that the survivors finish, that every replica taken
+down contributes again afterwards (a restarted one: at least one contributing commit; a thawed
+one: one in a round after the one it was frozen in), and that at every commit the replicas that
+committed it hold bitwise-equal synchronised state.
 
 Cases are bundled: one run hosts several faults in sequence (each armed on its own slot and
 incarnation), on 3 replicas of a tiny model. The lighthouse needs 2 replica groups for a quorum
