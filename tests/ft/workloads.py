@@ -5,7 +5,7 @@ replica builds a torchft manager with the user's state (model and optimizer, cop
 manager asks for them: it logs ``serving`` then, which a scenario uses to kill a donor in the
 middle of a heal), trains on the data of its slot (:class:`~distoptim.ft.data.SlotShards`: the
 batch follows the committed step) until the scenario says where to stop, and logs every
-commit with the checksum of the state the replicas must agree on.
+commit with the checksum of the state the replicas must agree on and the round's quorum.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from distoptim import CrossShardOptimizer, DiLoCo, LocalSGD
 from distoptim.comm.checksum import state_checksum
 from distoptim.comm.guard import ParameterMismatchError
-from distoptim.ft import inject
+from distoptim.ft import _torchft, inject
 from distoptim.ft.data import SlotShards
 from distoptim.ft.local import ReplicaContext, ReplicaRun
 from distoptim.ft.replica import make_manager
@@ -61,10 +61,20 @@ def _manager(ctx: ReplicaContext, state: Any, load: Any) -> Any:
     )
 
 
-def _arm(ctx: ReplicaContext, faults: dict[str, str] | None, stats: Any) -> None:
+def _quorum(manager: Any) -> dict[str, int]:
+    """What a ``commit`` event says about the round's quorum: its id (the lighthouse numbers
+    quorums in increasing order and gives a new number whenever the members change, so a quorum
+    numbered above the one a frozen replica was frozen in was formed without it) and how many
+    replicas took part in it (healing ones not counted)."""
+    return {"quorum": _torchft.quorum_id(manager), "participants": manager.num_participants()}
+
+
+def _arm(ctx: ReplicaContext, faults: dict[str, str] | None, stats: Any, manager: Any) -> None:
     """Arm this process's fault triggers (:mod:`distoptim.ft.inject`): ``faults`` maps
     ``"SLOT"`` (first incarnation) or ``"SLOT.INC"`` to a trigger spec. At the point the
-    replica logs ``inject`` and stops itself (SIGSTOP): the scenario then kills or thaws it."""
+    replica logs ``inject`` (with its contributions so far and the id of its latest quorum:
+    read, not waited for, as a donor stops inside torchft's quorum thread) and stops itself
+    (SIGSTOP): the scenario then kills or thaws it."""
     spec = (faults or {}).get(f"{ctx.slot}.{ctx.incarnation}")
     if spec is None and ctx.incarnation == 0:
         spec = (faults or {}).get(str(ctx.slot))
@@ -72,18 +82,27 @@ def _arm(ctx: ReplicaContext, faults: dict[str, str] | None, stats: Any) -> None
         return
 
     def stop_here(point: str, role: str) -> None:
-        ctx.log("inject", point=point, role=role, contributed=stats().contributed)
+        contributed, quorum = stats().contributed, _torchft.quorum_id(manager)
+        ctx.log("inject", point=point, role=role, contributed=contributed, quorum=quorum)
         os.kill(os.getpid(), signal.SIGSTOP)
 
     inject.arm(spec, action=stop_here)
 
 
+_END_SEEN: list[int] = []  # this process saw the scenario's end (it logged ``end_seen``)
+
+
 def _stop(ctx: ReplicaContext, step: int, committed: int, waits: bool = False) -> bool:
     """Stop at the scenario's step; a restarted replica that never joined stops at the end
-    (unless it ``waits``: an odd replica started to be refused after another returned)."""
+    (unless it ``waits``: an odd replica started to be refused after another returned). Logs
+    ``end_seen`` with its step when it first reads the end (how much of the margin the
+    scenario left it was used up on the way)."""
     if ctx.incarnation and committed == 0 and ctx.ending() and not waits:
         return True
     end = ctx.finish_at()
+    if end is not None and not _END_SEEN:
+        _END_SEEN.append(end)
+        ctx.log("end_seen", step=step, end=end)
     return (end is not None and step >= end) or step >= MAX_STEPS
 
 
@@ -112,7 +131,7 @@ def cross_shard(
     except Exception as exc:  # a replica refused at construction says why
         return {"refused": f"{type(exc).__name__}: {exc}"}
     shards = SlotShards(_N, ctx.num_slots, ctx.slot, _BATCH, seed=3)
-    _arm(ctx, faults, lambda: opt.replica_stats)  # type: ignore[union-attr]
+    _arm(ctx, faults, lambda: opt.replica_stats, manager)  # type: ignore[union-attr]
     ctx.log("ready")
     ctx.wait_for_peers(240)
     try:
@@ -129,6 +148,7 @@ def cross_shard(
                     state=state_checksum(list(model.parameters())),
                     heals=opt.replica_stats.heals,
                     contributed=opt.replica_stats.contributed,
+                    **_quorum(manager),
                 )
     except Exception as exc:  # e.g. a replica with another model is refused by name
         manager.shutdown(wait=False)
@@ -214,7 +234,7 @@ def _outer(
             manager=manager,
         )
     shards = SlotShards(_N, ctx.num_slots, ctx.slot, _BATCH, seed=3)
-    _arm(ctx, faults, lambda: opt.replica_stats)
+    _arm(ctx, faults, lambda: opt.replica_stats, manager)
     ctx.log("ready")
     ctx.wait_for_peers(240)
     try:
@@ -234,6 +254,7 @@ def _outer(
                     state=state_checksum(list(opt.global_parameters)),
                     heals=opt.replica_stats.heals,
                     contributed=opt.replica_stats.contributed,
+                    **_quorum(manager),
                 )
         opt.finish()
     except ParameterMismatchError as exc:  # the odd replica is refused by name

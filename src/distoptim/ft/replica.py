@@ -12,7 +12,9 @@ for a quorum learns why it waits in vain, within the manager's ``connect_timeout
 lighthouse stopped answering (:class:`LighthouseGoneError`), or it answers but no other replica
 group is left after a job ran (:class:`NoPeersError`). A lighthouse restarted on the same
 address before that is rejoined: torchft's manager retries its quorum request
-(``quorum_retries``).
+(``quorum_retries``). A quorum that does not come within the manager's ``quorum_timeout`` for
+another reason (the other groups stopped or never came back) is :class:`QuorumTimeoutError`,
+saying what the lighthouse sees, instead of torchft's bare ``TimeoutError``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ __all__ = [
     "LighthouseUnreachableError",
     "LighthouseWatch",
     "NoPeersError",
+    "QuorumTimeoutError",
     "make_manager",
 ]
 
@@ -53,6 +56,24 @@ class NoPeersError(RuntimeError):
     """The lighthouse answers, but no other replica group is left to form a quorum with."""
 
 
+class QuorumTimeoutError(TimeoutError):
+    """No quorum formed within the manager's ``quorum_timeout`` (torchft's own error is a bare
+    ``TimeoutError: status: Cancelled``)."""
+
+
+def quorum_timed_out(
+    who: str, quorum_timeout: float, waited: float, seen: str | None = None
+) -> QuorumTimeoutError:
+    """The :class:`QuorumTimeoutError` for ``who`` (``seen``: what the lighthouse says)."""
+    return QuorumTimeoutError(
+        f"{who}: no quorum formed within the manager's quorum_timeout={quorum_timeout:g}s "
+        f"(waited {waited:.0f} s){': ' + seen if seen else ''}. Too few replica groups ask the "
+        "lighthouse for a quorum (its --min-replicas): the others stopped, died and were not "
+        "restarted, or cannot reach it. Its state is that of its last committed step. Restart "
+        "the missing groups within quorum_timeout, or build the Manager with a longer one."
+    )
+
+
 class LighthouseWatch:
     """Why a quorum does not come (see the module): :meth:`check` is called while waiting.
 
@@ -70,6 +91,21 @@ class LighthouseWatch:
     def reset(self) -> None:
         """A quorum came: forget what was seen while waiting."""
         self._gone_since = self._alone_since = None
+
+    def timed_out(self, quorum_timeout: float, waited: float) -> QuorumTimeoutError:
+        """The error for a quorum that did not come within ``quorum_timeout``, with how many
+        replica groups the lighthouse hears from now."""
+        status = lighthouse_status(self.address, timeout=min(1.0, self.patience))
+        if status is None:
+            seen = f"the lighthouse at {self.address} does not answer"
+        elif status.heartbeating is None:
+            seen = f"the lighthouse at {self.address} answers"
+        else:
+            seen = (
+                f"the lighthouse at {self.address} hears from {status.heartbeating} replica "
+                "group(s), this one included"
+            )
+        return quorum_timed_out(f"replica {self.replica_id!r}", quorum_timeout, waited, seen)
 
     def check(self, waited: float, joining: bool = True) -> None:
         """Raise :class:`LighthouseGoneError` / :class:`NoPeersError` once either has lasted

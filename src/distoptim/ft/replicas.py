@@ -26,9 +26,12 @@ State. :meth:`register_state` registers a piece of distoptim's own state with
 ``manager.register_state_dict_fn`` under ``distoptim/<owner>/<key>``; what is sent is a copy
 taken when the quorum asks for it (so later local steps cannot tear it).
 
-A quorum that can never be big enough (``min_replica_size`` above the replicas that exist) does
-not spin silently: after ``give_up_after`` seconds (the manager's quorum timeout) of rounds that
-failed only for lack of replicas, :meth:`commit` raises :class:`InsufficientReplicasError`.
+A quorum that does not form within the manager's ``quorum_timeout`` raises
+:class:`~distoptim.ft.replica.QuorumTimeoutError` naming the replica (torchft's own error is a
+bare ``TimeoutError``). A quorum that can never be big enough (``min_replica_size`` above the
+replicas that exist) does not spin silently: after ``give_up_after`` seconds (the manager's
+quorum timeout) of rounds that failed only for lack of replicas, :meth:`commit` raises
+:class:`InsufficientReplicasError`.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from distoptim.ft import _torchft, inject
+from distoptim.ft.replica import quorum_timed_out
 
 __all__ = [
     "InsufficientReplicasError",
@@ -177,15 +181,22 @@ class ManagedReplicas:
     def _wait_quorum(self) -> None:
         """``manager.wait_quorum()``; with a manager built by ``make_manager``, in slices, each
         asking its :class:`~distoptim.ft.replica.LighthouseWatch` why the quorum does not come
-        (a lighthouse gone, or no peer left: raised by name within ``connect_timeout``)."""
+        (a lighthouse gone, or no peer left: raised by name within ``connect_timeout``). A
+        quorum that does not come within ``quorum_timeout``: ``QuorumTimeoutError``."""
         watch = getattr(self.manager, "_distoptim_watch", None)
         future = _torchft.quorum_future(self.manager)
+        began = time.monotonic()
         if watch is not None and future is not None:
-            began = time.monotonic()
             while not concurrent.futures.wait([future], timeout=1.0).done:
                 watch.check(time.monotonic() - began, joining=self._last_quorum_id is None)
             watch.reset()
-        self.manager.wait_quorum()
+        try:
+            self.manager.wait_quorum()
+        except TimeoutError as exc:  # torchft's quorum request ran out its quorum_timeout
+            waited = time.monotonic() - began
+            if watch is not None:
+                raise watch.timed_out(self.give_up_after, waited) from exc
+            raise quorum_timed_out(self.owner, self.give_up_after, waited) from exc
 
     def errored(self) -> BaseException | None:
         """The failure torchft recorded in this round (None: none so far)."""
