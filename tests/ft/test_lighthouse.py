@@ -28,7 +28,7 @@ pytest.importorskip("torchft")
 pytestmark = pytest.mark.slow
 
 CONNECT_TIMEOUT = 5.0
-QUORUM_TIMEOUT = 120.0  # what a replica waited before (a raw TimeoutError at its end)
+QUORUM_TIMEOUT = 120.0  # a replica waits this long before QuorumTimeoutError
 
 
 def _train(ctx: ReplicaContext, min_replica_size: int = 2) -> dict[str, Any]:
