@@ -281,21 +281,41 @@ def make_manager(
             **timeouts,
         )
     except RuntimeError as exc:
-        if "failed to connect" in str(exc) and rank > 0:  # only rank 0 talks to the lighthouse
-            raise GroupManagerUnreachableError(
-                f"replica {replica_id!r}, rank {rank} of its {world_size} processes: its group's "
-                f"rank 0 manager did not answer within connect_timeout={connect_timeout}s "
-                f"({exc}). Rank 0 of this replica group publishes its address in the group's "
-                f"store ({store_addr}:{store_port}); it is not running, not reachable at that "
-                "address, or the address is a dead incarnation's."
-            ) from exc
-        if "failed to connect" in str(exc):
-            raise LighthouseUnreachableError(
-                f"replica {replica_id!r}: no torchft lighthouse answered at {lighthouse} within "
-                f"connect_timeout={connect_timeout}s ({exc}). Start one (`distoptim lighthouse "
-                "--min-replicas N`, or distoptim.ft.Lighthouse in-process) and pass its address."
-            ) from exc
-        raise
+        named = _unreachable(
+            exc, replica_id, rank, world_size, lighthouse, store_addr, store_port, connect_timeout
+        )
+        if named is None:
+            raise
+        raise named from exc
     manager._distoptim_store = keepalive  # the replica group's store lives as long as it
     manager._distoptim_watch = LighthouseWatch(lighthouse, replica_id, float(connect_timeout))
     return manager
+
+
+def _unreachable(
+    exc: RuntimeError,
+    replica_id: str,
+    rank: int,
+    world_size: int,
+    lighthouse: str,
+    store_addr: str | None,
+    store_port: int | None,
+    connect_timeout: float,
+) -> Exception | None:
+    """What torchft's ``failed to connect`` at construction means: a rank above 0 did not
+    reach its group's rank 0 manager, rank 0 did not reach the lighthouse; else None."""
+    if "failed to connect" in str(exc) and rank > 0:  # only rank 0 talks to the lighthouse
+        return GroupManagerUnreachableError(
+            f"replica {replica_id!r}, rank {rank} of its {world_size} processes: its group's "
+            f"rank 0 manager did not answer within connect_timeout={connect_timeout}s "
+            f"({exc}). Rank 0 of this replica group publishes its address in the group's "
+            f"store ({store_addr}:{store_port}); it is not running, not reachable at that "
+            "address, or the address is a dead incarnation's."
+        )
+    if "failed to connect" in str(exc):
+        return LighthouseUnreachableError(
+            f"replica {replica_id!r}: no torchft lighthouse answered at {lighthouse} within "
+            f"connect_timeout={connect_timeout}s ({exc}). Start one (`distoptim lighthouse "
+            "--min-replicas N`, or distoptim.ft.Lighthouse in-process) and pass its address."
+        )
+    return None
