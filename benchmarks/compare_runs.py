@@ -8,8 +8,9 @@ every column, so that the README's table says which differences are larger than 
 
 Each run is the command as a user types it, ``python -m distoptim.cli.main compare`` with the
 defaults (or ``--dataset mnist5k``), in a fresh process, ``--progress none``, into a folder of
-its own (``--quick``: the same entry point called in this process, sparing each run an
-interpreter and its imports). The runs of the datasets are interleaved (digits, mnist5k,
+its own (``--quick``: the same entry point called once, in this process, with ``--repeats 2``:
+its two repeats are the two runs, sparing each run an interpreter, its imports and its worker
+processes). The runs of the datasets are interleaved (digits, mnist5k,
 digits, ...), and each run takes the algorithms in its own shuffled order (seeded: ``--algos``
 in a permutation), so a burst of load from other jobs, or the position of an algorithm in the
 run, does not favour one algorithm; the machine's load average is recorded before and after
@@ -35,7 +36,8 @@ Run::
 
     python benchmarks/compare_runs.py           # 3 runs each of digits and mnist5k (~1 h on 2
                                                 # shared cores)
-    python benchmarks/compare_runs.py --quick   # 2 runs of sync and LocalSGD, 1 epoch (smoke)
+    python benchmarks/compare_runs.py --quick   # 2 runs of sync and LocalSGD, 1 epoch (smoke):
+                                                # one invocation, --repeats 2, in this process
 
 Prints a Markdown table per dataset (the README's) and writes
 ``benchmarks/results/compare_runs.json`` (``--quick``: ``benchmarks/results/quick/``, never
@@ -129,6 +131,24 @@ def _compare(
         "load_after": load(),
         "results": doc,
     }
+
+
+def _per_repeat(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """One record per repeat of an invocation (``--quick``'s ``--repeats``): the same
+    command, order, time and load, its ``results.json`` holding that repeat's rows only. An
+    invocation without repeats is returned as it is."""
+    rows = run["results"]["runs"]
+    repeats = sorted({r["config"].get("repeat", 0) for r in rows})
+    if len(repeats) == 1:
+        return [run]
+    return [
+        {
+            **run,
+            "repeat": k,
+            "results": {**run["results"], "runs": [r for r in rows if r["config"]["repeat"] == k]},
+        }
+        for k in repeats
+    ]
 
 
 def _first(history: list[dict[str, Any]], target: float, key: str) -> float | None:
@@ -257,25 +277,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seeds the algorithms' orders")
     args = bench.parse(argv)
     algos, extra, datasets, runs = ALGOS.split(","), [], args.datasets.split(","), args.runs
-    launch = _in_a_fresh_process
-    if args.quick:
-        launch = _in_this_process
+    launch, invocations = _in_a_fresh_process, runs
+    if args.quick:  # both runs from one invocation (--repeats), in this process
         algos, extra, datasets, runs = ["sync", "localsgd"], ["--workers", "2"], ["digits"], 2
-        extra += ["--epochs", "1", "--eval-points", "5"]
+        extra += ["--epochs", "1", "--eval-points", "5", "--repeats", str(runs)]
+        launch, invocations = _in_this_process, 1
     rng = random.Random(args.seed)
     recorded: dict[str, list[dict[str, Any]]] = {d: [] for d in datasets}
     with tempfile.TemporaryDirectory(prefix="compare-runs-") as tmp:
-        for k in range(runs):
+        for k in range(invocations):
             for dataset in datasets:
                 order = rng.sample(algos, len(algos))
                 folder = Path(tmp) / f"{dataset}-{k}"
-                print(f"run {k + 1}/{runs} {dataset}: {','.join(order)}", flush=True)
+                print(f"run {k + 1}/{invocations} {dataset}: {','.join(order)}", flush=True)
                 run = _compare(dataset, order, extra, folder, launch)
                 print(
                     f"  {run['seconds']:.0f} s, load {run['load_before']} -> {run['load_after']}",
                     flush=True,
                 )
-                recorded[dataset].append(run)
+                recorded[dataset] += _per_repeat(run)
     doc: dict[str, Any] = {
         "machine": machine(),
         "commit": _commit(),
