@@ -49,8 +49,9 @@ The wall time of an asynchronous run is its last worker's (with a straggler the 
 finish first: the time to the target is reached, or not, while worker 0 trains, else at the
 end on the final center). The runs of one repeat are shuffled inside two launches, one
 ``distoptim.launch`` group for the synchronous contenders and one parameter-server cluster for
-the asynchronous ones, in a shuffled order; ratios against ``sync`` are paired within a
-repeat (median over repeats).
+the asynchronous ones, in a shuffled order (``--quick``: both kinds, in that order, on one
+cluster's processes: the synchronous contenders over a gloo group of its workers); ratios
+against ``sync`` are paired within a repeat (median over repeats).
 
 Run::
 
