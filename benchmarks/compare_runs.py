@@ -8,10 +8,13 @@ every column, so that the README's table says which differences are larger than 
 
 Each run is the command as a user types it, ``python -m distoptim.cli.main compare`` with the
 defaults (or ``--dataset mnist5k``), in a fresh process, ``--progress none``, into a folder of
-its own. The runs of the datasets are interleaved (digits, mnist5k, digits, ...), and each run
-takes the algorithms in its own shuffled order (seeded: ``--algos`` in a permutation), so a
-burst of load from other jobs, or the position of an algorithm in the run, does not favour one
-algorithm; the machine's load average is recorded before and after each run.
+its own (``--quick``: the same entry point called once, in this process, with ``--repeats 2``:
+its two repeats are the two runs, sparing each run an interpreter, its imports and its worker
+processes). The runs of the datasets are interleaved (digits, mnist5k,
+digits, ...), and each run takes the algorithms in its own shuffled order (seeded: ``--algos``
+in a permutation), so a burst of load from other jobs, or the position of an algorithm in the
+run, does not favour one algorithm; the machine's load average is recorded before and after
+each run.
 
 Why wall time with its spread, and not CPU time: what separates the algorithms in time is
 waiting -- sync waits for the slowest rank at every step, DiLoCo at every sync, the parameter
@@ -33,7 +36,8 @@ Run::
 
     python benchmarks/compare_runs.py           # 3 runs each of digits and mnist5k (~1 h on 2
                                                 # shared cores)
-    python benchmarks/compare_runs.py --quick   # 2 runs of sync and LocalSGD, 1 epoch (smoke)
+    python benchmarks/compare_runs.py --quick   # 2 runs of sync and LocalSGD, 1 epoch (smoke):
+                                                # one invocation, --repeats 2, in this process
 
 Prints a Markdown table per dataset (the README's) and writes
 ``benchmarks/results/compare_runs.json`` (``--quick``: ``benchmarks/results/quick/``, never
@@ -43,6 +47,8 @@ over the shipped figures): the machine, every run's command, order, load and ``r
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import random
 import statistics
@@ -50,7 +56,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -80,16 +86,42 @@ def _names(results: dict[str, Any]) -> dict[str, str]:
     }
 
 
-def _compare(dataset: str, algos: list[str], extra: Sequence[str], out: Path) -> dict[str, Any]:
-    """One ``distoptim compare`` in a fresh process; what it wrote, and how the machine was."""
+def _in_a_fresh_process(cmd: list[str]) -> tuple[int, str]:
+    """The command as a user types it, in a fresh process: (exit code, its stderr)."""
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    return proc.returncode, proc.stderr
+
+
+def _in_this_process(cmd: list[str]) -> tuple[int, str]:
+    """``--quick``: the same command through the same entry point
+    (:func:`distoptim.cli.main.main`), in this process -- it saves an interpreter, torch and
+    scikit-learn per run, seconds of CPU each, which a smoke run is mostly made of; its output
+    is kept as a fresh process's would be (stderr for the failure message)."""
+    from distoptim.cli.main import main as distoptim_main
+
+    said = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(said):
+        code = distoptim_main(cmd[3:])  # after "python -m distoptim.cli.main"
+    return code, said.getvalue()
+
+
+def _compare(
+    dataset: str,
+    algos: list[str],
+    extra: Sequence[str],
+    out: Path,
+    launch: Callable[[list[str]], tuple[int, str]] = _in_a_fresh_process,
+) -> dict[str, Any]:
+    """One ``distoptim compare`` (``launch``: in a fresh process unless told otherwise); what it
+    wrote, and how the machine was."""
     cmd = [sys.executable, "-m", "distoptim.cli.main", "compare", "--algos", ",".join(algos)]
     cmd += ["--dataset", dataset, "--progress", "none", "--out", str(out), *extra]
     before = load()
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    code, stderr = launch(cmd)
     took = time.monotonic() - t0
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    if code != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({code}):\n{stderr[-3000:]}")
     doc = json.loads((out / "results.json").read_text())
     return {
         "command": cmd[2:],
@@ -99,6 +131,24 @@ def _compare(dataset: str, algos: list[str], extra: Sequence[str], out: Path) ->
         "load_after": load(),
         "results": doc,
     }
+
+
+def _per_repeat(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """One record per repeat of an invocation (``--quick``'s ``--repeats``): the same
+    command, order, time and load, its ``results.json`` holding that repeat's rows only. An
+    invocation without repeats is returned as it is."""
+    rows = run["results"]["runs"]
+    repeats = sorted({r["config"].get("repeat", 0) for r in rows})
+    if len(repeats) == 1:
+        return [run]
+    return [
+        {
+            **run,
+            "repeat": k,
+            "results": {**run["results"], "runs": [r for r in rows if r["config"]["repeat"] == k]},
+        }
+        for k in repeats
+    ]
 
 
 def _first(history: list[dict[str, Any]], target: float, key: str) -> float | None:
@@ -227,23 +277,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seeds the algorithms' orders")
     args = bench.parse(argv)
     algos, extra, datasets, runs = ALGOS.split(","), [], args.datasets.split(","), args.runs
-    if args.quick:
+    launch, invocations = _in_a_fresh_process, runs
+    if args.quick:  # both runs from one invocation (--repeats), in this process
         algos, extra, datasets, runs = ["sync", "localsgd"], ["--workers", "2"], ["digits"], 2
-        extra += ["--epochs", "1", "--eval-points", "5"]
+        extra += ["--epochs", "1", "--eval-points", "5", "--repeats", str(runs)]
+        launch, invocations = _in_this_process, 1
     rng = random.Random(args.seed)
     recorded: dict[str, list[dict[str, Any]]] = {d: [] for d in datasets}
     with tempfile.TemporaryDirectory(prefix="compare-runs-") as tmp:
-        for k in range(runs):
+        for k in range(invocations):
             for dataset in datasets:
                 order = rng.sample(algos, len(algos))
                 folder = Path(tmp) / f"{dataset}-{k}"
-                print(f"run {k + 1}/{runs} {dataset}: {','.join(order)}", flush=True)
-                run = _compare(dataset, order, extra, folder)
+                print(f"run {k + 1}/{invocations} {dataset}: {','.join(order)}", flush=True)
+                run = _compare(dataset, order, extra, folder, launch)
                 print(
                     f"  {run['seconds']:.0f} s, load {run['load_before']} -> {run['load_after']}",
                     flush=True,
                 )
-                recorded[dataset].append(run)
+                recorded[dataset] += _per_repeat(run)
     doc: dict[str, Any] = {
         "machine": machine(),
         "commit": _commit(),

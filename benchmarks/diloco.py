@@ -49,13 +49,15 @@ The wall time of an asynchronous run is its last worker's (with a straggler the 
 finish first: the time to the target is reached, or not, while worker 0 trains, else at the
 end on the final center). The runs of one repeat are shuffled inside two launches, one
 ``distoptim.launch`` group for the synchronous contenders and one parameter-server cluster for
-the asynchronous ones, in a shuffled order; ratios against ``sync`` are paired within a
-repeat (median over repeats).
+the asynchronous ones, in a shuffled order (``--quick``: both kinds, in that order, on one
+cluster's processes: the synchronous contenders over a gloo group of its workers); ratios
+against ``sync`` are paired within a repeat (median over repeats).
 
 Run::
 
     python benchmarks/diloco.py             # 3 repeats, ~10-20 minutes on 2 cores
-    python benchmarks/diloco.py --quick     # a smoke run: 2 replicas, 1 repeat of 3 epochs
+    python benchmarks/diloco.py --quick     # a smoke run: 2 replicas, 1 repeat of 3 epochs,
+                                            # every contender on one cluster's processes
 
 Prints a table and writes ``benchmarks/results/diloco.json`` (``--out``). A ``--quick`` run
 (every contender in every scenario on two replicas, 3 epochs: long enough for ``H`` = 50 to
@@ -85,7 +87,7 @@ import distoptim
 from distoptim import agn
 from distoptim.cli.datasets import load_dataset, shard_indices
 from distoptim.comm import link
-from distoptim.launch import spawn
+from distoptim.launch import import_dynamo_before_groups, spawn
 
 WORLD = 4
 QUICK_WORLD, QUICK_EPOCHS = 2, 3
@@ -357,32 +359,88 @@ def _async_worker(ctx: Any, runs: list[tuple[str, str, str]], epochs: int, data:
     ]
 
 
-def _run_async(
-    runs: list[tuple[str, str]], epochs: int, repeat: int, world: int, data: Any
-) -> list[dict]:
-    """One cluster (one shard, ``world`` workers) running ``runs`` in order; one record per
-    run."""
-    tables = [(f"{name}/{scenario}/{repeat}", scenario, name) for scenario, name in runs]
+def _tables(runs: list[tuple[str, str]], repeat: int) -> list[tuple[str, str, str]]:
+    """The asynchronous runs of a repeat as (the server table's name, scenario, contender)."""
+    return [(f"{name}/{scenario}/{repeat}", scenario, name) for scenario, name in runs]
+
+
+def _cluster(worker: Any, world: int, args: tuple) -> Any:
+    """A parameter-server cluster (one shard, ``world`` workers) running ``worker(ctx, *args)``
+    on each worker, over the emulated link."""
     saved = os.environ.get(link.ENV_VAR)
     os.environ[link.ENV_VAR] = LINK.to_env()  # the shard pays the link for its replies too
     try:
-        result = agn.spawn(
-            _async_worker,
-            world,
-            num_ps=1,
-            args=(tables, epochs, data),
-            timeout=3600,
-            num_threads=1,
-        )
+        return agn.spawn(worker, world, num_ps=1, args=args, timeout=3600, num_threads=1)
     finally:
         if saved is None:
             os.environ.pop(link.ENV_VAR, None)
         else:
             os.environ[link.ENV_VAR] = saved
+
+
+def _run_async(
+    runs: list[tuple[str, str]], epochs: int, repeat: int, world: int, data: Any
+) -> list[dict]:
+    """One cluster (one shard, ``world`` workers) running ``runs`` in order; one record per
+    run."""
+    tables = _tables(runs, repeat)
+    result = _cluster(_async_worker, world, (tables, epochs, data))
+    per_worker = [result.worker_results[t] for t in range(world)]
+    return _async_records(tables, per_worker, result, data, repeat)
+
+
+def _both_kinds_worker(
+    ctx: Any, launches: list[tuple[str, list]], epochs: int, data: Any
+) -> dict[str, list[dict]]:
+    """``--quick``: a repeat's two launches on one cluster's workers, in their order -- the
+    synchronous contenders over a process group of the workers (made from the cluster's store;
+    the parameter-server transport needs no default group), the asynchronous ones on the
+    shard. One start of every process instead of two: a smoke run's CPU is mostly start-up."""
+    out: dict[str, list[dict]] = {}
+    for kind, runs in launches:
+        if kind == "async":
+            out[kind] = _async_worker(ctx, runs, epochs, data)
+            continue
+        import_dynamo_before_groups()
+        store = dist.PrefixStore("bench/sync", ctx.store)
+        dist.init_process_group(
+            "gloo", store=store, rank=ctx.task_index, world_size=ctx.num_worker,
+            timeout=timedelta(seconds=600),
+        )  # fmt: skip
+        try:
+            out[kind] = _worker(ctx.task_index, ctx.num_worker, runs, epochs, data)
+        finally:
+            dist.destroy_process_group()
+    return out
+
+
+def _run_both(
+    launches: list[tuple[str, list]], epochs: int, repeat: int, world: int, data: Any
+) -> list[dict]:
+    """``--quick``: a repeat's launches on one cluster (:func:`_both_kinds_worker`)."""
+    sent = [(k, _tables(runs, repeat) if k == "async" else runs) for k, runs in launches]
+    result = _cluster(_both_kinds_worker, world, (sent, epochs, data))
+    tables = next(runs for k, runs in sent if k == "async")
+    per_worker = [result.worker_results[t]["async"] for t in range(world)]
+    records = [{**r, "repeat": repeat} for r in result.worker_results[0]["sync"]]
+    return records + _async_records(tables, per_worker, result, data, repeat)
+
+
+def _async_records(
+    tables: list[tuple[str, str, str]],
+    per_worker: list[list[dict]],
+    result: Any,
+    data: Any,
+    repeat: int,
+) -> list[dict]:
+    """One record per asynchronous run: worker 0's, with every worker's wall time, the final
+    center's accuracy and the shard's figures. ``per_worker[t][i]``: worker t's record of
+    ``tables[i]``."""
+    world = len(per_worker)
     eval_model = _model()
     records = []
     for i, (table, _, _) in enumerate(tables):
-        per_task = [result.worker_results[t][i] for t in range(world)]
+        per_task = [per_worker[t][i] for t in range(world)]
         rec = dict(per_task[0])
         snapshots = rec.pop("snapshots")
         wall = max(r["wall_s"] for r in per_task)
@@ -543,6 +601,9 @@ def main() -> None:
         order.append(launches)
     records = []
     for repeat, launches in enumerate(order):
+        if args.quick:  # both launches on one cluster
+            records += _run_both(launches, epochs, repeat, world, data)
+            continue
         for kind, runs in launches:
             if kind == "async":
                 records += _run_async(runs, epochs, repeat, world, data)

@@ -55,7 +55,8 @@ the median step time per contender, and the paired ratio to DDP (the median over
 Run::
 
     python benchmarks/lm.py            # ~25-40 min on 2 shared cores
-    python benchmarks/lm.py --quick    # a smoke run: 2 replicas, 8 steps, H = 8
+    python benchmarks/lm.py --quick    # a smoke run: 2 replicas, 8 steps, H = 8, a 28 k GPT,
+                                       # both parts in one launch
     python benchmarks/lm.py --resume benchmarks/results/lm.json --skip-step-time   # add the
                                        # contenders the recorded run lacks
 
@@ -101,6 +102,10 @@ QUICK = {"world": 2, "steps": 8, "eval_every": 8, "sync_every": 8, "rounds": 1}
 DiLoCo contender, every fragment of the streaming ones, one round of part 2."""
 QUICK_VAL_WINDOWS = 32
 """``--quick``'s validation windows (the real runs score the CLI's fixed subset)."""
+QUICK_SIZE = {"layers": 2, "width": 32, "heads": 2, "context": 32}
+"""``--quick``'s GPT (28 k parameters instead of 415 k): a smoke run checks the code paths,
+and its CPU is mostly the training of 12 contenders; same layer structure, so every wrapper
+(fragments included) meets the same kinds of parameters."""
 GOALS = {
     "streaming": {"max_loss_gap": 0.02, "min_bytes_ratio": 400.0},
     "topk_lowbit": {"max_loss_gap": 0.02, "min_bytes_ratio": 1000.0},
@@ -137,8 +142,8 @@ def _step_contenders(h: int, fragments: int) -> dict[str, dict[str, Any] | None]
     }
 
 
-def _model(vocab: int) -> torch.nn.Module:
-    return build_gpt(GPTConfig(vocab, **SIZE), seed=0)  # the same weights for every contender
+def _model(vocab: int, size: dict[str, int]) -> torch.nn.Module:
+    return build_gpt(GPTConfig(vocab, **size), seed=0)  # the same weights for every contender
 
 
 def _optimizer(
@@ -176,10 +181,10 @@ def _total(count: int) -> int:
 def _quality_run(
     rank: int, world: int, name: str, kwargs: dict | None, corpus: Any, cfg: dict
 ) -> dict[str, Any]:
-    context = SIZE["context"]
-    model = _model(corpus.vocab_size)
+    context = cfg["size"]["context"]
+    model = _model(corpus.vocab_size, cfg["size"])
     opt = _optimizer(model, kwargs, cfg["outer"])
-    scratch = _model(corpus.vocab_size)
+    scratch = _model(corpus.vocab_size, cfg["size"])
     val = validation_starts(corpus.val.numel(), context, cfg["val_windows"])
     plan = WindowPlan(corpus.train.numel(), context, BATCH, world, 0)
     batches = plan.batch_starts(rank, cfg["steps"] / plan.steps_per_epoch)
@@ -283,11 +288,11 @@ def _verdicts(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
 def _step_worker(rank: int, world: int, order: list[list[str]], corpus: Any, cfg: dict) -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
-    context = SIZE["context"]
+    context = cfg["size"]["context"]
     contenders = _step_contenders(cfg["h"], cfg["fragments"])
     models, opts = {}, {}
     for name, kwargs in contenders.items():
-        model = _model(corpus.vocab_size)
+        model = _model(corpus.vocab_size, cfg["size"])
         if name == "ddp":
             models[name] = DistributedDataParallel(model)
             opts[name] = torch.optim.Adam(models[name].parameters(), lr=LR)
@@ -310,6 +315,20 @@ def _step_worker(rank: int, world: int, order: list[list[str]], corpus: Any, cfg
                 opt.step()
             blocks[name].append(_slowest(time.perf_counter() - began))
     return blocks if rank == 0 else {}
+
+
+def _both_parts_worker(
+    rank: int,
+    world: int,
+    quality: tuple[list[str], dict],
+    steps: tuple[list[list[str]], dict],
+    corpus: Any,
+) -> tuple[dict, dict]:
+    """``--quick``: part 1, then part 2, on the same ranks (one spawn instead of two: each
+    start of a rank costs seconds of CPU, more than a smoke run's training)."""
+    (quality_order, quality_cfg), (step_order, step_cfg) = quality, steps
+    ran = _quality_worker(rank, world, quality_order, corpus, quality_cfg)
+    return ran, _step_worker(rank, world, step_order, corpus, step_cfg)
 
 
 def _step_summary(blocks: dict[str, list[float]], h: int) -> dict[str, Any]:
@@ -349,12 +368,54 @@ def _print_quality(runs: dict[str, dict[str, Any]], goals: dict[str, Any]) -> No
         )
 
 
+class _TwoSpawns:
+    """How the real runs start the parts: each in its own launch, part 1 on ``world`` ranks,
+    part 2 on 2."""
+
+    def __init__(self, world: int, corpus: Any) -> None:
+        self.world, self.corpus = world, corpus
+
+    def quality(self, order: list[str], cfg: dict) -> dict:
+        args = (order, self.corpus, cfg)
+        return spawn(_quality_worker, self.world, args, timeout=7200, num_threads=1)[0]
+
+    def steps(self, order: list[list[str]], cfg: dict) -> dict:
+        return spawn(_step_worker, 2, (order, self.corpus, cfg), timeout=3600, num_threads=1)[0]
+
+
+class _OneSpawn(_TwoSpawns):
+    """``--quick`` (2 replicas): both parts on the same 2 ranks in one launch, part 2's plan
+    fixed before part 1 starts (a rank's start costs more CPU than a smoke run's training)."""
+
+    def __init__(self, corpus: Any, step_order: list[list[str]], step_cfg: dict) -> None:
+        super().__init__(2, corpus)
+        self.step_plan = (step_order, step_cfg)
+        self.blocks: dict | None = None
+
+    def quality(self, order: list[str], cfg: dict) -> dict:
+        both = ((order, cfg), self.step_plan, self.corpus)
+        ran, self.blocks = spawn(_both_parts_worker, 2, both, timeout=3600, num_threads=1)[0]
+        return ran
+
+    def steps(self, order: list[list[str]], cfg: dict) -> dict:
+        if self.blocks is None or (order, cfg) != self.step_plan:  # part 1 had nothing to run
+            return super().steps(order, cfg)
+        return self.blocks
+
+
 def _quality(
-    args: argparse.Namespace, corpus: Any, outer: tuple, rng: random.Random, before: dict | None
+    args: argparse.Namespace,
+    corpus: Any,
+    outer: tuple,
+    rng: random.Random,
+    before: dict | None,
+    size: dict[str, int],
+    launch: _TwoSpawns,
 ) -> dict[str, Any]:
     """Part 1: train the contenders ``before`` (a recorded run's ``quality``, with
     ``--resume``) lacks, and judge all of them."""
     cfg = {
+        "size": size,
         "steps": args.steps,
         "eval_every": args.eval_every,
         "h": args.sync_every,
@@ -387,8 +448,7 @@ def _quality(
     load_before, began = load(), time.perf_counter()
     if order:
         print(f"part 1: {args.world} replicas, {args.steps} steps each, order {order}", flush=True)
-        ran = spawn(_quality_worker, args.world, (order, corpus, cfg), timeout=7200, num_threads=1)
-        done.update(ran[0])
+        done.update(launch.quality(order, cfg))
     invocations.append(
         {
             "order": order,
@@ -411,17 +471,25 @@ def _quality(
     }
 
 
-def _step_time(
-    args: argparse.Namespace, corpus: Any, outer: tuple, rng: random.Random
-) -> dict[str, Any]:
-    """Part 2: every wrapper's step time against DDP's, interleaved over ``args.rounds``."""
+def _step_plan(
+    args: argparse.Namespace, outer: tuple, rng: random.Random, size: dict[str, int]
+) -> tuple[list[list[str]], dict]:
+    """Part 2's rounds (each a shuffled order of the wrappers) and its settings."""
     step_h = 8 if args.quick else 20
     names = list(_step_contenders(step_h, 4))
     order = [rng.sample(names, len(names)) for _ in range(args.rounds)]
-    cfg = {"h": step_h, "fragments": 4, "outer": outer}
+    return order, {"h": step_h, "fragments": 4, "outer": outer, "size": size}
+
+
+def _step_time(
+    args: argparse.Namespace, plan: tuple[list[list[str]], dict], launch: _TwoSpawns
+) -> dict[str, Any]:
+    """Part 2: every wrapper's step time against DDP's, interleaved over ``args.rounds``."""
+    order, cfg = plan
+    step_h = cfg["h"]
     load_before = load()
     print(f"\npart 2: 2 ranks, {args.rounds} rounds of {step_h} steps per contender", flush=True)
-    blocks = spawn(_step_worker, 2, (order, corpus, cfg), timeout=3600, num_threads=1)[0]
+    blocks = launch.steps(order, cfg)
     steps = _step_summary(blocks, step_h)
     print(f"{'wrapper':<28} {'median step ms':>14} {'vs DDP (paired)':>16}")
     for name, s in steps.items():
@@ -464,12 +532,18 @@ def main() -> None:
     rng = random.Random(args.seed)
     outer = (args.outer_lr, args.outer_momentum)
     corpus = load_corpus()
+    size = QUICK_SIZE if args.quick else SIZE
+    launch = _TwoSpawns(args.world, corpus)
+    step_plan = None
+    if args.quick and args.world == 2 and not (args.skip_quality or args.skip_step_time):
+        step_plan = _step_plan(args, outer, rng, size)
+        launch = _OneSpawn(corpus, *step_plan)
     result: dict[str, Any] = {
         "benchmark": "lm",
         "machine": machine(processor=platform.processor(), threads_per_rank=1),
         "config": {
-            "model": SIZE,
-            "parameters": sum(p.numel() for p in _model(corpus.vocab_size).parameters()),
+            "model": size,
+            "parameters": sum(p.numel() for p in _model(corpus.vocab_size, size).parameters()),
             "batch_windows_per_worker": BATCH,
             "inner": {"optimizer": "Adam", "lr": LR},
             "outer": {"optimizer": "SGD", "lr": outer[0], "momentum": outer[1], "nesterov": True},
@@ -479,9 +553,13 @@ def main() -> None:
         "goals": GOALS,
     }
     if not args.skip_quality:
-        result["quality"] = _quality(args, corpus, outer, rng, previous.get("quality"))
+        result["quality"] = _quality(
+            args, corpus, outer, rng, previous.get("quality"), size, launch
+        )
     if not args.skip_step_time:
-        result["step_time"] = _step_time(args, corpus, outer, rng)
+        result["step_time"] = _step_time(
+            args, step_plan or _step_plan(args, outer, rng, size), launch
+        )
     elif "step_time" in previous:
         result["step_time"] = previous["step_time"]
     bench.save(result)

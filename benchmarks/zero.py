@@ -39,8 +39,10 @@ Run::
 Prints medians and ratios; writes ``benchmarks/results/zero.json`` (``--out``). A ``--quick``
 run times every contender on ``cross_shard.QUICK_CASES`` (models of a few thousand parameters:
 the code paths, not the figures), measures the memory of one contender (``sharded``) on the
-first of them, and writes ``benchmarks/results/quick/zero.json`` unless ``--out`` says
-otherwise, so it never replaces the shipped figures.
+first of them -- in the timing's two processes, after the timing (a smoke run's CPU is mostly
+process start-up; its high-water marks are not figures) -- and writes
+``benchmarks/results/quick/zero.json`` unless ``--out`` says otherwise, so it never replaces
+the shipped figures.
 """
 
 from __future__ import annotations
@@ -76,9 +78,9 @@ METHODS = [
     "sharded_views_all_reduce",
 ]
 QUICK_MEMORY = ["sharded"]
+"""``--quick``'s memory contenders, measured in the timing's processes after the timing."""
 REPEATS = 40
 """Samples per contender by default (``--repeats``)."""
-"""``--quick``'s memory contenders (each is a process pair of its own: seconds apiece)."""
 
 
 def _adam(foreach: bool) -> dict[str, Any]:
@@ -202,6 +204,24 @@ def _memory(
     }
 
 
+def _timing_then_memory(
+    rank: int,
+    world: int,
+    repeats: int,
+    foreach: bool,
+    cases: dict[str, tuple[int, int, int]],
+    memory: dict[str, list[str]],
+) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """``--quick``: :func:`_timing`, then :func:`_memory` of each of ``memory``'s methods per
+    case, on the same ranks (one launch instead of one per memory contender)."""
+    timed = _timing(rank, world, repeats, foreach, cases)
+    mem = {
+        case: {m: _memory(rank, world, m, cases[case], foreach) for m in methods}
+        for case, methods in memory.items()
+    }
+    return timed, mem
+
+
 def main() -> None:
     bench = Bench(__file__, __doc__, quick="a smoke run: tiny models, seconds")
     parser = bench.parser
@@ -214,10 +234,16 @@ def main() -> None:
     cases = QUICK_CASES if args.quick else CASES
     memory_cases = dict(list(cases.items())[:1]) if args.quick else cases
     memory_methods = QUICK_MEMORY if args.quick else METHODS
-    result: dict[str, Any] = {
-        "cases": spawn(_timing, 2, args=(repeats, args.foreach, cases), timeout=1800)[0]
-    }
-    if not args.no_memory:
+    if args.quick:  # one launch: the timing, then the memory in the same processes
+        memory = {} if args.no_memory else {case: memory_methods for case in memory_cases}
+        launch_args = (repeats, args.foreach, cases, memory)
+        timed, mem = spawn(_timing_then_memory, 2, args=launch_args, timeout=600)[0]
+        for case, rows in mem.items():
+            timed[case]["memory"] = rows
+        result: dict[str, Any] = {"cases": timed}
+    else:
+        result = {"cases": spawn(_timing, 2, args=(repeats, args.foreach, cases), timeout=1800)[0]}
+    if not args.no_memory and not args.quick:
         with mock.patch.dict(os.environ, MALLOC):  # read by each process's malloc at start-up
             for case, dims in memory_cases.items():
                 result["cases"][case]["memory"] = {
