@@ -277,6 +277,18 @@ def test_quick_run_succeeds_and_writes_its_results(script, tmp_path):
         _shared_ending(result, script, "--quick", "--out", str(out))
 
 
+def test_agn_fault_scenarios_quick_run(tmp_path):
+    """``agn.py --quick`` leaves out the fault scenarios (ten process starts); their own smoke
+    run still goes through the real kills and restarts and writes what it measured."""
+    out = tmp_path / "agn_faults.json"
+    proc = _run("agn.py", "--quick", "--only", "faults", "--out", str(out), cwd=tmp_path)
+    said = f"\n--- stdout ---\n{proc.stdout[-3000:]}\n--- stderr ---\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, said
+    result = json.loads(out.read_text())
+    assert result["faults"] and "passes_ms" not in result, said
+    _shared_ending(result, "agn.py", "--quick", "--only", "faults", "--out", str(out))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
 @pytest.mark.parametrize("script", ["gpu_cross_shard.py", "gpu_mesh_sgd.py"])
 def test_gpu_scripts_real_run_refuses_without_cuda(script, tmp_path, monkeypatch, capsys):
