@@ -20,7 +20,7 @@ def test_compare_fault_tolerant_under_kill_chaos(tmp_path):
     argv = ["compare", "--fault-tolerant", "--chaos", "kill:1", "--algos", "sync"]
     # a warm spare and paced steps: the killed slot is back (and heals) while the others still
     # have most of their steps to go, however loaded the machine (a cold restart imports torch)
-    argv += ["--workers", "3", "--epochs", "6", "--spares", "1", "--ft-step-ms", "60"]
+    argv += ["--workers", "3", "--epochs", "6", "--spares", "1", "--ft-step-ms", "120"]
     argv += ["--out", str(out)]
     env = environment()
     env.pop("RUST_LOG", None)  # what a user has: distoptim must quiet torchft itself

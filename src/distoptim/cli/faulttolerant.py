@@ -43,7 +43,7 @@ from distoptim.cli.model import build_model, evaluate
 from distoptim.comm.checksum import state_checksum
 from distoptim.ft.data import SlotShards
 from distoptim.ft.local import Chaos, ReplicaContext, ReplicaRun, run_replicas
-from distoptim.ft.replica import make_manager
+from distoptim.ft.replica import NoPeersError, make_manager
 
 __all__ = ["FT_ALGORITHMS", "FaultTolerantRecord", "FaultTolerantSpec", "run_fault_tolerant"]
 
@@ -200,7 +200,13 @@ def replica_main(ctx: ReplicaContext, spec: FaultTolerantSpec, data: Dataset) ->
         opt.zero_grad()
         F.cross_entropy(model(data.x_train[idx]), data.y_train[idx]).backward()
         before = (stats.contributed, stats.commits, stats.heals, stats.failed)
-        opt.step()
+        try:
+            opt.step()
+        except NoPeersError:
+            if not ctx.incarnation or stats.commits:
+                raise
+            manager.shutdown(wait=False)  # it came back as the others finished the run
+            return {"joined": False}
         pending += len(idx)
         if not logged_round and stats.first_round_at is not None:
             ctx.log("round", at=stats.first_round_at)

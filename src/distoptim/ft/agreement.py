@@ -22,6 +22,10 @@ process.
 
 Verdict (the same on every participant, since every one reads the same table):
 
+* every member it would heal from is in ``finish()`` while a healing member is in ``step()``
+  (it joined as the run ends) -> that member raises
+  :class:`~distoptim.ft.replica.NoPeersError` ("nothing left to join"); the others' final round
+  does not commit and they end as usual;
 * the operation or the step differs -> :class:`~distoptim.comm.guard.DesyncError` everywhere
   (replicas are not in the same round: a bug, never a fault);
 * the parameter fingerprint differs -> the replicas in the minority raise
@@ -53,6 +57,7 @@ from dataclasses import dataclass
 import torch
 
 from distoptim.comm.guard import DesyncError, ParameterMismatchError, RoundKind
+from distoptim.ft.replica import NoPeersError
 
 __all__ = [
     "ROW",
@@ -173,6 +178,18 @@ def judge(everyone: Sequence[ReplicaWords], rank: int, owner: str) -> AgreementV
     if not judged:
         return AgreementVerdict(False, f"{owner}: every member of this round is healing")
     table = [everyone[r] for r in judged]
+    late = [r for r, w in enumerate(everyone) if w.healing and w.kind is not RoundKind.FINISH]
+    if late and all(w.kind is RoundKind.FINISH for w in table):
+        # the members it would heal from end the run in this round: nothing is left to join
+        # (their finish() carries no payload, so neither its size nor its step is a mismatch)
+        message = (
+            f"{owner}: member(s) {late} joined as the replicas they would heal from finish the "
+            f"run (finish() at step {table[0].step}): there is nothing left to join:\n"
+            + _lines(everyone)
+        )
+        if rank in late:
+            raise NoPeersError(message)
+        return AgreementVerdict(False, message)
     plans = Counter((w.plan, w.params) for w in table).most_common()
     strangers = [
         r for r, w in enumerate(everyone) if w.healing and (w.plan, w.params) != plans[0][0]
