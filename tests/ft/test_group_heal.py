@@ -229,11 +229,16 @@ def healed(request) -> dict[str, Any]:
             lambda ev: len(_of(ev, "failed", group=victim, inc=0)) == len(left),
         )
         pids += run.kill(victim, 0, left)  # what is left of the group, as torchrun's agent
-        run.wait_for(
-            "the survivors committed a sync without the dead group",
-            lambda ev: any(
-                e["group"] != victim and e["participants"] < groups and e["t"] > killed_at
-                for e in _of(ev, "commit")
+        survivors = {(g, r) for g in range(groups) if g != victim for r in range(SIZE)}
+        run.wait_for(  # every survivor process: their logs of one commit come at their own pace
+            "every survivor process committed a sync without the dead group",
+            lambda ev: (
+                survivors
+                <= {
+                    (e["group"], e["rank"])
+                    for e in _of(ev, "commit")
+                    if e["group"] != victim and e["participants"] < groups and e["t"] > killed_at
+                }
             ),
         )
         restarted_at = time.time()
