@@ -17,11 +17,10 @@ from typing import Any
 import pytest
 import torch
 
-from distoptim import CrossShardOptimizer
 from distoptim.comm.checksum import state_checksum
 from distoptim.ft.lighthouse import Lighthouse, LighthouseStatus, lighthouse_status
 from distoptim.ft.local import Controls, ReplicaContext, run_replicas
-from distoptim.ft.replica import make_manager
+from tests.ft import workloads
 
 pytest.importorskip("torchft")
 
@@ -34,25 +33,13 @@ QUORUM_TIMEOUT = 120.0  # a replica waits this long before QuorumTimeoutError
 def _train(ctx: ReplicaContext, min_replica_size: int = 2) -> dict[str, Any]:
     """CrossShard SGD under a manager until the scenario's step; an error comes back as text
     with the state of the last committed step."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(8, 2)
-    holder: list[CrossShardOptimizer] = []
-    manager = make_manager(
-        ctx.lighthouse,
-        replica_id=ctx.replica_id,
-        state_dict=lambda: {"opt": holder[0].state_dict(), "model": model.state_dict()},
-        load_state_dict=lambda s: (
-            holder[0].load_state_dict(s["opt"]),
-            model.load_state_dict(s["model"]),
-        ),
+    model, opt, manager = workloads.linear_cross_shard(
+        ctx,
         min_replica_size=min_replica_size,
         timeout=10,
         quorum_timeout=QUORUM_TIMEOUT,
         connect_timeout=CONNECT_TIMEOUT,
-        init_sync=False,
     )
-    opt = CrossShardOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), manager=manager)
-    holder.append(opt)
     g = torch.Generator().manual_seed(ctx.slot)
     error, waited = None, 0.0
     try:

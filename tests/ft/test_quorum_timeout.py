@@ -14,10 +14,9 @@ from typing import Any
 import pytest
 import torch
 
-from distoptim import CrossShardOptimizer
 from distoptim.ft import inject
 from distoptim.ft.local import Controls, ReplicaContext, run_replicas
-from distoptim.ft.replica import make_manager
+from tests.ft import workloads
 
 pytest.importorskip("torchft")
 
@@ -30,25 +29,9 @@ MAX_STEPS = 2_000  # a bound, in case the survivor never stops
 def trainer(ctx: ReplicaContext) -> dict[str, Any]:
     """CrossShard SGD under a manager; slot 1 stops itself after its 5th quorum (and stays
     frozen: the scenario kills it once slot 0 returned). Slot 0's error comes back as text."""
-    torch.manual_seed(0)
-    model = torch.nn.Linear(8, 2)
-    holder: list[CrossShardOptimizer] = []
-    manager = make_manager(
-        ctx.lighthouse,
-        replica_id=ctx.replica_id,
-        state_dict=lambda: {"opt": holder[0].state_dict(), "model": model.state_dict()},
-        load_state_dict=lambda s: (
-            holder[0].load_state_dict(s["opt"]),
-            model.load_state_dict(s["model"]),
-        ),
-        min_replica_size=2,
-        timeout=5,
-        quorum_timeout=QUORUM_TIMEOUT,
-        connect_timeout=5,
-        init_sync=False,
+    model, opt, manager = workloads.linear_cross_shard(
+        ctx, min_replica_size=2, timeout=5, quorum_timeout=QUORUM_TIMEOUT, connect_timeout=5
     )
-    opt = CrossShardOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), manager=manager)
-    holder.append(opt)
     if ctx.slot == 1:
 
         def freeze(point: str, role: str) -> None:

@@ -16,10 +16,9 @@ from typing import Any
 import pytest
 import torch
 
-from distoptim import CrossShardOptimizer
 from distoptim.comm.checksum import state_checksum
 from distoptim.ft.local import Controls, ReplicaContext, run_replicas
-from distoptim.ft.replica import make_manager
+from tests.ft import workloads
 
 pytest.importorskip("torchft")
 
@@ -27,24 +26,9 @@ pytestmark = pytest.mark.slow
 
 
 def trainer(ctx: ReplicaContext) -> dict[str, Any]:
-    torch.manual_seed(0)
-    model = torch.nn.Linear(8, 2)
-    holder: list[CrossShardOptimizer] = []
-    manager = make_manager(
-        ctx.lighthouse,
-        replica_id=ctx.replica_id,
-        state_dict=lambda: {"opt": holder[0].state_dict(), "model": model.state_dict()},
-        load_state_dict=lambda s: (
-            holder[0].load_state_dict(s["opt"]),
-            model.load_state_dict(s["model"]),
-        ),
-        timeout=10,
-        quorum_timeout=120,
-        connect_timeout=30,
-        init_sync=False,
+    model, opt, manager = workloads.linear_cross_shard(
+        ctx, timeout=10, quorum_timeout=120, connect_timeout=30
     )
-    opt = CrossShardOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), manager=manager)
-    holder.append(opt)
     g = torch.Generator().manual_seed(ctx.slot)
     ctx.wait_for_peers(240)
     while True:

@@ -300,3 +300,27 @@ def commits_agree(run: ReplicaRun, key: str) -> dict[int, set[int]]:
     bad = {k: v for k, v in by.items() if len(v) > 1}
     assert not bad, f"replicas committed different states at {sorted(bad)[:5]}"
     return by
+
+
+def linear_cross_shard(ctx: ReplicaContext, **manager_options: Any) -> Any:
+    """A ``Linear(8, 2)`` (seeded alike on every replica) under CrossShard SGD (lr 0.1) with a
+    torchft manager built with ``manager_options`` (timeouts, ``min_replica_size``; never an
+    initial sync): the replica of the lighthouse, spare and quorum-timeout scenarios. Returns
+    ``(model, opt, manager)``; the manager heals the model and the optimizer's state."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+    holder: list[CrossShardOptimizer] = []
+    manager = make_manager(
+        ctx.lighthouse,
+        replica_id=ctx.replica_id,
+        state_dict=lambda: {"opt": holder[0].state_dict(), "model": model.state_dict()},
+        load_state_dict=lambda s: (
+            holder[0].load_state_dict(s["opt"]),
+            model.load_state_dict(s["model"]),
+        ),
+        init_sync=False,
+        **manager_options,
+    )
+    opt = CrossShardOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), manager=manager)
+    holder.append(opt)
+    return model, opt, manager
