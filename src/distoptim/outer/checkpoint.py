@@ -59,6 +59,13 @@ class ExchangeLayout:
     slots: list[torch.Tensor]
 
 
+def _config_diff(saved: Any, mine: dict[str, Any]) -> Any:
+    """The configuration keys a checkpoint's ``saved`` config differs in (or "not a dict")."""
+    if not isinstance(saved, dict):
+        return "not a dict"
+    return sorted(k for k in {*mine, *saved} if mine.get(k) != saved.get(k))
+
+
 def check_wrapper_state(
     state: Any,
     *,
@@ -88,11 +95,7 @@ def check_wrapper_state(
         )
     saved = state["config"]
     if not isinstance(saved, dict) or saved != config:
-        diff = (
-            sorted(k for k in {*config, *saved} if config.get(k) != saved.get(k))
-            if isinstance(saved, dict)
-            else "not a dict"
-        )
+        diff = _config_diff(saved, config)
         raise ValueError(
             f"{where}['config'] is from another configuration (differs in {diff}): "
             f"checkpoint {saved!r}, this optimizer {config!r}"
@@ -266,11 +269,7 @@ def check_sharded_header(
         raise ValueError(f"{owner} DCP checkpoint: its header holds {got}, not {sorted(want)}")
     mine, saved = layout_free(config), fields["config"]
     if not isinstance(saved, dict) or saved != mine:
-        diff = (
-            sorted(k for k in {*mine, *saved} if mine.get(k) != saved.get(k))
-            if isinstance(saved, dict)
-            else "not a dict"
-        )
+        diff = _config_diff(saved, mine)
         raise ValueError(
             f"{owner} DCP checkpoint of another configuration (differs in {diff}): checkpoint "
             f"{saved!r}, this optimizer {mine!r} (only the processes per replica group may "
