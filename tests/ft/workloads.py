@@ -272,6 +272,7 @@ def _outer(
         "heals": stats.heals,
         "failed": stats.failed,
         "contributed": stats.contributed,
+        "caught_up": stats.caught_up,
     }
 
 

@@ -111,6 +111,7 @@ class ReplicaStats:
     last_heal_at: float | None = None  # wall clock of the last heal
     quorum_changes: int = 0
     contributed: int = 0  # committed rounds this replica contributed to (not healing)
+    caught_up: int = 0  # syncs it stood behind its quorum's step and jumped to it (DiLoCo)
     first_round_at: float | None = None  # wall clock of this replica's first quorum
     first_contribution_at: float | None = None  # ... and of its first contributing commit
     errors: list[str] = field(default_factory=list)  # the last few round failures, as text

@@ -44,7 +44,11 @@ Every replica receives the same table and reaches the same verdict, in this orde
    0.7, rank 1 0.5``);
 3. kind, step or fragment differ -> ``DesyncError`` ("out of step": a replica whose loop ended
    before this sync and called ``finish()``, an extra or a missing ``step()``, a checkpoint
-   loaded on some replicas only);
+   loaded on some replicas only). Except in a torchft quorum, whose members all stand at the
+   same committed step (a member behind it heals): members in ``step()`` at different inner
+   steps are a straggler (frozen or slowed while every round of the others failed too), not
+   a desync -- the sync is void and every member behind takes the furthest member's step
+   (:attr:`HeaderVerdict.catch_up`);
 4. (with a manager) the members checked different slices of the state -> the sync is void
    (not applied: the next sync checks the whole state); their state checksums differ at all,
    or (without a manager) the global copies' sums differ beyond a relative 1e-9 ->
@@ -317,6 +321,7 @@ class HeaderVerdict:
     fragment: int | None
     contributors: int
     void: str = ""  # not empty: no payload follows and the sync is not applied (why)
+    catch_up: bool = False  # void because members stood at different steps: take ``step``
 
 
 class SyncAgreement:
@@ -416,7 +421,10 @@ class SyncAgreement:
             (h.kind, h.step, h.fragment) != (first.kind, first.step, first.fragment)
             for h in headers
         ):
-            raise DesyncError(_out_of_step(self.owner, headers, names))
+            behind = self._stragglers(headers, names)
+            if behind is None:
+                raise DesyncError(_out_of_step(self.owner, headers, names))
+            return behind
         if len({(h.part, h.parts) for h in headers}) > 1:  # see distoptim.outer.managed
             lines = ", ".join(f"{n} slice {h.part}/{h.parts}" for n, h in zip(names, headers))
             why = (
@@ -455,6 +463,31 @@ class SyncAgreement:
             first.fragment,
             len(headers),
         )
+
+    def _stragglers(self, headers: list[Header], names: list[str]) -> HeaderVerdict | None:
+        """Members of a torchft quorum (``odd_one_out``) that sync in ``step()`` at different
+        inner steps: a void verdict naming the furthest step, which every member behind it
+        takes (``catch_up``); ``None`` where this is not that case (no manager, a
+        ``finish()``, or the same step with different fragments), an error.
+
+        They passed the lighthouse's quorum as equals (the same committed step): none of them
+        missed a commit, only inner steps -- a member frozen or slowed while every round of
+        the others failed too (too few of them left for a quorum). Their global copies are the
+        ones the same commits left; the sync is not applied, so the next one, all at one step,
+        checks the whole state."""
+        if not self.odd_one_out or any(h.kind is not RoundKind.STEP for h in headers):
+            return None
+        lead = max(headers, key=operator.attrgetter("step"))
+        if len({h.step for h in headers}) == 1:
+            return None
+        late = ", ".join(
+            f"{n} at step {h.step}" for n, h in zip(names, headers) if h.step < lead.step
+        )
+        why = (
+            f"{late} behind the furthest member (step {lead.step}) although none missed a "
+            "commit: not applied; it takes that step, and the next sync checks the whole state"
+        )
+        return HeaderVerdict([], lead.step, lead.fragment, len(headers), void=why, catch_up=True)
 
     def _refuse_minority(
         self, judged: list[int], keys: list[Any], headers: list[Header], message: str

@@ -54,6 +54,7 @@ donor's was read when the quorum formed, ``τ`` steps before the commit).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -141,6 +142,18 @@ class ManagedSyncs:
         assert self.round is not None
         self.round.adopted = True
         self.needs_step = False
+
+    def caught_up(self, t: int, verdict: HeaderVerdict) -> None:
+        """This replica stood at step ``t`` behind the others (the void ``verdict``): said
+        once per catch-up, as a ``RuntimeWarning`` (a loop that skips ``step()`` calls would
+        otherwise void sync after sync without a word)."""
+        self.replicas.stats.caught_up += 1
+        warnings.warn(
+            f"{self.owner}: this replica was at step {t}, behind the others in its quorum "
+            f"({verdict.void}); it jumps {verdict.step - t} inner steps ahead",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
     def save_residuals(self, exchange: FragmentExchange) -> None:
         """Keep the fragment's residuals as they are before its payload is encoded."""
@@ -244,6 +257,11 @@ class ManagedDiLoCo:
             exchange = self._exchanges[fragment.index]
             exchange.zero()
         if verdict.void:
+            if verdict.catch_up and t < verdict.step:  # a straggler: on to the others' step
+                managed.caught_up(t, verdict)
+                self.iterations = verdict.step - 1  # step() counts this one afterwards
+                t = verdict.step
+                fragment = self._schedule.fragments[verdict.fragment or 0]
             managed.fail(verdict.void)
             return PendingSync(fragment, t, None)
         if verdict.refusing:
