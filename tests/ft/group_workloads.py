@@ -10,8 +10,9 @@ group. Module-level functions: the supervisor starts processes with the ``spawn`
 Each member appends JSON lines to its own log (flushed, so they survive a SIGKILL): ``ready``;
 ``failed`` with the error that ends it (a group that lost one
 of its processes fails in the survivor's next collective inside the group); ``inject`` when its
-fault trigger fires (:mod:`distoptim.ft.inject`; it then stops itself with
-SIGSTOP, for the test to kill); ``serving`` when it copies its state for a healing peer and
+fault trigger fires (:mod:`distoptim.ft.inject`; its training then hangs there, for the test to
+kill: the main thread blocks, the rest of the process runs on -- see :func:`_hang`);
+``serving`` when it copies its state for a healing peer and
 ``loading`` when it loads one (each with the sender's group, rank and a checksum of what was
 sent, so the test sees who healed from whom); ``commit`` after every committed sync (the sync
 count, the participants, whether this process contributed, and the checksum of its shards of
@@ -172,7 +173,7 @@ def member(m: Member) -> dict[str, Any]:
 
             def stop_here(point: str, role: str) -> None:
                 m.log("inject", point=point, role=role, syncs=opt.syncs, step=opt.iterations)
-                os.kill(os.getpid(), signal.SIGSTOP)  # frozen here until the test kills it
+                _hang()  # here until the test kills it
 
             inject.arm(m.faults, action=stop_here)
         m.log("ready")
@@ -186,6 +187,20 @@ def member(m: Member) -> dict[str, Any]:
         manager.shutdown(wait=False)
         dist.destroy_process_group()
         m.log("returned")
+
+
+def _hang() -> None:
+    """Block this process's training (its main thread) until it is killed.
+
+    Not SIGSTOP: group rank 0's process also hosts the group's torchft ``ManagerServer``, which
+    answers each group rank's quorum request in a task of its own. Rank 0 may have its answer
+    -- and stop -- before the server has sent rank 1 its answer to the same quorum; a frozen
+    process would then hold rank 1 short of the point it is to stop at, until torchft's
+    client gives up on the silent server (HTTP/2 keep-alive: 80 s, ``http2 error``). A hung
+    training loop is the fault this test injects; its manager goes on serving its group.
+    """
+    while True:
+        signal.pause()  # any signal but the SIGKILL that ends it returns here
 
 
 def _train(m: Member, model: nn.Module, opt: Any, outer: Any, manager: Any) -> dict[str, Any]:
