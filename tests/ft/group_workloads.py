@@ -289,3 +289,55 @@ def restarted_manager(rank: int, lighthouse: str, store_port: int) -> dict[str, 
         return {"participants": manager.num_participants(), "errored": manager.errored()}
     finally:
         manager.shutdown(wait=False)
+
+
+def rank0_lost(rank: int, lighthouse: str, store_port: int, how: str) -> dict[str, Any]:
+    """One process of a 2-process replica group whose rank 0 dies (``how="kill"``: SIGKILL) or
+    freezes (``"stop"``: SIGSTOP) after their first committed round; rank 1 then asks for its
+    next quorum and returns what it raised (``error``) and how long it took (``waited``). Rank
+    1 ends its frozen rank 0 by pid (as torchrun's agent ends a dead group's workers)."""
+    from distoptim.ft.lighthouse import lighthouse_status
+    from distoptim.ft.replica import make_manager
+    from distoptim.ft.replicas import ManagedReplicas
+
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=False, wait_for_workers=False)
+    manager = make_manager(
+        lighthouse,
+        replica_id="lost",
+        state_dict=lambda: {},
+        load_state_dict=lambda _: None,
+        rank=rank,
+        world_size=2,
+        store_addr="127.0.0.1",
+        store_port=store_port,
+        timeout=30,
+        quorum_timeout=200,  # above torchft's 80 s keep-alive: not what ends rank 1's wait
+        connect_timeout=3,
+        init_sync=False,
+    )
+    replicas = ManagedReplicas(manager, "rank0_lost")
+    replicas.quorum()
+    assert replicas.commit()
+    watch = manager._distoptim_watch  # what make_manager read of its group (rank 0: nothing)
+    place = watch.group
+    assert (place is None) == (rank == 0), place
+    if rank == 0:
+        store.wait(["rank1_asked"])
+        store.set("rank0_pid", str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+    # rank 0's live manager, as the lighthouse lists it (heartbeats every 0.1 s)
+    heard = lighthouse_status(lighthouse).hears_from(place.replica)
+    store.set("rank1_asked", "1")
+    store.wait(["rank0_pid"])
+    began = time.monotonic()
+    try:
+        replicas.start()
+        replicas.quorum()
+        error = None
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    waited = time.monotonic() - began
+    if how == "stop":
+        os.kill(int(store.get("rank0_pid")), signal.SIGKILL)
+    manager.shutdown(wait=False)
+    return {"error": error, "waited": waited, "heard": heard, "manager": place.manager}
