@@ -13,7 +13,9 @@ With one process of the group killed instead, the other must fail by itself, nam
 rank (a group that lost a process is a group that died), before it is killed too. Also: a group
 whose processes differ from one another (one rank's shard perturbed) is refused on both its
 processes while the other groups go on; and a group restarted on its old store (torchrun's
-``--max-restarts``) does not reach its dead incarnation's manager address.
+``--max-restarts``) does not reach its dead incarnation's manager address; and a rank whose
+group's rank 0 (the group's torchft manager) is killed or frozen names its group rank and the
+cause within seconds.
 
 Every wait is bounded and driven by what the processes log, never by a sleep; the end of the
 run is decided inside the processes from what they all see alike (``group_workloads``).
