@@ -312,7 +312,7 @@ def rank0_lost(rank: int, lighthouse: str, store_port: int, how: str) -> dict[st
         store_port=store_port,
         timeout=30,
         quorum_timeout=200,  # above torchft's 80 s keep-alive: not what ends rank 1's wait
-        connect_timeout=3,
+        connect_timeout=5,
         init_sync=False,
     )
     replicas = ManagedReplicas(manager, "rank0_lost")

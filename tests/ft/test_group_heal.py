@@ -428,7 +428,7 @@ def test_a_rank_whose_group_manager_is_lost_names_its_group_rank_within_seconds(
     """Rank 0's process hosts the group's torchft manager; rank 1 asks it for every quorum.
     Killed, rank 1's next quorum fails at once; frozen, torchft's client would wait for its
     HTTP/2 keep-alive (80 s) and say ``http2 error``: rank 1 names its group rank and the cause
-    within connect_timeout (3 s here) of the lighthouse no longer hearing from the group
+    within connect_timeout (5 s here) of the lighthouse no longer hearing from the group
     (heartbeat_timeout, 2 s here)."""
     with Lighthouse(min_replicas=1, heartbeat_timeout=2) as lighthouse:
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)

@@ -127,24 +127,33 @@ class LighthouseWatch:
 
     def group_manager_lost(self, exc: BaseException, waited: float, what: str) -> Exception | None:
         """The :class:`GroupManagerUnreachableError` for torchft's client error ``exc`` when it
-        says the connection to this group's rank 0 manager was lost and rank 0 is indeed gone:
-        its address refuses connections, or the lighthouse says it stopped heartbeating. Else
-        None (an error rank 0's live manager relayed; also in rank 0's own process)."""
+        says the connection to this group's rank 0 manager was lost and rank 0 is seen gone
+        within ``patience`` seconds (:meth:`_rank0_gone`). Else None: ``exc`` stands (an error
+        rank 0's live manager relayed; also in rank 0's own process)."""
         if self.group is None or not _LOST.search(str(exc)) or not self._rank0_gone():
             return None
         return self._lost(f"stopped answering ({str(exc).strip()})", waited, what)
 
     def _rank0_gone(self) -> bool:
+        """Whether, within ``patience`` seconds, rank 0's manager address refuses connections
+        (its process exited) or the lighthouse marks its heartbeats late (it died or froze:
+        after the lighthouse's heartbeat timeout). A dying process may still hold its port for
+        a moment, hence the bounded poll; the error is raised either way."""
         assert self.group is not None
-        status = lighthouse_status(self.address, timeout=min(1.0, self.patience))
-        if status is not None and status.hears_from(self.group.replica) is False:
-            return True
         where = urllib.parse.urlsplit(self.group.manager)
-        try:
-            with socket.create_connection((where.hostname, where.port), timeout=1.0):
+        deadline = time.monotonic() + self.patience
+        while True:
+            try:
+                with socket.create_connection((where.hostname, where.port), timeout=1.0):
+                    pass
+            except (OSError, ValueError):
+                return True
+            status = lighthouse_status(self.address, timeout=min(1.0, self.patience))
+            if status is not None and status.hears_from(self.group.replica) is False:
+                return True
+            if time.monotonic() >= deadline:
                 return False
-        except (OSError, ValueError):
-            return True
+            time.sleep(0.2)  # polls rank 0's address and the lighthouse's page
 
     def _lost(self, cause: str, waited: float, what: str) -> GroupManagerUnreachableError:
         group = self.group
