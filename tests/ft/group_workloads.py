@@ -10,8 +10,9 @@ group. Module-level functions: the supervisor starts processes with the ``spawn`
 Each member appends JSON lines to its own log (flushed, so they survive a SIGKILL): ``ready``;
 ``failed`` with the error that ends it (a group that lost one
 of its processes fails in the survivor's next collective inside the group); ``inject`` when its
-fault trigger fires (:mod:`distoptim.ft.inject`; it then stops itself with
-SIGSTOP, for the test to kill); ``serving`` when it copies its state for a healing peer and
+fault trigger fires (:mod:`distoptim.ft.inject`; its training then hangs there, for the test to
+kill: the main thread blocks, the rest of the process runs on -- see :func:`_hang`);
+``serving`` when it copies its state for a healing peer and
 ``loading`` when it loads one (each with the sender's group, rank and a checksum of what was
 sent, so the test sees who healed from whom); ``commit`` after every committed sync (the sync
 count, the participants, whether this process contributed, and the checksum of its shards of
@@ -172,7 +173,7 @@ def member(m: Member) -> dict[str, Any]:
 
             def stop_here(point: str, role: str) -> None:
                 m.log("inject", point=point, role=role, syncs=opt.syncs, step=opt.iterations)
-                os.kill(os.getpid(), signal.SIGSTOP)  # frozen here until the test kills it
+                _hang()  # here until the test kills it
 
             inject.arm(m.faults, action=stop_here)
         m.log("ready")
@@ -186,6 +187,20 @@ def member(m: Member) -> dict[str, Any]:
         manager.shutdown(wait=False)
         dist.destroy_process_group()
         m.log("returned")
+
+
+def _hang() -> None:
+    """Block this process's training (its main thread) until it is killed.
+
+    Not SIGSTOP: group rank 0's process also hosts the group's torchft ``ManagerServer``, which
+    answers each group rank's quorum request in a task of its own. Rank 0 may have its answer
+    -- and stop -- before the server has sent rank 1 its answer to the same quorum; a frozen
+    process would then hold rank 1 short of the point it is to stop at, until torchft's
+    client gives up on the silent server (HTTP/2 keep-alive: 80 s, ``http2 error``). A hung
+    training loop is the fault this test injects; its manager goes on serving its group.
+    """
+    while True:
+        signal.pause()  # any signal but the SIGKILL that ends it returns here
 
 
 def _train(m: Member, model: nn.Module, opt: Any, outer: Any, manager: Any) -> dict[str, Any]:
@@ -274,3 +289,55 @@ def restarted_manager(rank: int, lighthouse: str, store_port: int) -> dict[str, 
         return {"participants": manager.num_participants(), "errored": manager.errored()}
     finally:
         manager.shutdown(wait=False)
+
+
+def rank0_lost(rank: int, lighthouse: str, store_port: int, how: str) -> dict[str, Any]:
+    """One process of a 2-process replica group whose rank 0 dies (``how="kill"``: SIGKILL) or
+    freezes (``"stop"``: SIGSTOP) after their first committed round; rank 1 then asks for its
+    next quorum and returns what it raised (``error``) and how long it took (``waited``). Rank
+    1 ends its frozen rank 0 by pid (as torchrun's agent ends a dead group's workers)."""
+    from distoptim.ft.lighthouse import lighthouse_status
+    from distoptim.ft.replica import make_manager
+    from distoptim.ft.replicas import ManagedReplicas
+
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=False, wait_for_workers=False)
+    manager = make_manager(
+        lighthouse,
+        replica_id="lost",
+        state_dict=lambda: {},
+        load_state_dict=lambda _: None,
+        rank=rank,
+        world_size=2,
+        store_addr="127.0.0.1",
+        store_port=store_port,
+        timeout=30,
+        quorum_timeout=200,  # above torchft's 80 s keep-alive: not what ends rank 1's wait
+        connect_timeout=5,
+        init_sync=False,
+    )
+    replicas = ManagedReplicas(manager, "rank0_lost")
+    replicas.quorum()
+    assert replicas.commit()
+    watch = manager._distoptim_watch  # what make_manager read of its group (rank 0: nothing)
+    place = watch.group
+    assert (place is None) == (rank == 0), place
+    if rank == 0:
+        store.wait(["rank1_asked"])
+        store.set("rank0_pid", str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+    # rank 0's live manager, as the lighthouse lists it (heartbeats every 0.1 s)
+    heard = lighthouse_status(lighthouse).hears_from(place.replica)
+    store.set("rank1_asked", "1")
+    store.wait(["rank0_pid"])
+    began = time.monotonic()
+    try:
+        replicas.start()
+        replicas.quorum()
+        error = None
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    waited = time.monotonic() - began
+    if how == "stop":
+        os.kill(int(store.get("rank0_pid")), signal.SIGKILL)
+    manager.shutdown(wait=False)
+    return {"error": error, "waited": waited, "heard": heard, "manager": place.manager}

@@ -13,7 +13,9 @@ With one process of the group killed instead, the other must fail by itself, nam
 rank (a group that lost a process is a group that died), before it is killed too. Also: a group
 whose processes differ from one another (one rank's shard perturbed) is refused on both its
 processes while the other groups go on; and a group restarted on its old store (torchrun's
-``--max-restarts``) does not reach its dead incarnation's manager address.
+``--max-restarts``) does not reach its dead incarnation's manager address; and a rank whose
+group's rank 0 (the group's torchft manager) is killed or frozen names its group rank and the
+cause within seconds.
 
 Every wait is bounded and driven by what the processes log, never by a sleep; the end of the
 run is decided inside the processes from what they all see alike (``group_workloads``).
@@ -418,3 +420,39 @@ def test_a_group_restarted_on_its_old_store_does_not_reach_its_dead_managers_add
         assert store.get("manager_addr").decode() != stale
     for rank, outcome in enumerate(outcomes):
         assert outcome.value == {"participants": 1, "errored": None}, (rank, outcome)
+
+
+# ---- a group whose rank 0 dies or freezes while its rank 1 waits for a quorum ------------------
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_a_rank_whose_group_manager_is_lost_names_its_group_rank_within_seconds(how):
+    """Rank 0's process hosts the group's torchft manager; rank 1 asks it for every quorum.
+    Killed, rank 1's next quorum fails at once; frozen, torchft's client would wait for its
+    HTTP/2 keep-alive (80 s) and say ``http2 error``: rank 1 names its group rank and the cause
+    within connect_timeout (5 s here) of the lighthouse no longer hearing from the group
+    (heartbeat_timeout, 2 s here)."""
+    with Lighthouse(min_replicas=1, heartbeat_timeout=2) as lighthouse:
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        supervisor = ProcessSupervisor(timeout=240, num_threads=1)
+        try:
+            for rank in range(SIZE):
+                supervisor.add(
+                    group_workloads.rank0_lost,
+                    (rank, lighthouse.address, store.port, how),
+                    name=f"rank {rank}",
+                    env={"OMP_NUM_THREADS": "1"},
+                    critical=False,
+                )
+            rank0, rank1 = supervisor.run()
+        finally:
+            supervisor.close()
+    assert rank0.exitcode == -signal.SIGKILL, rank0  # by itself, or by rank 1 (frozen)
+    says, waited = rank1.value["error"], rank1.value["waited"]
+    assert rank1.value["heard"] is True, rank1  # the lighthouse lists rank 0's live manager
+    assert says is not None, rank1
+    assert says.startswith(
+        "GroupManagerUnreachableError: replica 'lost', rank 1 of its 2 processes: its group's "
+        f"rank 0 manager at {rank1.value['manager']} "
+    ), says
+    assert "Rank 0 of this replica group died or stopped" in says, says
+    if how == "stop":  # torchft's own error comes only with its keep-alive
+        assert "no heartbeat within its heartbeat timeout" in says and waited < 80, (waited, says)

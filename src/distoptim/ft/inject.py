@@ -24,6 +24,13 @@ variable ``DISTOPTIM_FT_INJECT`` when this module is imported, or by :func:`arm`
 replica function, per slot), which also accepts an ``action`` callable ``action(point, role)``
 run instead (e.g. log an event, then stop).
 
+``stop`` freezes the whole process. In a replica group of several processes, group rank 0's
+process also hosts the group's torchft manager server: stopped, it can hold back its other
+ranks' answers to the very quorum it just had answered (they then never reach the point, and
+raise :class:`~distoptim.ft.replica.GroupManagerUnreachableError`). To stop every process of
+such a group at one point, pass an ``action`` that blocks the training thread instead
+(``tests/ft/group_workloads.py``).
+
 Cost when nothing is armed: every call site reads the module flag :data:`ARMED` and does
 nothing else (``if inject.ARMED: inject.hit(...)``).
 """

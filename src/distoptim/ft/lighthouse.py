@@ -22,9 +22,10 @@ manager's ``min_replica_size`` is a second, per-step floor: a step with fewer pa
 not committed).
 
 Also owns :func:`lighthouse_status`: what a replica waiting for a quorum can learn about the
-lighthouse -- whether it answers at all, its current quorum id and how many replica groups
-heartbeat -- read from the status page torchft's lighthouse serves on its own port (``/status``,
-its dashboard), the one place that reports them.
+lighthouse -- whether it answers at all, its current quorum id, how many replica groups
+heartbeat and whether it still hears from a given one -- read from the status page torchft's
+lighthouse serves on its own port (``/status``, its dashboard), the one place that reports
+them.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import threading
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from distoptim import checks
@@ -50,14 +51,30 @@ class LighthouseStatus:
 
     ``quorum_id``: the last quorum it issued (0: none yet, since it started);
     ``heartbeating``: replica groups whose heartbeats are recent (within its heartbeat timeout).
+    ``beats``: each replica group the page lists under its heartbeats (its full replica id,
+    torchft's ``name:uuid``) and whether its last heartbeat is recent; not compared (two
+    statuses are equal when their quorum id and count are).
     """
 
     quorum_id: int | None
     heartbeating: int | None
+    beats: tuple[tuple[str, bool], ...] | None = field(default=None, compare=False)
+
+    def hears_from(self, replica: str) -> bool | None:
+        """Whether the lighthouse's last heartbeat from ``replica`` (a full replica id) is
+        recent: False when it is older than the lighthouse's heartbeat timeout; None when the
+        page does not list it (a lighthouse restarted since) or did not say."""
+        for name, recent in self.beats or ():
+            if name == replica:
+                return recent
+        return None
 
 
 _QUORUM_ID = re.compile(r"Current quorum_id:\s*(\d+)")
 _HEARTBEATING = re.compile(r"\[(\d+) heartbeating\]")
+_PAGE_LIMIT = 1 << 20  # bytes of the status page read
+_HEARTBEATS = "<h2>Heartbeats</h2>"  # the page's list: one item per replica group, "old" if late
+_BEAT = re.compile(r'class="heartbeat\s*(old)?\s*">\s*(\S+?): seen')
 
 
 def lighthouse_status(address: str, timeout: float = 1.0) -> LighthouseStatus | None:
@@ -69,14 +86,19 @@ def lighthouse_status(address: str, timeout: float = 1.0) -> LighthouseStatus | 
     """
     try:
         with urllib.request.urlopen(address.rstrip("/") + "/status", timeout=timeout) as r:
-            page = r.read(1 << 16).decode("utf-8", "replace")
+            raw = r.read(_PAGE_LIMIT + 1)
     except urllib.error.HTTPError:
         return LighthouseStatus(None, None)  # something answers: not gone
     except (OSError, ValueError):
         return None
-    qid, beats = _QUORUM_ID.search(page), _HEARTBEATING.search(page)
+    page = raw[:_PAGE_LIMIT].decode("utf-8", "replace")
+    qid, count = _QUORUM_ID.search(page), _HEARTBEATING.search(page)
+    whole = len(raw) <= _PAGE_LIMIT  # a cut list would leave some replica groups out
+    listed = page.partition(_HEARTBEATS)[2] if whole and _HEARTBEATS in page else None
     return LighthouseStatus(
-        int(qid.group(1)) if qid else None, int(beats.group(1)) if beats else None
+        int(qid.group(1)) if qid else None,
+        int(count.group(1)) if count else None,
+        None if listed is None else tuple((n, not old) for old, n in _BEAT.findall(listed)),
     )
 
 

@@ -15,22 +15,34 @@ address before that is rejoined: torchft's manager retries its quorum request
 (``quorum_retries``). A quorum that does not come within the manager's ``quorum_timeout`` for
 another reason (the other groups stopped or never came back) is :class:`QuorumTimeoutError`,
 saying what the lighthouse sees, instead of torchft's bare ``TimeoutError``.
+
+In a replica group of several processes, group rank 0's process hosts the group's torchft
+manager server, which the other ranks ask for every quorum and commit: when it dies or stops
+(a group that lost a process is dead), they raise :class:`GroupManagerUnreachableError` naming
+their group rank -- at once when torchft's client loses the connection, and within
+``connect_timeout`` when rank 0 is frozen (its manager no longer heartbeats the lighthouse),
+instead of torchft's bare ``http2 error`` once its HTTP/2 keep-alive gives up (80 s).
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import re
+import socket
 import time
+import urllib.parse
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from distoptim import checks
 from distoptim.ft._torchft import advertised_http_transport, group_store_keys, quiet, require
-from distoptim.ft.lighthouse import lighthouse_status
+from distoptim.ft.lighthouse import LighthouseStatus, lighthouse_status
 
 __all__ = [
     "GroupManagerUnreachableError",
+    "GroupPlace",
     "LighthouseGoneError",
     "LighthouseUnreachableError",
     "LighthouseWatch",
@@ -45,7 +57,8 @@ class LighthouseUnreachableError(ConnectionError):
 
 
 class GroupManagerUnreachableError(ConnectionError):
-    """A process of a replica group of several could not reach its group's rank 0 manager."""
+    """A process of a replica group of several could not reach its group's rank 0 manager (at
+    construction), or lost it (rank 0 died or stopped)."""
 
 
 class LighthouseGoneError(LighthouseUnreachableError):
@@ -74,6 +87,22 @@ def quorum_timed_out(
     )
 
 
+@dataclass(frozen=True)
+class GroupPlace:
+    """A process of a replica group of several, above group rank 0: ``replica`` is the group's
+    full replica id (torchft's ``name:uuid``, as rank 0's manager registered it) and
+    ``manager`` rank 0's manager address, both read from the group's store."""
+
+    rank: int
+    size: int
+    replica: str
+    manager: str
+
+
+# torchft's client errors when the connection to a manager server is lost or refused
+_LOST = re.compile(r"status: Unavailable|\"(transport error|http2 error)\"")
+
+
 class LighthouseWatch:
     """Why a quorum does not come (see the module): :meth:`check` is called while waiting.
 
@@ -83,14 +112,61 @@ class LighthouseWatch:
     still be starting: waiting for them is not an error here.
     """
 
-    def __init__(self, address: str, replica_id: str, patience: float) -> None:
+    def __init__(
+        self, address: str, replica_id: str, patience: float, group: GroupPlace | None = None
+    ) -> None:
         self.address, self.replica_id, self.patience = address, replica_id, patience
+        self.group = group  # None: this process is its group's rank 0 (it hosts the manager)
         self._gone_since: float | None = None
         self._alone_since: float | None = None
+        self._unheard_since: float | None = None
 
     def reset(self) -> None:
         """A quorum came: forget what was seen while waiting."""
-        self._gone_since = self._alone_since = None
+        self._gone_since = self._alone_since = self._unheard_since = None
+
+    def group_manager_lost(self, exc: BaseException, waited: float, what: str) -> Exception | None:
+        """The :class:`GroupManagerUnreachableError` for torchft's client error ``exc`` when it
+        says the connection to this group's rank 0 manager was lost and rank 0 is seen gone
+        within ``patience`` seconds (:meth:`_rank0_gone`). Else None: ``exc`` stands (an error
+        rank 0's live manager relayed; also in rank 0's own process)."""
+        if self.group is None or not _LOST.search(str(exc)) or not self._rank0_gone():
+            return None
+        return self._lost(f"stopped answering ({str(exc).strip()})", waited, what)
+
+    def _rank0_gone(self) -> bool:
+        """Whether, within ``patience`` seconds, rank 0's manager address refuses connections
+        (its process exited) or the lighthouse marks its heartbeats late (it died or froze:
+        after the lighthouse's heartbeat timeout). A dying process may still hold its port for
+        a moment, hence the bounded poll; the error is raised either way."""
+        assert self.group is not None
+        where = urllib.parse.urlsplit(self.group.manager)
+        deadline = time.monotonic() + self.patience
+        while True:
+            try:
+                with socket.create_connection((where.hostname, where.port), timeout=1.0):
+                    pass
+            except (OSError, ValueError):
+                return True
+            status = lighthouse_status(self.address, timeout=min(1.0, self.patience))
+            if status is not None and status.hears_from(self.group.replica) is False:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.2)  # polls rank 0's address and the lighthouse's page
+
+    def _lost(self, cause: str, waited: float, what: str) -> GroupManagerUnreachableError:
+        group = self.group
+        assert group is not None
+        return GroupManagerUnreachableError(
+            f"replica {self.replica_id!r}, rank {group.rank} of its {group.size} processes: its "
+            f"group's rank 0 manager at {group.manager} {cause} while this process waited "
+            f"{waited:.0f} s for {what}. Rank 0 of this replica group died or stopped (its "
+            "process hosts the group's torchft manager), and a replica group that lost a "
+            "process is dead: end its other processes and start the whole group again (under "
+            "torchrun, kill its workers by their process ids); the other groups go on, and the "
+            "restarted group's processes heal from their counterparts."
+        )
 
     def timed_out(self, quorum_timeout: float, waited: float) -> QuorumTimeoutError:
         """The error for a quorum that did not come within ``quorum_timeout``, with how many
@@ -116,7 +192,7 @@ class LighthouseWatch:
         now = time.monotonic()
         status = lighthouse_status(self.address, timeout=min(1.0, self.patience))
         if status is None:
-            self._alone_since = None
+            self._alone_since = self._unheard_since = None
             self._gone_since = self._gone_since or now
             if now - self._gone_since >= self.patience:
                 raise LighthouseGoneError(
@@ -130,6 +206,7 @@ class LighthouseWatch:
                 )
             return
         self._gone_since = None
+        self._check_rank0(status, now, waited)
         alone = status.quorum_id and status.heartbeating is not None and status.heartbeating <= 1
         if joining and alone:
             self._alone_since = self._alone_since or now
@@ -144,6 +221,30 @@ class LighthouseWatch:
                 )
             return
         self._alone_since = None
+
+    def _check_rank0(self, status: LighthouseStatus, now: float, waited: float) -> None:
+        """Above group rank 0: :class:`GroupManagerUnreachableError` once the lighthouse has
+        said for ``patience`` seconds that this group's manager (rank 0's) stopped heartbeating
+        (a lighthouse that does not list it, restarted since, says nothing)."""
+        if self.group is None or status.hears_from(self.group.replica) is not False:
+            self._unheard_since = None
+            return
+        self._unheard_since = self._unheard_since or now
+        if now - self._unheard_since >= self.patience:
+            raise self._lost(
+                f"has been marked late (no heartbeat within its heartbeat timeout) by the "
+                f"lighthouse at {self.address} for {now - self._unheard_since:.0f} s "
+                f"(connect_timeout={self.patience:g}s)",
+                waited,
+                "a quorum",
+            )
+
+
+def _group_place(dist: Any, addr: str, port: int | None, rank: int, size: int) -> GroupPlace:
+    """This process's :class:`GroupPlace`, from the keys rank 0's manager wrote in the store."""
+    store = dist.TCPStore(addr, port, is_master=False, wait_for_workers=False)
+    manager_addr, replica = (store.get(key).decode("utf-8") for key in group_store_keys())
+    return GroupPlace(rank, size, replica, manager_addr)
 
 
 RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
@@ -288,7 +389,13 @@ def make_manager(
             raise
         raise named from exc
     manager._distoptim_store = keepalive  # the replica group's store lives as long as it
-    manager._distoptim_watch = LighthouseWatch(lighthouse, replica_id, float(connect_timeout))
+    group = None
+    if rank > 0:
+        assert store_addr is not None  # world_size > 1 needs the group's store (checked above)
+        group = _group_place(dist, store_addr, store_port, rank, world_size)
+    manager._distoptim_watch = LighthouseWatch(
+        lighthouse, replica_id, float(connect_timeout), group
+    )
     return manager
 
 

@@ -28,7 +28,9 @@ taken when the quorum asks for it (so later local steps cannot tear it).
 
 A quorum that does not form within the manager's ``quorum_timeout`` raises
 :class:`~distoptim.ft.replica.QuorumTimeoutError` naming the replica (torchft's own error is a
-bare ``TimeoutError``). A quorum that can never be big enough (``min_replica_size`` above the
+bare ``TimeoutError``); in a group of several processes, one whose rank 0 (the group's manager)
+died or stopped raises :class:`~distoptim.ft.replica.GroupManagerUnreachableError` naming its
+group rank. A quorum that can never be big enough (``min_replica_size`` above the
 replicas that exist) does not spin silently: after ``give_up_after`` seconds (the manager's
 quorum timeout) of rounds that failed only for lack of replicas, :meth:`commit` raises
 :class:`InsufficientReplicasError`.
@@ -198,6 +200,18 @@ class ManagedReplicas:
             if watch is not None:
                 raise watch.timed_out(self.give_up_after, waited) from exc
             raise quorum_timed_out(self.owner, self.give_up_after, waited) from exc
+        except RuntimeError as exc:  # e.g. this group's rank 0 (its manager) died
+            lost = self._lost(watch, exc, began, "a quorum")
+            if lost is None:
+                raise
+            raise lost from exc
+
+    @staticmethod
+    def _lost(watch: Any, exc: RuntimeError, began: float, what: str) -> Exception | None:
+        """torchft's client error, named when it means this group's rank 0 manager is gone."""
+        if watch is None:
+            return None
+        return watch.group_manager_lost(exc, time.monotonic() - began, what)
 
     def errored(self) -> BaseException | None:
         """The failure torchft recorded in this round (None: none so far)."""
@@ -208,8 +222,14 @@ class ManagedReplicas:
         """End the round: ``should_commit()``; a healing replica receives its state here."""
         self.start()  # a round must have a quorum to be judged
         manager = self.manager
+        began = time.monotonic()
         try:
             ok = bool(manager.should_commit())
+        except RuntimeError as exc:  # e.g. this group's rank 0 (its manager) died
+            lost = self._lost(getattr(manager, "_distoptim_watch", None), exc, began, "a commit")
+            if lost is None:
+                raise
+            raise lost from exc
         finally:
             self._started = False
         if ok:
