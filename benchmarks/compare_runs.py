@@ -36,9 +36,8 @@ Run::
 
     python benchmarks/compare_runs.py           # 3 runs each of digits and mnist5k (~1 h on 2
                                                 # shared cores)
-    python benchmarks/compare_runs.py --quick   # 2 runs of sync and LocalSGD, 1 epoch of
-                                                # batch 64 (smoke): one invocation, --repeats 2,
-                                                # in this process
+    python benchmarks/compare_runs.py --quick   # 2 runs of sync and LocalSGD, 1 epoch (smoke):
+                                                # one invocation, --repeats 2, in this process
 
 Prints a Markdown table per dataset (the README's) and writes
 ``benchmarks/results/compare_runs.json`` (``--quick``: ``benchmarks/results/quick/``, never
@@ -271,7 +270,7 @@ def _order(runs: list[dict[str, Any]]) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    bench = Bench(__file__, __doc__, quick="2 runs of sync,localsgd on digits, 1 epoch of batch 64")
+    bench = Bench(__file__, __doc__, quick="2 runs of sync,localsgd on digits")
     parser = bench.parser
     parser.add_argument("--runs", type=int, default=3, help="runs per dataset (default 3)")
     parser.add_argument("--datasets", default="digits,mnist5k")
@@ -281,10 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     launch, invocations = _in_a_fresh_process, runs
     if args.quick:  # both runs from one invocation (--repeats), in this process
         algos, extra, datasets, runs = ["sync", "localsgd"], ["--workers", "2"], ["digits"], 2
-        # batch 64: 11 steps a worker per run, not 45 (a smoke run's CPU is mostly its steps
-        # and its start-up; every step path is the same)
-        extra += ["--epochs", "1", "--batch-size", "64", "--eval-points", "5"]
-        extra += ["--repeats", str(runs)]
+        extra += ["--epochs", "1", "--eval-points", "5", "--repeats", str(runs)]
         launch, invocations = _in_this_process, 1
     rng = random.Random(args.seed)
     recorded: dict[str, list[dict[str, Any]]] = {d: [] for d in datasets}
