@@ -31,8 +31,6 @@ from _common import Bench
 from torch import nn
 
 from distoptim.launch import spawn
-from distoptim.outer import DiLoCo
-from distoptim.outer.groups import local_view
 
 GROUPS = 2
 H = 2
@@ -40,6 +38,8 @@ WIRES = ("fp32", "int8")
 
 
 def _storage_bytes(tensors: list[torch.Tensor]) -> int:
+    from distoptim.outer.groups import local_view
+
     seen: dict[int, int] = {}
     for t in tensors:
         storage = local_view(t).untyped_storage()
@@ -49,8 +49,12 @@ def _storage_bytes(tensors: list[torch.Tensor]) -> int:
 
 def _one(mesh: Any, k: int, width: int, wire: str, rank: int) -> dict[str, int]:
     """One DiLoCo over the model, sharded over ``mesh["shard"]`` when ``k > 1`` (``k = 1``:
-    plain, each process a one-process group averaging with its counterpart)."""
+    plain, each process a one-process group averaging with its counterpart). The ranks import
+    FSDP and ``distoptim.outer`` here, not at the top: the parent, which only launches and
+    prints, would pay a second of CPU for them."""
     from torch.distributed.fsdp import fully_shard
+
+    from distoptim.outer import DiLoCo
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width))
