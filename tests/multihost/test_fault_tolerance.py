@@ -36,7 +36,9 @@ def test_a_replica_host_killed_and_brought_back(hosts: Hosts, tmp_path_factory) 
     running = start_block(hosts, "ft", cwds, on=on, timeout=_TIMEOUT)
     again = None
     try:
-        assert running.wait_for(on[3], r"\[replica 2\] step 100 ", _TIMEOUT), running.log(on[3])
+        # host 3 is training: its first progress line, whatever its step (started last on a
+        # loaded machine, it may heal into the others' step past 100 and never print "step 100")
+        assert running.wait_for(on[3], r"\[replica 2\] step \d+ ", _TIMEOUT), running.log(on[3])
         running.kill_host(on[3])
         mark = max(s for s, _, _ in _steps(running.log(on[1])))
         # the survivors go on without it (two groups: the lighthouse's floor)
