@@ -69,8 +69,10 @@ def test_timeout_kills_everything_and_failure_inside_cleans_up() -> None:
     with pytest.raises(RuntimeError, match="boom"), Hosts(2) as hs:
         prefix = hs.prefix
         (run,) = hs.start([["sleep", "30"]], timeout=1.0).wait()
+        # timed out: cut at the deadline, 1 s after start() was called (not after this
+        # process's own start, which a loaded machine delays: its seconds may be under 1)
         assert run.timed_out and run.returncode is None
-        assert 1.0 <= run.seconds < 10
+        assert run.seconds < 10  # and killed then, not left to its 30 s
         hs.start([["sleep", "30"], ["sleep", "30"]], timeout=60)  # left running on purpose
         raise RuntimeError("boom")
     assert prefix is not None and leftovers(prefix) == []
