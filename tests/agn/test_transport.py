@@ -317,3 +317,47 @@ def test_a_commit_reply_is_read_in_place_and_the_center_held_until_released():
     finally:
         worker.close()
         shard.close()
+
+
+def test_no_shared_segment_with_a_worker_whose_process_the_shard_cannot_watch(monkeypatch):
+    """A worker that says hello from another host name (a container or network namespace that
+    shares this kernel's /dev/shm could map the segment) gets no segment: its commits' replies
+    travel on the pair, so the shard never holds the table's read lock waiting for a worker
+    whose death it could only see at the request's timeout. (Seen across network namespaces:
+    a worker killed while reading its reply in place held every other worker's commit for
+    60 s.) A worker on this host still gets one."""
+    from distoptim.agn import AddUpdate, ParameterServer
+    from distoptim.agn.store import store_namespace
+    from distoptim.agn.transport import p2p
+    from distoptim.agn.transport.messages import CommitReply, Seed, TableSpec
+    from distoptim.agn.transport.shared_center import SharedCenters
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    namespace = store_namespace()
+    server = ParameterServer(0, 1, 1, centers=SharedCenters())
+    server.incarnation = int(dist.PrefixStore(namespace, store).add("shard/0/incarnation", 1))
+    shard = p2p.P2PTransport("127.0.0.1", store.port, namespace, num_ps=1, timeout=30)
+    shard.serve(server)
+    here, elsewhere = (p2p.P2PTransport("127.0.0.1", store.port, namespace, num_ps=1, timeout=30)
+                       for _ in range(2))  # fmt: skip
+    try:
+        here.connect(0, timeout=30)
+        real = p2p.socket.gethostname
+        with monkeypatch.context() as m:  # only its hello names another host
+            m.setattr(p2p.socket, "gethostname", lambda: real() + "-elsewhere")
+            elsewhere.connect(0, timeout=30)
+        assert here.reserve(0, 4096)
+        assert not elsewhere.reserve(0, 4096)
+        assert elsewhere._channels[0].pipe.segment is None
+        spec = TableSpec("t", AddUpdate(), [0], [(6,)], [torch.float32], True, None, {}, [])
+        elsewhere.send(0, Seed("t", spec, {"float32": torch.zeros(6)}), 30).wait()
+        reply = elsewhere.send(0, Commit("t", 0, 0, {"float32": torch.arange(6.0)}), 30).wait()
+        assert isinstance(reply, CommitReply) and torch.equal(
+            reply.flats["float32"], torch.arange(6.0)
+        )
+        table = server._tables["t"]
+        assert _until(lambda: table.rw._readers == 0)  # sent on the pair: the lock is let go
+    finally:
+        here.close()
+        elsewhere.close()
+        shard.close()

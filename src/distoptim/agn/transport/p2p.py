@@ -63,8 +63,12 @@ Same machine: a worker that knows how large its messages to a shard will be
 (:meth:`P2PTransport.reserve`, called when an optimizer connects) offers the shard a
 shared-memory segment (:mod:`~distoptim.agn.transport.shm`); once the shard has mapped it, the
 flat buffers of both directions travel there and only the header uses the pair. A shard on
-another machine cannot map it and the buffers stay on the pair. ``shared_memory=False`` (or
-``DISTOPTIM_AGN_SHM=0``) keeps everything on the pair.
+another machine cannot map it and the buffers stay on the pair. Nor is a segment used between
+two ends that cannot watch each other's process (another host name: a container or network
+namespace sharing this kernel's ``/dev/shm``): the shard holds the table's read lock until the
+worker has read its reply there, and the death of a worker it cannot watch would be seen only
+at the request's timeout, with every other worker's commit waiting for the lock.
+``shared_memory=False`` (or ``DISTOPTIM_AGN_SHM=0``) keeps everything on the pair.
 
 Tensors must be on the CPU (gloo); process groups are made directly
 (``torch.distributed.ProcessGroupGloo``), so they need no default group and are invisible to
@@ -113,6 +117,7 @@ from distoptim.agn.transport.p2p_worker import (
     _P2PPending,
     _P2PStream,
     _process_gone,
+    _watchable,
 )
 from distoptim.agn.transport.pair import _Idle, _Pipe, _PipeInflow, _store, _wait_all
 from distoptim.agn.transport.shared_center import MappedCenters
@@ -319,6 +324,9 @@ class P2PTransport(Transport):
         ch = self._channels.get(shard)
         if ch is None or not self.shared_memory or ch.shm_refused:
             return False
+        if not _watchable(ch.pid, ch.host):  # its death would hold this worker's waits
+            ch.shm_refused = True
+            return False
         current = ch.pipe.segment
         if current is not None and current.message_bytes >= nbytes:
             return True
@@ -520,7 +528,11 @@ class P2PTransport(Transport):
                     handler.connection_lost(task)
                     return
                 if isinstance(request, Attach):  # the transport's own business
-                    pipe.segment = Segment.attach(request.path, request.nbytes, request.token)
+                    pipe.segment = (
+                        Segment.attach(request.path, request.nbytes, request.token)
+                        if _watchable(first.pid, first.host)  # see _watchable: else the pair
+                        else None
+                    )
                     if pipe.segment is not None and request.maps_centers:
                         pipe.centers = handler.centers  # replies to commits read in place
                     _wait_all(

@@ -46,6 +46,25 @@ _NOTICE_CHECK_S = 0.5
 the shard's drop notice in the store."""
 
 
+def _watchable(pid: int, host: str) -> bool:
+    """Whether this process can tell that process ``pid`` on ``host`` ended: it is on this
+    host (by name) and visible here. Shared memory is used only with such a peer: a wait on
+    it (the shard keeps the table's read lock until the worker has read its reply; a worker
+    waits on the shard's progress counters) is cut short when the peer dies. Another host
+    sharing this kernel's ``/dev/shm`` (a container or network namespace with its own
+    hostname) could map the segment, but its death would be seen only at the request's
+    timeout, while every other worker's commit waits for the lock."""
+    if host != socket.gethostname() or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists; /proc still tells when it ends (see _process_gone)
+    return True
+
+
 def _process_gone(pid: int, host: str) -> bool:
     """Whether process ``pid`` on ``host`` is known to have ended (False when unknown)."""
     if host != socket.gethostname() or pid <= 0:
