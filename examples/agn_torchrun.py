@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +48,13 @@ from torch import nn
 
 import distoptim
 from distoptim.agn import Cluster, spawn
+
+
+def _say(line: str) -> None:
+    """Print ``line`` in one write: several processes share torchrun's stdout, and ``print``
+    writes the text and its newline apart, so another process's line could land between them."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def _dataset(n: int = 4096, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,7 +96,7 @@ def train(ctx: Cluster, algo: str, steps: int, period: int) -> float:
         F.mse_loss(model(xs[idx]), ys[idx]).backward()
         opt.step()
         if ctx.is_chief and step % (steps // 5) == 0:
-            print(f"[worker 0] step {step:4d}  global_step {opt.global_step:4d}", flush=True)
+            _say(f"[worker 0] step {step:4d}  global_step {opt.global_step:4d}")
     center = _model()
     with torch.no_grad():
         for p, c in zip(center.parameters(), opt.center_variables()):
@@ -130,20 +138,19 @@ def main() -> None:
         report = cluster.serve()
         cluster.shutdown()
         s = report.stats
-        print(
+        _say(
             f"[ps {report.shard}] done: global_step {s.global_step}, commits "
             f"{s.commits_per_worker}, dead workers {s.dead_workers}, "
-            f"staleness {s.staleness_histogram}",
-            flush=True,
+            f"staleness {s.staleness_histogram}"
         )
         return
-    print(f"[worker {cluster.task_index}] connected to {cluster.num_ps} shard(s)", flush=True)
+    _say(f"[worker {cluster.task_index}] connected to {cluster.num_ps} shard(s)")
     if cluster.is_chief and not cluster.is_late and args.transport == "p2p":
         where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-        print(f"[worker 0] late workers may join with DISTOPTIM_AGN_JOIN={where}", flush=True)
+        _say(f"[worker 0] late workers may join with DISTOPTIM_AGN_JOIN={where}")
     with cluster:  # tells the shards this worker finished (or failed), then leaves
         loss = train(cluster, *fn_args)
-    print(f"[worker {cluster.task_index}] center loss {loss:.4f}", flush=True)
+    _say(f"[worker {cluster.task_index}] center loss {loss:.4f}")
 
 
 if __name__ == "__main__":
