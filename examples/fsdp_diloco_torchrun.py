@@ -7,7 +7,8 @@ pseudo-gradient with its counterpart in every other group (through its ``torchft
 which connects rank ``r`` of every group) and applies the outer step to its shard. The global
 copy and outer momentum each process keeps are its shard's (1/k of the model per process), and
 so are the bytes it sends. At the end EVERY process of every group prints the checksum of the
-whole model (gathered over its group): all of them are equal (``docs/groups.md``).
+whole model (gathered over its group): all of them are equal (``docs/groups.md``), and the
+full-data loss before and after training.
 
 On one machine, 2 groups x 2 processes (three terminals)::
 
@@ -16,6 +17,12 @@ On one machine, 2 groups x 2 processes (three terminals)::
         --lighthouse http://localhost:29510 --replica-id 0
     torchrun --nproc-per-node 2 --master-port 29501 examples/fsdp_diloco_torchrun.py \\
         --lighthouse http://localhost:29510 --replica-id 1
+
+Across machines: the lighthouse on one of them (``--host`` its address there), one replica
+group per machine, each told the address the other groups reach it at (``--host``: its
+manager, checkpoint server and torchrun store) and the interface gloo binds
+(``GLOO_SOCKET_IFNAME``). The commands, run on network-namespace hosts by
+``tests/multihost/test_systems.py``: ``docs/multinode.md``, "Replica groups of FSDP2 shards".
 """
 
 from __future__ import annotations
@@ -41,6 +48,13 @@ def _blobs(n: int = 4096, classes: int = 8, seed: int = 0) -> tuple[torch.Tensor
     centers = torch.randn(classes, 16, generator=g)
     y = torch.randint(classes, (n,), generator=g)
     return centers[y] + 1.2 * torch.randn(n, 16, generator=g), y
+
+
+def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """The model's loss on the whole data set (a forward of the group's FSDP2 model: every
+    process of the group calls it)."""
+    with torch.no_grad():
+        return float(F.cross_entropy(model(x), y))
 
 
 def main() -> None:
@@ -94,6 +108,7 @@ def main() -> None:
     # one model over them: DiLoCo averages each process's shards across the groups
     opt = distoptim.DiLoCo(inner, outer, sync_every=args.sync_every, manager=manager)
     x, y = _blobs()
+    first = _loss(model, x, y)  # the same on every process: one model, built the same way
     # each group reads its own part of each epoch; its processes split the group's batch
     shards = SlotShards(len(x), args.replicas, args.replica_id, 16 * world)
     while opt.iterations < args.steps:
@@ -102,10 +117,12 @@ def main() -> None:
         F.cross_entropy(model(x[idx]), y[idx]).backward()
         opt.step()
     opt.finish()  # the model is the global copy on every process of every group
+    last = _loss(model, x, y)
     whole = [p.full_tensor() for p in model.parameters()]  # gathered over the group
     print(
         f"[replica {args.replica_id} rank {rank}] done at step {opt.iterations}, "
-        f"{opt.syncs} syncs, {opt.comm_stats.bytes_sent} bytes sent: model checksum "
+        f"{opt.syncs} syncs, {opt.comm_stats.bytes_sent} bytes sent, full-data loss "
+        f"{first:.4f} -> {last:.4f}: model checksum "
         f"{state_checksum(whole):016x}",
         flush=True,
     )

@@ -1,7 +1,7 @@
 """The hosts of the multi-host tests: made once per session, checked to be gone at the end.
 
-Eight hosts: the jobs of a test module run in waves of up to four at once, each on its own
-hosts (two per multi-node job, one for a single-machine run). Leftovers of earlier runs that
+Nine hosts: the jobs of a test module run in waves of up to four at once, each on its own
+hosts (two or more per multi-node job, one for a single-machine run). Leftovers of earlier runs that
 were killed before their clean-up are swept first; at the end the fixture deletes everything
 and fails if a namespace of this run is left. The terminal summary gives the CPU seconds of
 every job (the budget of these tests, whatever the machine's load).
@@ -16,7 +16,7 @@ import pytest
 from tests.multihost.doc_commands import CPU_SECONDS
 from tests.multihost.harness import Hosts, leftovers, namespaces_unavailable, sweep
 
-HOSTS = 8
+HOSTS = 9
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:

@@ -138,7 +138,9 @@ def start_block(
 class Job:
     """A doc block to run as one job: how (``resolve``, ``edit``, ``env``: variables added to
     every node's), and optionally ``during(job, running)``, called once every job of its wave
-    started (e.g. to kill a host mid-run)."""
+    started (e.g. to kill a host mid-run). ``serves``: the nodes whose command serves the
+    others until it is stopped (a lighthouse): the job is over once every other node's command
+    ended, and these are then stopped (``HostRun.stopped``)."""
 
     name: str
     block: str
@@ -146,6 +148,7 @@ class Job:
     edit: Callable[[int, dict[str, str], list[str]], None] | None = None
     env: dict[str, str] | None = None
     during: Callable[[Job, Running], None] | None = None
+    serves: tuple[int, ...] = ()
     hosts: list[int] | None = None  # node i runs on host hosts[i] (set by run_jobs)
     cwds: list[Path] | None = None  # node i's working folder (set by run_jobs)
 
@@ -164,6 +167,20 @@ def _only_exit_barriers_left(running: Running) -> bool:
     return bool(failed) and all(EXIT_BARRIER.search(running.log(h)) for h in still)
 
 
+def _over(job: Job) -> Callable[[Running], bool]:
+    """When the rest of ``job`` need not be waited for: only exit barriers are left, or only
+    the nodes that serve the others (``Job.serves``) still run."""
+    assert job.hosts is not None
+    served = [h for node, h in enumerate(job.hosts) if node not in job.serves]
+
+    def over(running: Running) -> bool:
+        if _only_exit_barriers_left(running):
+            return True
+        return bool(job.serves) and not any(running.running(h) for h in served)
+
+    return over
+
+
 def run_jobs(
     hosts: Hosts, waves: Sequence[Sequence[Job]], workdir: Path, timeout: float
 ) -> dict[str, list[HostRun]]:
@@ -173,7 +190,8 @@ def run_jobs(
 
     Every command gets ``LOGLEVEL=INFO`` (torchrun's own log level), so that a node whose
     workers succeeded while another node failed is seen waiting in torch's exit barrier and
-    stopped (``HostRun.stopped``) instead of waited for until the timeout."""
+    stopped (``HostRun.stopped``) instead of waited for until the timeout; a job's serving
+    nodes (``Job.serves``) are stopped once its other nodes' commands ended."""
     out: dict[str, list[HostRun]] = {}
     for wave in waves:
         started: list[tuple[Job, Running]] = []
@@ -205,7 +223,7 @@ def run_jobs(
                 if job.during is not None:
                     job.during(job, running)
             for job, running in started:
-                out[job.name] = running.wait(until=_only_exit_barriers_left)
+                out[job.name] = running.wait(until=_over(job))
                 CPU_SECONDS[job.name] = sum(r.cpu_seconds for r in out[job.name])
         finally:
             for _, running in started:

@@ -5,7 +5,9 @@ anyway). The jobs run in three waves (see :func:`outcomes`); each test checks on
 job against what its system promises: CrossShard's and mesh SGD's (a 2 x 2 mesh, data parallel
 across the hosts) parameters equal the same run on one host, bit for bit; the asynchronous
 algorithms end with every worker's commits on the parameter server (and survive a worker host
-that dies); DiLoCo and LocalSGD end with one global copy and learn; the CLI writes its results.
+that dies); DiLoCo and LocalSGD end with one global copy and learn; so does DiLoCo across two
+replica groups of FSDP2 shards, one per host, through a lighthouse on a third; the CLI writes
+its results.
 """
 
 from __future__ import annotations
@@ -80,7 +82,8 @@ def _waves() -> list[list[Job]]:
         [Job("downpour", "agn", edit=_algo("downpour")), Job("easgd", "agn", edit=_algo("easgd")),
          Job("agn_dead_host", "agn", edit=_steps(300, _NEVER_DONE), during=_kill_node_1),
          Job("mesh_one_host", "mesh_sgd_one_host")],
-        [Job("mesh_sgd", "mesh_sgd"), Job("cli", "cli"), Job("diloco", "diloco")],
+        [Job("mesh_sgd", "mesh_sgd"), Job("cli", "cli"), Job("diloco", "diloco"),
+         Job("fsdp_diloco", "fsdp_diloco", serves=(0,))],
     ]  # fmt: skip
 
 
@@ -209,3 +212,40 @@ def test_outer_optimizers_across_hosts(outcomes: dict[str, list[HostRun]], algo:
     # 1024 samples per rank / 32 per batch, 2 epochs; LocalSGD syncs whole every 16 steps
     syncs = r"\d+" if algo == "diloco" else "4"
     assert re.search(rf"{algo} epoch 1: .*\(64 inner steps, {syncs} fragment syncs", out), out
+
+
+_GROUP_DONE = re.compile(
+    r"\[replica (\d) rank (\d)\] done at step (\d+), (\d+) syncs, \d+ bytes sent, "
+    r"full-data loss (\S+) -> (\S+): model checksum ([0-9a-f]{16})"
+)
+
+
+def _argument(argv: list[str], flag: str) -> int:
+    return int(argv[argv.index(flag) + 1])
+
+
+def test_fsdp_groups_diloco_across_hosts(outcomes: dict[str, list[HostRun]]) -> None:
+    """The lighthouse on node 0, replica group 0 (FSDP2 over 2 processes) on node 1, group 1
+    on node 2: both groups exit 0; every process of each group, on its own node, printed the
+    whole model's checksum, all four the same bit for bit; the full-data loss went down; each
+    made the syncs its arguments imply (one every ``--sync-every`` steps, and ``finish()``'s
+    for the steps after the last one)."""
+    lighthouse, *groups = outcomes["fsdp_diloco"]
+    assert lighthouse.stopped, lighthouse.describe()  # it serves until stopped, it never failed
+    # bound to node 0's own address, where the groups were told to find it
+    assert f"lighthouse: http://{lighthouse.host.addr}:29510 " in lighthouse.stdout, (
+        lighthouse.describe()
+    )
+    out = _ok(groups)
+    steps, every = (_argument(groups[0].argv, f) for f in ("--steps", "--sync-every"))
+    done = {}
+    for replica, run in enumerate(groups):
+        for m in _GROUP_DONE.finditer(run.stdout):
+            assert int(m[1]) == replica, f"group {m[1]} printed on node {replica + 1}"
+            done[(replica, int(m[2]))] = m.groups()[2:]
+    assert sorted(done) == [(0, 0), (0, 1), (1, 0), (1, 1)], out
+    assert {d[0] for d in done.values()} == {str(steps)}, done
+    assert {d[1] for d in done.values()} == {str(-(-steps // every))}, done
+    assert len({d[4] for d in done.values()}) == 1, done  # one model, bit for bit
+    for _, _, first, last, _ in done.values():
+        assert float(last) < 0.5 * float(first), done
