@@ -1,4 +1,4 @@
-"""Benchmark: per-process outer-state memory and bytes per sync of DiLoCo over FSDP2 groups.
+"""Benchmark: replica groups of FSDP2 shards: DiLoCo's state, bytes and step time; HSDP's bytes.
 
 2 replica groups of ``k`` processes each (gloo, CPU): the model is ``fully_shard``-ed over its
 group's 1-D mesh, DiLoCo (Nesterov outer SGD, ``int8`` wire so error-feedback residuals exist,
@@ -300,7 +300,7 @@ def _hsdp_rows(measured: dict[Any, list[dict[str, Any]]], ks: list[int]) -> list
             f"CrossShard over FSDP2 k={k}: {row['bytes_per_step']:>9,} B per process per step "
             f"(every rank {steady}); goal (1/k)(n-1)/n 2P4 = {goal:>11,.0f} B: "
             f"{row['ratio_to_goal']:.4f}x of it, {row['ratio_to_k1']:.3f}x of k=1 "
-            f"({fixed} B of flags and sequence words per bucket set)",
+            f"(over it: the ring of the buckets' {fixed} B of flags and sequence words)",
             flush=True,
         )
     return rows
