@@ -225,6 +225,15 @@ def _groups(r: dict[str, Any]) -> None:
     assert fp32["state_ratio"] == 0.5 and fp32["residuals"] == 0
     assert 0.5 <= fp32["bytes_ratio"] < 0.51  # half the payload, the same 64-byte headers
     assert rows["int8", 2]["residuals"] > 0 and rows["int8", 2]["state_ratio"] < 0.55
+    hsdp = {row["k"]: row for row in r["hsdp"]}  # CrossShard over FSDP2: 1/k of the model's ring
+    assert sorted(hsdp) == [1, 2] and hsdp[2]["goal_bytes"] * 2 == hsdp[1]["goal_bytes"]
+    assert all(1 <= row["ratio_to_goal"] < 1.02 for row in hsdp.values())  # + the fixed words
+    assert len(hsdp[2]["steady_over_ranks"]) == 1 and 0.5 <= hsdp[2]["ratio_to_k1"] < 0.51
+    timing = r["vs_torchft"]  # DiLoCo vs torchft's on FSDP2: paired per block, one model
+    assert len(timing["paired_ratios"]) == len(timing["cpu_paired_ratios"]) == 2
+    assert all(_positive(x) for x in timing["paired_ratios"] + timing["cpu_paired_ratios"])
+    assert timing["max_abs_diff_ours_vs_torchft"] == 0.0
+    assert len(timing["load_start"]) == len(timing["load_end"]) == 3
 
 
 CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
