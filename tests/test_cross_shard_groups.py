@@ -214,7 +214,6 @@ def _errors() -> dict[str, str]:
         ("shard_optimizer_state", True),
         ("overlap", True),
         ("gradient_as_bucket_view", True),
-        ("max_grad_norm", 1.0),
         ("backward_passes_per_step", 2),
     ]:
         attempt(option, lambda o=option, v=value: CrossShardOptimizer(sgd, group=mesh, **{o: v}))
@@ -336,7 +335,6 @@ ERRORS = {
     "shard_optimizer_state": "shard_optimizer_state=True",
     "overlap": "overlap=True",
     "gradient_as_bucket_view": "gradient_as_bucket_view=True",
-    "max_grad_norm": "max_grad_norm=",
     "backward_passes_per_step": "backward_passes_per_step > 1",
     "mixed": "are plain tensors",
     "hsdp_twice": "would average its shard",

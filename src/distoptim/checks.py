@@ -27,6 +27,7 @@ __all__ = [
     "check_cross_group",
     "check_finite_hyperparameters",
     "check_int",
+    "check_managed_shards",
     "check_optional_int",
     "check_path",
     "check_positive",
@@ -274,8 +275,8 @@ def check_cross_group(
         raise ValueError(
             f"{owner}: the parameters are DTensors (a model sharded over ranks {list(ranks)}), "
             f"which {', '.join(given)} does not support yet; allowed with DTensor parameters: "
-            "the default apply path (packed .grad, overlap=False) over group= or "
-            "group_assignment="
+            "the default apply path (packed .grad, overlap=False, max_grad_norm=) over group=, "
+            "group_assignment= or a torchft manager="
         )
     if replicas is None:
         return
@@ -293,3 +294,37 @@ def check_cross_group(
             "mesh['shard'], group=<that ProcessGroup>, or a group_assignment like "
             "[[0, 2], [1, 3]] for 2 groups of 2 processes"
         )
+
+
+def check_managed_shards(
+    owner: str, params: Iterable[torch.Tensor], group_assignment: Any, group_size: int
+) -> tuple[int, ...] | None:
+    """``DTensor`` parameters under a torchft manager whose replica group has ``group_size``
+    processes (the Manager's ``world_size``): the manager averages each shard with its
+    counterparts in the other groups, so the group must be the processes the parameters'
+    meshes cover, and no ``group_assignment`` (a channel inside the group) may be given.
+
+    Returns the global ranks of the group's shards (``None``: plain parameters, nothing
+    checked). Raises ``ValueError``; changes nothing.
+    """
+    from distoptim.local_shards import sharded_ranks
+
+    ranks = sharded_ranks(owner, list(params))
+    if ranks is None:
+        return None
+    if group_assignment is not None:
+        raise ValueError(
+            f"{owner}: the parameters are DTensors (a model sharded over ranks {list(ranks)}) "
+            "and a torchft manager= averages each shard with its counterparts in the other "
+            "replica groups; group_assignment= (a channel inside the group) cannot be "
+            "combined with it: drop group_assignment="
+        )
+    if group_size != len(ranks):
+        raise ValueError(
+            f"{owner}: the parameters are DTensors over {len(ranks)} processes (ranks "
+            f"{list(ranks)}), but this torchft replica group has {group_size} process(es) (the "
+            "Manager's world_size): build each process's Manager with the group's replica_id, "
+            "its rank in the group and world_size = the processes the model is sharded over "
+            "(fully_shard(model, mesh=<the group's mesh>), not a mesh across the groups)"
+        )
+    return ranks

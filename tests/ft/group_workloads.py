@@ -5,7 +5,9 @@ world (over a TCPStore the test process hosts, one per group incarnation), shard
 FSDP2 (``fully_shard`` over the group's 1-D mesh), and each has a ``torchft.Manager`` with the
 group's ``replica_id`` and its own group rank; DiLoCo (``manager=``) runs across the groups, so
 every process averages its shards with its counterpart's (the same group rank) in every other
-group. Module-level functions: the supervisor starts processes with the ``spawn`` method.
+group -- or, with ``algorithm="cross_shard"``, ``CrossShardOptimizer(manager=)`` does at every
+step (torchtitan + torchft's HSDP; a committed step counts as a sync). Module-level functions:
+the supervisor starts processes with the ``spawn`` method.
 
 Each member appends JSON lines to its own log (flushed, so they survive a SIGKILL): ``ready``;
 ``failed`` with the error that ends it (a group that lost one
@@ -65,6 +67,7 @@ class Member:
     perturb: bool = False  # add 1e-3 to this process's shard of the global copy after sync 2
     end_at_sync: int = 0  # > 0: stop after this many committed syncs instead (no restart)
     start_barrier: Any = None  # the first incarnations' start line
+    algorithm: str = "diloco"  # or "cross_shard": CrossShardOptimizer(manager=) over the shards
 
     def log(self, kind: str, **data: Any) -> None:
         record = {"kind": kind, "t": time.time(), "group": self.group, "rank": self.rank}
@@ -107,7 +110,7 @@ def member(m: Member) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from distoptim import DiLoCo
+    from distoptim import CrossShardOptimizer, DiLoCo
     from distoptim.ft import inject
     from distoptim.ft.replica import make_manager
 
@@ -168,7 +171,11 @@ def member(m: Member) -> dict[str, Any]:
         init_sync=False,
     )
     try:
-        opt = DiLoCo(inner, outer, sync_every=SYNC_EVERY, manager=manager)
+        if m.algorithm == "cross_shard":
+            opt: Any = _Steps(CrossShardOptimizer(inner, manager=manager), model)
+            outer = inner  # its state is the inner optimizer's
+        else:
+            opt = DiLoCo(inner, outer, sync_every=SYNC_EVERY, manager=manager)
         if m.faults:
 
             def stop_here(point: str, role: str) -> None:
@@ -187,6 +194,37 @@ def member(m: Member) -> dict[str, Any]:
         manager.shutdown(wait=False)
         dist.destroy_process_group()
         m.log("returned")
+
+
+class _Steps:
+    """A managed CrossShardOptimizer as :func:`_train` reads a DiLoCo: every committed step is
+    a sync, and the state every replica must agree on is the model's shards (with the inner
+    optimizer's state, which :func:`_train` reads as ``outer``'s)."""
+
+    def __init__(self, opt: Any, model: nn.Module) -> None:
+        self.opt = opt
+        self.global_parameters = list(model.parameters())
+
+    @property
+    def iterations(self) -> int:
+        return self.opt.iterations
+
+    @property
+    def syncs(self) -> int:
+        return self.opt.iterations
+
+    @property
+    def replica_stats(self) -> Any:
+        return self.opt.replica_stats
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad()
+
+    def step(self) -> None:
+        self.opt.step()
+
+    def finish(self) -> None:
+        self.opt.finish()
 
 
 def _hang() -> None:

@@ -3,11 +3,13 @@
 Real processes around a real lighthouse (in this process): replica groups of 2 processes each,
 every group its own gloo world with FSDP2 inside (``tests/ft/group_workloads.py``), one
 ``torchft.Manager`` per process (the group's ``replica_id``, its group rank), DiLoCo across the
-groups. The victim group's two processes stop themselves at a named point of a sync's round
-(``after_quorum``, :mod:`distoptim.ft.inject`); the test kills both by pid, lets the survivors
-commit without them, and starts the group again. Each restarted process must heal from its
-counterpart (the same group rank in a surviving group), contribute again, and end -- as every
-process of every group -- with the same shards, bit for bit, as its counterparts.
+groups -- or ``CrossShardOptimizer(manager=)``, each process averaging its shard's gradient with
+its counterparts' at every step (HSDP, the replicate dimension torchft's). The victim group's
+two processes stop themselves at a named point of a sync's round (``after_quorum``,
+:mod:`distoptim.ft.inject`); the test kills both by pid, lets the survivors commit without them,
+and starts the group again. Each restarted process must heal from its counterpart (the same
+group rank in a surviving group), contribute again, and end -- as every process of every group
+-- with the same shards, bit for bit, as its counterparts.
 
 With one process of the group killed instead, the other must fail by itself, naming its group
 rank (a group that lost a process is a group that died), before it is killed too. Also: a group
@@ -89,6 +91,7 @@ class GroupRun:
         faults: dict[int, str] | None = None,
         perturb: frozenset[int] = frozenset(),
         end_at_sync: int = 0,
+        algorithm: str = "diloco",
     ) -> None:
         """Start the group's processes (``faults``: an inject spec per rank; ``perturb``: the
         ranks whose shard goes off)."""
@@ -108,6 +111,7 @@ class GroupRun:
                 rank in perturb,
                 end_at_sync,
                 self.barrier if inc == 0 else None,
+                algorithm,
             )
             self.index[group, rank, inc] = self.supervisor.add(
                 self.fn,
@@ -202,9 +206,11 @@ def _of(events: list[dict[str, Any]], kind: str, **match: Any) -> list[dict[str,
     return [e for e in events if e["kind"] == kind and all(e[k] == v for k, v in match.items())]
 
 
-SCENARIOS = {  # id: (replica groups, the victim group's ranks that stop at KILL_AT and die)
-    "3groups-whole-group-killed": (3, [0, 1]),
-    "2groups-one-process-killed": (2, [1]),
+SCENARIOS = {  # id: (replica groups, the victim group's ranks that stop at KILL_AT and die,
+    # what runs across the groups: DiLoCo, or CrossShardOptimizer(manager=) at every step)
+    "3groups-whole-group-killed": (3, [0, 1], "diloco"),
+    "2groups-one-process-killed": (2, [1], "diloco"),
+    "3groups-whole-group-killed-cross-shard": (3, [0, 1], "cross_shard"),
 }
 
 
@@ -213,11 +219,12 @@ def healed(request) -> dict[str, Any]:
     """The last group's ``stopped`` ranks stop at its third sync's quorum and are killed; with
     one process killed, the other must fail on its own (a group that lost a process is dead)
     and is then killed too, as torchrun's agent does; the group restarts; all run on."""
-    groups, stopped = SCENARIOS[request.param]
+    groups, stopped, algorithm = SCENARIOS[request.param]
     victim = groups - 1
     with _group_run(groups, group_workloads.member) as run:
         for g in range(groups):
-            run.start_group(g, 0, faults={r: KILL_AT for r in stopped} if g == victim else None)
+            faults = {r: KILL_AT for r in stopped} if g == victim else None
+            run.start_group(g, 0, faults=faults, algorithm=algorithm)
         run.run_in_background()
         run.wait_for(
             f"ranks {stopped} of group {victim} stopped at after_quorum",
@@ -244,7 +251,7 @@ def healed(request) -> dict[str, Any]:
             ),
         )
         restarted_at = time.time()
-        run.start_group(victim, 1)
+        run.start_group(victim, 1, algorithm=algorithm)
         run.join()
         values = {
             (g, r, inc): run.value(g, r, inc)

@@ -17,7 +17,10 @@ Down the floors a ``step()`` takes:
   the flat update of :mod:`distoptim.sync.sharding`); :mod:`distoptim.sync.clipping` --
   ``max_grad_norm``, the reduced gradient clipped by its global norm;
 * :mod:`distoptim.sync.local_grads` -- ``DTensor`` parameters across replica groups (HSDP):
-  each process reduces its local piece of the gradient over the cross-group ``group=``.
+  each process reduces its local piece of the gradient over the cross-group ``group=``;
+  :mod:`distoptim.sync.replicated` -- the rounds of a torchft manager, and
+  :mod:`distoptim.sync.managed_shards` -- those over ``DTensor`` shards (HSDP under torchft:
+  the manager averages each piece with its counterparts; the group's combined checksum).
 
 The bytes themselves move in :mod:`distoptim.comm`. ``distoptim.cross_shard`` and
 ``distoptim.cross_shard_sharding`` re-export the 0.2.0 names.

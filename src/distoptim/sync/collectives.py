@@ -71,16 +71,21 @@ class Replicas:
         stacklevel: int,
         quiet: bool = False,
         pg: dist.ProcessGroup | None = None,
+        solo: bool = False,
     ) -> Replicas:
         """The replicas of this rank: all ranks, its subgroup of ``groups`` (validated), or the
         given process group ``pg`` (the cross-group channel; ``groups`` is then None).
 
         Creating subgroups is a collective of the default group: every rank calls this with the
         same ``groups``. Outside a process group, or with world size 1, warns once (at
-        ``stacklevel`` from here; not when ``quiet``) and returns one shard.
+        ``stacklevel`` from here; not when ``quiet``) and returns one shard. ``solo``: this
+        process alone, whatever the world (its shards under a torchft manager, see
+        :mod:`distoptim.sync.managed_shards`).
         """
         distributed = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size() if distributed else 1
+        if solo:
+            return cls(None, 1, 0, [dist.get_rank() if distributed else 0])
         if world == 1:
             if quiet:  # a torchft manager reduces across replica groups of one process
                 return cls(None, 1, 0, [0])

@@ -61,6 +61,7 @@ from distoptim.protocol import WrappedOptimizer, run_closure
 from distoptim.sync.apply import ApplyStrategy
 from distoptim.sync.collectives import Collectives, Replicas
 from distoptim.sync.local_grads import cross_group, replica_ranks
+from distoptim.sync.managed_shards import group_of_shards
 from distoptim.sync.options import Reduction, SyncOptions
 from distoptim.sync.packed import PackedApply, TensorGrads
 from distoptim.sync.replicated import ReplicatedRounds
@@ -103,9 +104,11 @@ def _check_managed(manager: Any, options: SyncOptions) -> None:
 
 def _check_groups(
     opt: torch.optim.Optimizer, options: SyncOptions, group: Any, manager: Any
-) -> Any:
+) -> tuple[Any, tuple[int, ...] | None]:
     """``group=`` resolved (a ``DeviceMesh``'s cross-group dimension), and ``DTensor``
-    parameters averaged only with their counterparts (checked before any side effect)."""
+    parameters averaged only with their counterparts (checked before any side effect); with
+    a manager and ``DTensor`` parameters, also the ranks of the group's shards
+    (:mod:`distoptim.sync.managed_shards`)."""
     owner = "CrossShardOptimizer"
     pg = cross_group(owner, group)
     if pg is not None and options.group_assignment is not None:
@@ -117,16 +120,21 @@ def _check_groups(
             f"{owner}: pass group= or manager= (torchft connects the replica groups), not both"
         )
     params = [p for g in opt.param_groups for p in g["params"]]
+    shards = None
+    if manager is not None:  # the manager pairs each shard with its counterparts
+        from distoptim.outer.groups import manager_group_size
+
+        size = manager_group_size(manager)
+        shards = checks.check_managed_shards(owner, params, options.group_assignment, size)
     refused = {
-        "manager=": manager is not None,
         "overlap=True": options.overlap,
         "gradient_as_bucket_view=True": options.gradient_as_bucket_view,
         "shard_optimizer_state=True": options.shard_optimizer_state,
-        "max_grad_norm=": options.max_grad_norm is not None,
         "backward_passes_per_step > 1": options.backward_passes_per_step > 1,
     }
-    checks.check_cross_group(owner, params, replica_ranks(options.group_assignment, pg), refused)
-    return pg
+    ranks = None if shards is not None else replica_ranks(options.group_assignment, pg)
+    checks.check_cross_group(owner, params, ranks, refused)
+    return pg, shards
 
 
 class CrossShardOptimizer(CrossShardTFPath, CrossShardState, WrappedOptimizer):
@@ -182,7 +190,8 @@ class CrossShardOptimizer(CrossShardTFPath, CrossShardState, WrappedOptimizer):
             *reduced* gradient to a global L2 norm of at most ``c``
             (``torch.nn.utils.clip_grad_norm_``'s rule; bitwise DDP's ``backward();
             clip_grad_norm_(params, c); step()``; with ``shard_optimizer_state`` the norm is
-            summed over the shards with one scalar all-reduce).
+            summed over the shards with one scalar all-reduce; with ``DTensor`` parameters
+            ``clip_grad_norm_`` sums the norm over the group's shards, as under torch's HSDP).
         group: ``None`` or the cross-group channel instead of ``group_assignment``: a
             ``ProcessGroup`` or a ``DeviceMesh`` (a 1-D mesh, or the dimension named
             ``"replicate"`` / ``"dp_replicate"`` of a mesh of several). With a model sharded
@@ -191,9 +200,13 @@ class CrossShardOptimizer(CrossShardTFPath, CrossShardState, WrappedOptimizer):
             group only: each process averages its local shard's gradient with theirs, ``1/k``
             of the bytes of an unsharded group (:mod:`distoptim.sync.local_grads`). A channel
             holding another process of this process's own group is a ``ValueError``; so are
-            ``DTensor`` parameters with ``manager=``, ``overlap``, ``gradient_as_bucket_view``,
-            ``shard_optimizer_state``, ``max_grad_norm`` or ``backward_passes_per_step > 1``
-            (not supported yet).
+            ``DTensor`` parameters with ``overlap``, ``gradient_as_bucket_view``,
+            ``shard_optimizer_state`` or ``backward_passes_per_step > 1`` (not supported
+            yet). With a torchft ``manager=`` instead (one per process, the group's replica id,
+            its group rank, ``world_size`` = the processes the model is sharded over: torchtitan
+            + torchft's HSDP), the manager is the channel: each process averages its shard with
+            its counterparts, and every commit checks the group's combined state checksum
+            (:mod:`distoptim.sync.managed_shards`).
 
     Collectives are bucketed (see :mod:`distoptim.comm.bucket`). A parameter whose gradient is
     None on some ranks is zero-filled there; one with no gradient on any rank keeps ``None``.
@@ -244,9 +257,13 @@ class CrossShardOptimizer(CrossShardTFPath, CrossShardState, WrappedOptimizer):
         )
         if manager is not None:
             _check_managed(manager, options)
-        pg = _check_groups(opt, options, group, manager)
+        pg, shards = _check_groups(opt, options, group, manager)
         replicas = Replicas.join(
-            options.group_assignment, stacklevel=2, quiet=manager is not None, pg=pg
+            options.group_assignment,
+            stacklevel=2,
+            quiet=manager is not None,
+            pg=pg,
+            solo=shards is not None,
         )
         super().__init__(opt, name=name)
         self._options = options
@@ -272,6 +289,7 @@ class CrossShardOptimizer(CrossShardTFPath, CrossShardState, WrappedOptimizer):
                 options.reduction is Reduction.MEAN,
                 options.wire,
                 comm.stats,
+                within=group_of_shards(shards),
             )
             self._replicated.replicas.register_state(
                 "counters", lambda: {"iterations": self.iterations}, self._load_counters

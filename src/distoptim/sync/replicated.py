@@ -34,10 +34,12 @@ first in which that member's state is judged. Every member takes the same decisi
 quorum, the same commit vote, the same table of words); if they ever did not, the words say
 which slice each checked, and the round is not committed (so the next one is whole again).
 
-Each process of a replica group all-reduces the whole (identical) buckets with its counterpart
-in the other groups (torchft connects equal group ranks), so a group of ``k`` processes moves
-``k`` times the bytes of one (HSDP's reduce-scatter within the group first would cut that; not
-done here).
+Each process of a replica group of full copies all-reduces the whole (identical) buckets with
+its counterpart in the other groups (torchft connects equal group ranks), so a group of ``k``
+processes moves ``k`` times the bytes of one. A group whose model is sharded (``DTensor``
+parameters: FSDP2 inside the group, HSDP across) has no round of its own here: each process
+all-reduces only its ``1/k`` piece of the gradient, which FSDP2's reduce-scatter left it, and
+the words carry the group's combined state checksum (:mod:`distoptim.sync.managed_shards`).
 
 A failed round (a peer died mid-collective, too few replicas) is not applied: the parameters
 and the inner optimizer keep the last commit's state, ``iterations`` does not advance, and
@@ -60,6 +62,8 @@ from distoptim.comm.reducer import ReduceRound
 from distoptim.comm.stats import CommStats, ring_allreduce_bytes
 from distoptim.ft.agreement import ReplicaWords, decode, encode, hparams_digest, judge
 from distoptim.ft.replicas import ManagedReplicas
+from distoptim.local_shards import local_view
+from distoptim.sync.managed_shards import group_checksum
 
 __all__ = ["MAX_SLICES", "SLICE_LIMBS", "ReplicatedRounds", "state_slices"]
 
@@ -69,7 +73,9 @@ class ReplicatedRounds:
 
     ``params()``: the wrapper's parameters; ``opt``: the inner optimizer (its hyperparameters
     are part of the words); ``mean``: divide by the participants (MEAN) or not (SUM);
-    ``wire``: the ``compression`` format of the all-reduce.
+    ``wire``: the ``compression`` format of the all-reduce; ``within``: the process group
+    of this replica group's own processes when each holds its shards of the model
+    (:mod:`distoptim.sync.managed_shards`: the words carry the group's combined checksum).
     """
 
     def __init__(
@@ -81,8 +87,10 @@ class ReplicatedRounds:
         mean: bool,
         wire: WireFormat,
         stats: CommStats,
+        within: Any = None,
     ) -> None:
         self.replicas = ManagedReplicas(manager, owner)
+        self.within = within  # the group's own processes: its checksum combines theirs
         self.owner = owner
         self.params = params
         self.opt = opt
@@ -112,11 +120,12 @@ class ReplicatedRounds:
         healing = not q.contributes
         part, parts, state = 0, 1, 0
         if not healing:  # a healing member's state is about to be replaced: not judged
-            params = self.params()
+            params = [local_view(p) for p in self.params()]  # a DTensor: this shard
             if q.quorum_id == self._clean_quorum:  # see the module docstring
                 parts = self._num_slices(params)
                 part = step % parts
             state = state_checksum(params, part, parts)
+            state = group_checksum(state, self.within, self.owner, step)
         return ReplicaWords(
             kind,
             step=step,

@@ -1,0 +1,279 @@
+"""CrossShardOptimizer(manager=) across torchft replica groups of FSDP2 shards: 2 groups x 2.
+
+One 4-rank spawn (gloo, CPU) around a real lighthouse: each group's two processes shard the
+model with FSDP2 over the group's 1-D mesh (``mesh["shard"]`` of a ``("replicate", "shard")``
+mesh), and each process has its own ``torchft.Manager`` with the group's replica id, its group
+rank and ``world_size=2`` (one store per group), as torchtitan + torchft run HSDP: the manager
+is the replicate dimension. ``CrossShardOptimizer(opt, manager=m)`` then averages each process's
+local shard of the gradient with its counterpart's in the other group. The same spawn runs the
+same model, optimizer and data without a manager (``group=mesh``: distoptim's HSDP, bitwise
+torch's own by tests/test_cross_shard_groups.py). The parent checks every rank:
+
+(a) every process of every group ends with one model: the gathered parameters are bitwise
+    equal on all four ranks, every step committed;
+(b) bitwise the run without a manager (SGD with momentum, Adam; ``max_grad_norm`` too, against
+    torch's HSDP + ``clip_grad_norm_``). Why bitwise: both compute the same local gradients and
+    FSDP2 reduce-scatters them inside the group alike; then the manager's path divides each
+    piece by the 2 participants and adds the two, the other adds the two and divides by 2 --
+    halving is exact in float32 (no underflow here), so ``a/2 + b/2 = (a + b)/2`` bit for bit
+    -- and the inner optimizer runs on identical ``DTensor`` gradients;
+(c) each process sends its ``1/k`` piece only: the bucket payload is half the model's bytes;
+(d) the state check covers the group's shards: after rank 3 (group 1's second process) moves
+    its own shard, the next step is refused with a state-checksum ``DesyncError`` on *every*
+    rank -- also on ranks 0 and 2, whose own shards still agree (each group's word combines its
+    processes' checksums);
+(e) what cannot be one model fails at construction (``group_assignment`` with the manager; a
+    model sharded over both groups, whose mesh is not the manager's replica group).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from distoptim import CrossShardOptimizer
+from distoptim.launch import spawn
+
+pytestmark = pytest.mark.slow  # one 4-rank spawn with torchft managers
+
+GROUPS, PER_GROUP = 2, 2
+ROWS = 8  # a group's batch per step (each of its 2 processes takes 4 rows)
+STEPS = 6
+CLIP = 0.05  # small enough that clipping changes the run (asserted)
+CASES = ["sgd", "adam", "adam_clip"]
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)  # 10 rows over 2 processes: uneven shards (5/5) and (2/2) biases
+    return nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 4))
+
+
+def _inner(model: nn.Module, case: str) -> torch.optim.Optimizer:
+    if case == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+def _batch(group: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * group + t)
+    return torch.randn(ROWS, 6, generator=g), torch.randn(ROWS, 4, generator=g)
+
+
+def _full(model: nn.Module) -> torch.Tensor:
+    """Every parameter gathered whole (a collective over the group's mesh), flattened."""
+    return torch.cat([p.full_tensor().detach().reshape(-1).clone() for p in model.parameters()])
+
+
+_MESH: list[Any] = []
+
+
+def _mesh() -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not _MESH:
+        _MESH.append(
+            init_device_mesh("cpu", (GROUPS, PER_GROUP), mesh_dim_names=("replicate", "shard"))
+        )
+    return _MESH[0]
+
+
+def _shard(model: nn.Module, mesh: Any) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _train(model: nn.Module, opt: Any, clip: bool = False, steps: int = STEPS) -> None:
+    rank = dist.get_rank()
+    group, j = rank // PER_GROUP, rank % PER_GROUP
+    rows = slice(j * ROWS // PER_GROUP, (j + 1) * ROWS // PER_GROUP)
+    for t in range(steps):
+        x, y = _batch(group, t)
+        opt.zero_grad()
+        F.mse_loss(model(x[rows]), y[rows]).backward()
+        if clip:  # torch's HSDP: clip the all-reduced DTensor gradient by its global norm
+            torch.nn.utils.clip_grad_norm_(list(model.parameters()), CLIP)
+        opt.step()
+
+
+def _managed_run(case: str, manager: Any) -> dict[str, Any]:
+    model = _shard(_model(), _mesh()["shard"])
+    clip = CLIP if case.endswith("clip") else None
+    opt = CrossShardOptimizer(
+        _inner(model, case), name=f"hsdp_{case}", manager=manager, max_grad_norm=clip
+    )
+    _train(model, opt)
+    opt.finish()
+    stats = opt.replica_stats
+    return {
+        "full": _full(model),
+        "iterations": opt.iterations,
+        "commits": stats.commits,
+        "failed": stats.failed,
+        "payload": sum(b.payload_bytes for b in opt.bucket_plan.buckets),
+        "model": model,
+        "opt": opt,
+    }
+
+
+def _unmanaged_run(case: str) -> torch.Tensor:
+    model = _shard(_model(), _mesh()["shard"])
+    clip = CLIP if case.endswith("clip") else None
+    opt = CrossShardOptimizer(_inner(model, case), group=_mesh(), max_grad_norm=clip)
+    _train(model, opt)
+    opt.finish()
+    return _full(model)
+
+
+def _torch_hsdp_clipped() -> torch.Tensor:
+    model = _shard(_model(), _mesh())  # FSDP2 over the 2-D mesh: torch's own HSDP
+    _train(model, _inner(model, "adam"), clip=True)
+    return _full(model)
+
+
+def _errors(manager: Any) -> dict[str, str]:
+    out: dict[str, str] = {}
+
+    def attempt(key: str, fn: Any) -> None:
+        try:
+            fn()
+            out[key] = "no error"
+        except (TypeError, ValueError) as exc:
+            out[key] = f"{type(exc).__name__}: {exc}"
+
+    model = _shard(_model(), _mesh()["shard"])
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    attempt(
+        "assignment",
+        lambda: CrossShardOptimizer(sgd, manager=manager, group_assignment=[[0, 2], [1, 3]]),
+    )
+    attempt("overlap", lambda: CrossShardOptimizer(sgd, manager=manager, overlap=True))
+    across = _shard(_model(), _mesh())  # sharded over all 4 ranks: not the manager's group
+    attempt(
+        "across",
+        lambda: CrossShardOptimizer(torch.optim.SGD(across.parameters(), lr=0.1), manager=manager),
+    )
+    return out
+
+
+def _drifted(run: dict[str, Any]) -> str:
+    """Rank 3 moves its own shard of the first weight; the next step's words refuse it."""
+    from distoptim.comm.guard import DesyncError
+
+    model, opt = run["model"], run["opt"]
+    if dist.get_rank() == 3:
+        with torch.no_grad():
+            next(iter(model.parameters())).to_local().add_(1e-3)
+    try:
+        _train(model, opt, steps=1)
+        return "no error"
+    except DesyncError as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _run(rank: int, world: int, lighthouse: str) -> dict[Any, Any]:
+    from distoptim.ft import make_manager
+
+    group, j = rank // PER_GROUP, rank % PER_GROUP
+    store = (
+        dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if j == 0 else None
+    )
+    ports: list[Any] = [None] * world
+    dist.all_gather_object(ports, store.port if store is not None else None)
+    manager = make_manager(
+        lighthouse,
+        replica_id=f"group{group}",
+        state_dict=lambda: {},
+        load_state_dict=lambda _: None,
+        min_replica_size=GROUPS,
+        rank=j,
+        world_size=PER_GROUP,
+        store_addr="127.0.0.1",
+        store_port=ports[group * PER_GROUP],
+        init_sync=False,
+        timeout=60.0,
+        quorum_timeout=120.0,
+    )
+    out: dict[Any, Any] = {}
+    try:
+        out["errors"] = _errors(manager)
+        for case in CASES:
+            run = _managed_run(case, manager)
+            out["managed", case] = {k: v for k, v in run.items() if k not in ("model", "opt")}
+            out["plain", case] = _unmanaged_run(case)
+        out["torch_clipped"] = _torch_hsdp_clipped()
+        out["drifted"] = _drifted(run)
+    finally:
+        manager.shutdown(wait=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[dict[Any, Any]]:
+    from distoptim.ft import Lighthouse
+
+    with Lighthouse(min_replicas=GROUPS) as lighthouse:
+        return spawn(_run, GROUPS * PER_GROUP, args=(lighthouse.address,), timeout=400)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_process_of_every_group_ends_with_one_model(runs, case):
+    first = runs[0]["managed", case]["full"]
+    assert not torch.equal(first, _full_initial()), "training changed nothing"
+    for rank, out in enumerate(runs):
+        got = out["managed", case]
+        assert got["iterations"] == STEPS and got["failed"] == 0, (rank, got)
+        assert got["commits"] == STEPS + 1, (rank, got)  # every step, and finish()'s round
+        assert torch.equal(got["full"], first), f"rank {rank} differs"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bitwise_the_same_run_without_a_manager(runs, case):
+    for rank, out in enumerate(runs):
+        ours, theirs = out["managed", case]["full"], out["plain", case]
+        assert torch.equal(ours, theirs), (
+            f"rank {rank}: max |diff| {(ours - theirs).abs().max().item():.3g}"
+        )
+
+
+def test_max_grad_norm_is_torchs_hsdp_clip_bitwise(runs):
+    for rank, out in enumerate(runs):
+        assert torch.equal(out["plain", "adam_clip"], out["torch_clipped"]), rank
+        assert not torch.equal(out["plain", "adam_clip"], out["plain", "adam"]), "no clip"
+
+
+def test_each_process_sends_its_piece_only(runs):
+    model_bytes = sum(p.numel() for p in _model().parameters()) * 4
+    for rank, out in enumerate(runs):
+        assert out["managed", "sgd"]["payload"] * PER_GROUP == model_bytes, rank
+
+
+def test_the_state_check_covers_every_process_of_the_group(runs):
+    for rank, out in enumerate(runs):
+        says = out["drifted"]
+        assert says.startswith("DesyncError"), (rank, says)
+        assert "synchronised state (a bitwise checksum)" in says, (rank, says)
+
+
+ERRORS = {
+    "assignment": "group_assignment= (a channel inside the group) cannot be combined",
+    "overlap": "overlap=True does not support yet",
+    "across": "this torchft replica group has 2 process(es)",
+}
+
+
+@pytest.mark.parametrize("case", sorted(ERRORS))
+def test_configurations_that_are_not_one_model_fail_at_construction(runs, case):
+    for rank, out in enumerate(runs):
+        assert ERRORS[case] in out["errors"][case], (rank, out["errors"][case])
+
+
+def _full_initial() -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in _model().parameters()])
