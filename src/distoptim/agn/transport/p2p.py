@@ -120,7 +120,7 @@ from distoptim.agn.transport.p2p_worker import (
     _watchable,
 )
 from distoptim.agn.transport.pair import _Idle, _Pipe, _PipeInflow, _store, _wait_all
-from distoptim.agn.transport.shared_center import MappedCenters
+from distoptim.agn.transport.shared_center import MappedCenters, SharedCenters
 from distoptim.agn.transport.shm import Segment
 from distoptim.launch import import_dynamo_before_groups
 
@@ -528,17 +528,8 @@ class P2PTransport(Transport):
                     handler.connection_lost(task)
                     return
                 if isinstance(request, Attach):  # the transport's own business
-                    pipe.segment = (
-                        Segment.attach(request.path, request.nbytes, request.token)
-                        if _watchable(first.pid, first.host)  # see _watchable: else the pair
-                        else None
-                    )
-                    if pipe.segment is not None and request.maps_centers:
-                        pipe.centers = handler.centers  # replies to commits read in place
-                    _wait_all(
-                        pipe.send(Attached(pipe.segment is not None))[0],
-                        time.monotonic() + self.timeout,
-                    )
+                    attached = _attach(pipe, request, first, handler.centers)
+                    _wait_all(pipe.send(attached)[0], time.monotonic() + self.timeout)
                     continue
                 deadline = time.monotonic() + self.timeout
                 inflow = None
@@ -598,3 +589,14 @@ class P2PTransport(Transport):
                 threads = list(self._serving)
             for t in threads:  # each ends after its worker's Finish (or its loss)
                 t.join(min(5.0, self.timeout))
+
+
+def _attach(pipe: _Pipe, request: Attach, hello: Hello, centers: SharedCenters | None) -> Attached:
+    """The shard maps the segment a worker offers if it can watch that worker's process (see
+    ``_watchable``; else the buffers stay on the pair), and with it the centers the worker may
+    read replies from in place."""
+    if _watchable(hello.pid, hello.host):
+        pipe.segment = Segment.attach(request.path, request.nbytes, request.token)
+    if pipe.segment is not None and request.maps_centers:
+        pipe.centers = centers  # replies to commits read in place
+    return Attached(pipe.segment is not None)
