@@ -22,6 +22,10 @@ compared with each other; its residuals are compared as saved. Refusals, before 
 every rank: another wire, other parameter shapes, another number of replica groups, no checkpoint
 there, and a checkpoint asked for with a sync in flight. Two fast tests run one process without a
 process group (plain tensors, Adam's 0-dim ``step``, two fragments, a nested ``prefix``).
+
+Under torchft (the second half): each replica group saves its own checkpoint over its own
+processes, and fresh optimizers over the same managers load it at the same k, at another k
+(2 -> 1, 1 -> 2) and into 3 groups; see the comment above :func:`_managed_bundle`.
 """
 
 from __future__ import annotations

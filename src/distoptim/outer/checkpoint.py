@@ -11,7 +11,8 @@ loads on that replica only); and the warning a checkpoint taken between syncs ge
 :mod:`distoptim.outer.diloco`'s.
 
 Also the header check of the other format, the DCP checkpoint that reshards to another group
-size (:func:`check_sharded_header`; the format is :mod:`distoptim.outer.sharded_state`'s).
+size (:func:`check_sharded_header`, and :func:`check_quorum_layout` for a torchft-managed
+group's; the format is :mod:`distoptim.outer.sharded_state`'s).
 """
 
 from __future__ import annotations

@@ -30,10 +30,25 @@ lie in the parameters (zero elsewhere) and a loading process takes, for each ele
 shard, the value of the rank that held it. What a bucket's padding holds (the error of encoding
 zeros) is zero. Replica group ``g`` is this process's rank in the cross-group channel.
 
+Under a torchft manager the replica groups are the quorum's, which comes and goes, and each
+group runs its own ``torch.distributed`` world: every group saves its own checkpoint, over its
+own processes (``process_group=``: the default one in a torchft group), and its entries are
+keyed ``0`` whatever its rank in the quorum (``replica.0.*``, ``shard_residual.0.*``), so any
+group may load any group's checkpoint. The header adds, per fragment, the ``[size, rank]`` of
+the quorum the residuals were laid out for (``quorum``; ``None`` without a manager): a loading
+optimizer binds its exchanges to that layout (:class:`~distoptim.outer.state.UnboundChannel`)
+and the first sync's quorum rebinds them -- with the same layout (the same membership) the
+residuals are kept, as in the uninterrupted run, with another (e.g. a third group) they restart
+from zero, as they would have there. With another ``k`` the two-phase residual keeps the values
+of the elements its new shard shares with the old one (the group's checkpoint holds only the
+shard it averaged), zero elsewhere. A managed checkpoint and one without a manager do not load
+into each other (``num_replicas`` 0, the quorum's, against ``n``).
+
 Not held: a sync in flight (``sharded_state_dict()`` refuses one: save when nothing is in flight,
 e.g. after ``finish()`` or at a step where Streaming DiLoCo's ``τ`` has passed), the model's
-buffers (the user's, with the model's own ``state_dict``), a torchft-managed optimizer (its
-replicas are the quorum's), and a ``CrossShardOptimizer`` inner (it has its own per-rank format).
+buffers (the user's, with the model's own ``state_dict``), the torchft manager's own step
+(``manager.state_dict()``, the user's), and a ``CrossShardOptimizer`` inner (it has its own
+per-rank format).
 
 Before anything changes every process reads the same header and metadata and makes the same
 checks (:func:`~distoptim.outer.checkpoint.check_sharded_header`, then the saved entries
@@ -110,8 +125,8 @@ class DiLoCoShardedState:
     def sharded_state_dict(self) -> dict[str, Any]:
         """This process's part of a DCP checkpoint (the module's format; local, no collective).
 
-        Raises ``ValueError`` with a sync in flight, under a torchft manager, or with a
-        ``CrossShardOptimizer`` inner (see the module).
+        Raises ``ValueError`` with a sync in flight or with a ``CrossShardOptimizer`` inner
+        (see the module). Under a torchft manager: this replica group's own checkpoint.
         """
         self._check_sharded_use("sharded_state_dict()")
         if self._in_flight is not None:
@@ -161,7 +176,8 @@ class DiLoCoShardedState:
         self, checkpoint_id: str | os.PathLike[str], *, process_group: Any = None
     ) -> None:
         """``dcp.save(self.sharded_state_dict(), checkpoint_id=...)``: a collective over
-        ``process_group`` (default: every process), every process of every replica group."""
+        ``process_group`` (default: every process), every process of every replica group --
+        under a torchft manager, of this replica group (each group saves its own)."""
         import torch.distributed.checkpoint as dcp
 
         checks.check_type("checkpoint_id", checkpoint_id, (str, os.PathLike), "a path")
@@ -193,8 +209,9 @@ class DiLoCoShardedState:
         process_group: Any = None,
     ) -> None:
         """Load a DCP checkpoint of :meth:`sharded_state_dict` saved by replica groups of any
-        number of processes (the same number of groups, the same configuration), each process
-        reading what it holds in its current layout. ``prefix``: where the entries sit when
+        number of processes (the same number of groups, the same configuration; under a torchft
+        manager one group's checkpoint, any number of groups), each process reading what it
+        holds in its current layout. ``prefix``: where the entries sit when
         saved nested (``"optim"`` for ``{"optim": opt.sharded_state_dict()}``). Checked
         before anything changes (:class:`CheckpointMismatchError`). A collective over
         ``process_group`` (default: every process)."""
