@@ -592,3 +592,21 @@ def test_managed_refusals_name_what_differs_and_change_nothing(managed_runs):
         (before, step), (after, step_after) = run["refused/unchanged"]
         assert step == step_after == 0
         assert sorted(before) == sorted(after) and _same_state(before, after) == [], rank
+
+
+@pytest.mark.parametrize(
+    "quorum, says",
+    [
+        (None, "not one of a torchft-managed optimizer"),
+        ([[2, 0], [2, 1]], "not one of a torchft-managed optimizer"),  # 2 fragments, not 1
+        ([[2, 2]], "0 <= rank < size, got [2, 2]"),
+        ([[2, True]], "0 <= rank < size, got [2, True]"),
+    ],
+)
+def test_a_managed_checkpoints_quorum_layout_is_checked(quorum, says):
+    from distoptim.outer.checkpoint import check_quorum_layout
+
+    assert check_quorum_layout("DiLoCo", [[3, 2]], 1) == [(3, 2)]
+    with pytest.raises(ValueError) as exc:
+        check_quorum_layout("DiLoCo", quorum, 1)
+    assert says in str(exc.value)
