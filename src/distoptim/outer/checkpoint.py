@@ -11,13 +11,14 @@ loads on that replica only); and the warning a checkpoint taken between syncs ge
 :mod:`distoptim.outer.diloco`'s.
 
 Also the header check of the other format, the DCP checkpoint that reshards to another group
-size (:func:`check_sharded_header`; the format is :mod:`distoptim.outer.sharded_state`'s).
+size (:func:`check_sharded_header`, and :func:`check_quorum_layout` for a torchft-managed
+group's; the format is :mod:`distoptim.outer.sharded_state`'s).
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,7 @@ __all__ = [
     "SHARDED_FORMAT",
     "ExchangeLayout",
     "WRAPPER_KEYS",
+    "check_quorum_layout",
     "check_sharded_header",
     "check_tensors",
     "check_wrapper_state",
@@ -248,14 +250,17 @@ def check_sharded_header(
     config: dict[str, Any],
     shapes: Sequence[tuple[int, ...]],
     dtypes: Sequence[torch.dtype],
-    residuals: Sequence[str],
+    residuals: Sequence[str] | Callable[[Any], Sequence[str]],
     schedule: FragmentSchedule,
 ) -> dict[str, Any]:
     """The header of a DCP checkpoint (``(SHARDED_FORMAT, fields)``), checked against this
     optimizer: the format, the configuration but for the group's layout (the same options and
-    number of replica groups), every parameter's global shape and dtype, the residuals kept,
-    the counters, and nothing in flight at its step. Returns the fields; raises ``ValueError``
-    naming the first difference; changes nothing."""
+    number of replica groups), every parameter's global shape and dtype, the residuals kept
+    (``residuals``, or a function of the header's ``quorum`` field that returns them: under a
+    torchft manager they follow the quorum the checkpoint's group last synced in), the
+    counters, and nothing in flight at its step. Returns the fields (``quorum`` set, ``None``
+    in a checkpoint written before it existed); raises ``ValueError`` naming the first
+    difference; changes nothing."""
     if not (isinstance(header, tuple) and len(header) == 2 and header[0] == SHARDED_FORMAT):
         raise ValueError(
             f"not a {owner} DCP checkpoint: its header is {str(header)[:80]!r}, not "
@@ -264,16 +269,30 @@ def check_sharded_header(
     fields = header[1]
     want = {"config", "iterations", "syncs", "synced_at", "closed_at", "shapes", "dtypes",
             "residuals", "inner_groups", "outer_groups"}  # fmt: skip
-    if not isinstance(fields, dict) or set(fields) != want:
+    if not isinstance(fields, dict) or set(fields) - {"quorum"} != want:
         got = sorted(fields) if isinstance(fields, dict) else type_name(fields)
         raise ValueError(f"{owner} DCP checkpoint: its header holds {got}, not {sorted(want)}")
+    fields = {"quorum": None, **fields}
     mine, saved = layout_free(config), fields["config"]
     if not isinstance(saved, dict) or saved != mine:
         diff = _config_diff(saved, mine)
+        managed = [isinstance(c, dict) and c.get("num_replicas") == 0 for c in (saved, mine)]
+        if managed[0] != managed[1]:
+            why = (
+                "a torchft-managed optimizer's checkpoint (num_replicas 0: the quorum's) and "
+                "one of replica groups without a manager are two formats; each loads only "
+                "into its own kind"
+            )
+        elif managed[1]:
+            why = "only the processes per replica group and the number of groups may differ"
+        else:
+            why = (
+                "only the processes per replica group may differ: the number of replica "
+                "groups must be the same"
+            )
         raise ValueError(
             f"{owner} DCP checkpoint of another configuration (differs in {diff}): checkpoint "
-            f"{saved!r}, this optimizer {mine!r} (only the processes per replica group may "
-            "differ: the number of replica groups must be the same)"
+            f"{saved!r}, this optimizer {mine!r} ({why})"
         )
     got_shapes = [tuple(s) for s in fields["shapes"]]
     if got_shapes != [tuple(s) for s in shapes]:
@@ -292,6 +311,8 @@ def check_sharded_header(
             f"{owner} DCP checkpoint: its parameters' dtypes {list(fields['dtypes'])} are not "
             f"this optimizer's {[str(d) for d in dtypes]}"
         )
+    if callable(residuals):
+        residuals = residuals(fields["quorum"])
     if list(fields["residuals"]) != list(residuals):
         raise ValueError(
             f"{owner} DCP checkpoint keeps the residuals {list(fields['residuals'])}, this "
@@ -319,3 +340,29 @@ def check_sharded_header(
             f"{expected[0].index} in flight there, which this format does not hold"
         )
     return fields
+
+
+def check_quorum_layout(owner: str, quorum: Any, fragments: int) -> list[tuple[int, int]]:
+    """A managed DCP checkpoint's ``quorum`` header field: per fragment, the ``[size, rank]``
+    of the quorum its residuals were laid out for (its group's rank there is no identity: any
+    group may load the checkpoint). ``ValueError`` unless it is ``fragments`` such pairs with
+    ``0 <= rank < size``."""
+    if not isinstance(quorum, list) or len(quorum) != fragments:
+        raise ValueError(
+            f"{owner} DCP checkpoint: not one of a torchft-managed optimizer (its header's "
+            f"quorum is {quorum!r}, not {fragments} [size, rank] pairs)"
+        )
+    out = []
+    for entry in quorum:
+        if (
+            not isinstance(entry, (list, tuple))
+            or len(entry) != 2
+            or not all(_is_int(v) for v in entry)
+            or not 0 <= entry[1] < entry[0]
+        ):
+            raise ValueError(
+                f"{owner} DCP checkpoint: its header's quorum must hold [size, rank] pairs "
+                f"with 0 <= rank < size, got {entry!r}"
+            )
+        out.append((entry[0], entry[1]))
+    return out

@@ -141,7 +141,8 @@ class DiLoCo(ManagedDiLoCo, DiLoCoFacts, DiLoCoState, DiLoCoShardedState, Wrappe
     sync in flight they wait for its launched collective, which every replica started).
     ``save_sharded()`` / ``load_sharded()`` (``sharded_state_dict()`` for ``dcp.save``) are
     the DCP format that reshards to another number of processes per replica group
-    (:mod:`distoptim.outer.sharded_state`, ``docs/groups.md``); collectives.
+    (:mod:`distoptim.outer.sharded_state`, ``docs/groups.md``); collectives (under a torchft
+    manager over one replica group's processes: each group saves its own).
     """
 
     def __init__(

@@ -30,10 +30,25 @@ lie in the parameters (zero elsewhere) and a loading process takes, for each ele
 shard, the value of the rank that held it. What a bucket's padding holds (the error of encoding
 zeros) is zero. Replica group ``g`` is this process's rank in the cross-group channel.
 
+Under a torchft manager the replica groups are the quorum's, which comes and goes, and each
+group runs its own ``torch.distributed`` world: every group saves its own checkpoint, over its
+own processes (``process_group=``: the default one in a torchft group), and its entries are
+keyed ``0`` whatever its rank in the quorum (``replica.0.*``, ``shard_residual.0.*``), so any
+group may load any group's checkpoint. The header adds, per fragment, the ``[size, rank]`` of
+the quorum the residuals were laid out for (``quorum``; ``None`` without a manager): a loading
+optimizer binds its exchanges to that layout (:class:`~distoptim.outer.state.UnboundChannel`)
+and the first sync's quorum rebinds them -- with the same layout (the same membership) the
+residuals are kept, as in the uninterrupted run, with another (e.g. a third group) they restart
+from zero, as they would have there. With another ``k`` the two-phase residual keeps the values
+of the elements its new shard shares with the old one (the group's checkpoint holds only the
+shard it averaged), zero elsewhere. A managed checkpoint and one without a manager do not load
+into each other (``num_replicas`` 0, the quorum's, against ``n``).
+
 Not held: a sync in flight (``sharded_state_dict()`` refuses one: save when nothing is in flight,
 e.g. after ``finish()`` or at a step where Streaming DiLoCo's ``τ`` has passed), the model's
-buffers (the user's, with the model's own ``state_dict``), a torchft-managed optimizer (its
-replicas are the quorum's), and a ``CrossShardOptimizer`` inner (it has its own per-rank format).
+buffers (the user's, with the model's own ``state_dict``), the torchft manager's own step
+(``manager.state_dict()``, the user's), and a ``CrossShardOptimizer`` inner (it has its own
+per-rank format).
 
 Before anything changes every process reads the same header and metadata and makes the same
 checks (:func:`~distoptim.outer.checkpoint.check_sharded_header`, then the saved entries
@@ -44,7 +59,7 @@ against this optimizer); a misfit is :class:`CheckpointMismatchError`, a failure
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -52,12 +67,15 @@ import torch
 from distoptim import checks
 from distoptim.outer.checkpoint import (
     SHARDED_FORMAT,
+    ExchangeLayout,
+    check_quorum_layout,
     check_sharded_header,
     layout_free,
 )
 from distoptim.outer.exchange import FragmentExchange
 from distoptim.outer.fragments import FragmentSchedule
 from distoptim.outer.groups import is_dtensor, like_param, local_view
+from distoptim.outer.state import UnboundChannel
 from distoptim.protocol import check_inner_state_dict
 from distoptim.sync.sharded_checkpoint import CheckpointError, dcp_errors, dotted, nest, unnest
 
@@ -101,13 +119,14 @@ class DiLoCoShardedState:
     _managed: Any
     _channel: Any
     wrapped: torch.optim.Optimizer
+    _template: Callable[[FragmentExchange, tuple[int, int]], ExchangeLayout]
 
     # ---- save --------------------------------------------------------------------------------
     def sharded_state_dict(self) -> dict[str, Any]:
         """This process's part of a DCP checkpoint (the module's format; local, no collective).
 
-        Raises ``ValueError`` with a sync in flight, under a torchft manager, or with a
-        ``CrossShardOptimizer`` inner (see the module).
+        Raises ``ValueError`` with a sync in flight or with a ``CrossShardOptimizer`` inner
+        (see the module). Under a torchft manager: this replica group's own checkpoint.
         """
         self._check_sharded_use("sharded_state_dict()")
         if self._in_flight is not None:
@@ -117,7 +136,7 @@ class DiLoCoShardedState:
                 "checkpoint does not hold; save at a step with nothing in flight (after "
                 "finish(), or fragment_sync_delay steps after a launch), or use state_dict()"
             )
-        g = self._channel.rank
+        g = self._replica_key()
         replica: dict[str, Any] = {
             "params": {str(i): p.detach() for i, p in enumerate(self._params)},
             "inner": {"state": _state_entries(self.wrapped)},
@@ -126,7 +145,7 @@ class DiLoCoShardedState:
             HEADER: (SHARDED_FORMAT, self._sharded_header()),
             "global": {str(i): like_param(t, p) for i, (t, p) in self._indexed(self._global)},
             "outer": {"state": _state_entries(self._outer)},
-            "replica": {str(g): replica},
+            "replica": {g: replica},
         }
         names = self._residual_names()
         if "local" in names:
@@ -135,15 +154,30 @@ class DiLoCoShardedState:
         if "shard" in names:
             shard = self._residual_per_param("shard")
             out["shard_residual"] = {
-                str(g): {str(i): like_param(shard[i], p) for i, p in self._indexed()}
+                g: {str(i): like_param(shard[i], p) for i, p in self._indexed()}
             }
         return out
+
+    def _replica_key(self) -> str:
+        """The key of this replica group's entries: its rank in the cross-group channel, or
+        ``"0"`` under a torchft manager (each group saves its own checkpoint; see the module)."""
+        return "0" if self._managed is not None else str(self._channel.rank)
+
+    def _quorum_layout(self) -> list[list[int]] | None:
+        """Under a manager, per fragment the ``[size, rank]`` of the quorum its residuals are
+        laid out for (``[1, 0]``: none met yet); ``None`` without one."""
+        if self._managed is None:
+            return None
+        return [
+            [e.channel.size, e.channel.rank if e.channel.size > 1 else 0] for e in self._exchanges
+        ]
 
     def save_sharded(
         self, checkpoint_id: str | os.PathLike[str], *, process_group: Any = None
     ) -> None:
         """``dcp.save(self.sharded_state_dict(), checkpoint_id=...)``: a collective over
-        ``process_group`` (default: every process), every process of every replica group."""
+        ``process_group`` (default: every process), every process of every replica group --
+        under a torchft manager, of this replica group (each group saves its own)."""
         import torch.distributed.checkpoint as dcp
 
         checks.check_type("checkpoint_id", checkpoint_id, (str, os.PathLike), "a path")
@@ -163,6 +197,7 @@ class DiLoCoShardedState:
             "residuals": self._residual_names(),
             "inner_groups": self.wrapped.state_dict()["param_groups"],
             "outer_groups": self._outer.state_dict()["param_groups"],
+            "quorum": self._quorum_layout(),
         }
 
     # ---- load --------------------------------------------------------------------------------
@@ -174,8 +209,9 @@ class DiLoCoShardedState:
         process_group: Any = None,
     ) -> None:
         """Load a DCP checkpoint of :meth:`sharded_state_dict` saved by replica groups of any
-        number of processes (the same number of groups, the same configuration), each process
-        reading what it holds in its current layout. ``prefix``: where the entries sit when
+        number of processes (the same number of groups, the same configuration; under a torchft
+        manager one group's checkpoint, any number of groups), each process reading what it
+        holds in its current layout. ``prefix``: where the entries sit when
         saved nested (``"optim"`` for ``{"optim": opt.sharded_state_dict()}``). Checked
         before anything changes (:class:`CheckpointMismatchError`). A collective over
         ``process_group`` (default: every process)."""
@@ -197,6 +233,14 @@ class DiLoCoShardedState:
         head = nest({HEADER: None}, where)
         with dcp_errors("load", checkpoint_id, metadata):
             dcp.load(head, checkpoint_id=checkpoint_id, process_group=process_group)
+        layouts: list[tuple[int, int]] = []  # managed: the saved quorum layout, per fragment
+
+        def residual_names(quorum: Any) -> list[str]:
+            if self._managed is None:
+                return self._residual_names()
+            layouts.extend(check_quorum_layout(self._name, quorum, len(self._exchanges)))
+            return self._residual_names(layouts)
+
         try:
             fields = check_sharded_header(
                 unnest(head, where)[HEADER],
@@ -204,17 +248,18 @@ class DiLoCoShardedState:
                 config=self._config(),
                 shapes=[tuple(p.shape) for p in self._params],
                 dtypes=[p.dtype for p in self._params],
-                residuals=self._residual_names(),
+                residuals=residual_names,
                 schedule=self._schedule,
             )
-            template = self._sharded_template(saved, where)
+            names = self._residual_names(layouts or None)
+            template = self._sharded_template(saved, where, names)
         except ValueError as exc:
             raise CheckpointMismatchError(str(exc)) from exc
         nested = nest(template, where)
         with dcp_errors("load", checkpoint_id, metadata):
             dcp.load(nested, checkpoint_id=checkpoint_id, process_group=process_group)
         loaded = unnest(nested, where)
-        replica = loaded["replica"][str(self._channel.rank)]
+        replica = loaded["replica"][self._replica_key()]
         inner_sd = {
             "state": _unkeyed(replica["inner"]["state"]),
             "param_groups": fields["inner_groups"],
@@ -232,14 +277,19 @@ class DiLoCoShardedState:
         if "shard_residual" in loaded:
             shard = _owned_values(loaded["shard_residual"], len(self._params))
         # -- everything checked: from here on nothing raises --
-        self._apply_sharded(fields, loaded, replica, shard)
+        self._apply_sharded(fields, loaded, replica, shard, layouts)
         self.wrapped.load_state_dict(inner_sd)
         self._outer.load_state_dict(outer_sd)
 
-    def _sharded_template(self, saved: dict[str, Any], where: str) -> dict[str, Any]:
-        """What this process asks DCP for, in its layout; ``ValueError`` if an entry is missing
-        or of another global shape or dtype than this optimizer's."""
-        g, n = self._channel.rank, self._channel.size
+    def _sharded_template(
+        self, saved: dict[str, Any], where: str, names: Sequence[str]
+    ) -> dict[str, Any]:
+        """What this process asks DCP for, in its layout (``names``: the residuals kept);
+        ``ValueError`` if an entry is missing or of another global shape or dtype than this
+        optimizer's."""
+        g = self._replica_key()
+        # every cross-group rank's part of the two-phase residual; under a manager the group's
+        parts = ["0"] if self._managed is not None else [str(h) for h in range(self._channel.size)]
 
         def like(key: str, p: torch.Tensor) -> torch.Tensor:
             md = saved.get(f"{where}{key}")
@@ -269,17 +319,16 @@ class DiLoCoShardedState:
             HEADER: None,
             "global": {str(i): like(f"global.{i}", p) for i, p in self._indexed()},
             "outer": {"state": _state_template(saved, f"{where}outer.state.", self._outer)},
-            "replica": {str(g): replica},
+            "replica": {g: replica},
         }
-        names = self._residual_names()
         if "local" in names:
             replica["residual"] = {
                 str(i): like(f"replica.{g}.residual.{i}", p) for i, p in self._indexed()
             }
         if "shard" in names:
             out["shard_residual"] = {
-                str(h): {str(i): like(f"shard_residual.{h}.{i}", p) for i, p in self._indexed()}
-                for h in range(n)
+                h: {str(i): like(f"shard_residual.{h}.{i}", p) for i, p in self._indexed()}
+                for h in parts
             }
         return out
 
@@ -289,12 +338,20 @@ class DiLoCoShardedState:
         loaded: dict[str, Any],
         replica: dict[str, Any],
         shard: list[torch.Tensor] | None,
+        layouts: Sequence[tuple[int, int]],
     ) -> None:
-        """Put the checked checkpoint back (the optimizers' states are loaded by the caller)."""
+        """Put the checked checkpoint back (the optimizers' states are loaded by the caller).
+        ``layouts``: under a manager, the saved quorum layout of every fragment, which its
+        exchange takes until the first sync's quorum rebinds it (see the module)."""
         if self._in_flight is not None:  # its collective was launched on every rank: drain it
             with self._peer_guard("waiting for the sync in flight", self.iterations):
                 self._exchanges[self._in_flight.fragment.index].settle(self._in_flight.flight)
             self._in_flight = None
+        for exchange, (size, rank) in zip(self._exchanges, layouts):
+            if (exchange.channel.size, exchange.channel.rank) != (size, rank) and (
+                size > 1 or exchange.channel.size > 1
+            ):
+                exchange.rebind(UnboundChannel(size, rank))
         with torch.no_grad():
             for i, p in self._indexed():
                 local_view(p).copy_(_local(replica["params"][str(i)]))
@@ -310,21 +367,29 @@ class DiLoCoShardedState:
         self._closed_at = fields["closed_at"]
 
     # ---- residuals per parameter -------------------------------------------------------------
-    def _residual_names(self) -> list[str]:
-        names = sorted({k for e in self._exchanges for r in e.residuals for k in r})
+    def _residual_names(self, layouts: Sequence[tuple[int, int]] | None = None) -> list[str]:
+        """The residuals kept, by the exchanges as they are or (``layouts``: per fragment a
+        channel's ``(size, rank)``) as they would be over those channels."""
+        held = (
+            [e.residuals for e in self._exchanges]
+            if layouts is None
+            else [self._template(e, lay).residuals for e, lay in zip(self._exchanges, layouts)]
+        )
+        names = sorted({k for residuals in held for r in residuals for k in r})
         unknown = [k for k in names if k not in _RESIDUALS]
         if unknown:  # a wire whose residuals this format does not know how to lay out
             raise ValueError(f"{self._name}: residuals {unknown} have no DCP layout")
         return names
 
-    def _buckets(self) -> list[tuple[int, Any, dict[str, torch.Tensor], int]]:
+    def _buckets(self) -> list[tuple[int, Any, dict[str, torch.Tensor], int, int]]:
         """Per bucket with residuals: (its fragment's first parameter, the bucket, its
-        residuals, the size of the two-phase shard this process averages)."""
+        residuals, the size of the two-phase shard this process averages, this process's rank
+        in the channel its exchange is bound to: which shard that is)."""
         out = []
         for fragment, exchange in zip(self._schedule.fragments, self._exchanges):
             for bucket, res in zip(exchange.plan.buckets, exchange.residuals):
                 size = res["shard"].numel() if "shard" in res else 0
-                out.append((fragment.start, bucket, res, size))
+                out.append((fragment.start, bucket, res, size, exchange.channel.rank))
         return out
 
     def _residual_per_param(self, name: str) -> list[torch.Tensor]:
@@ -332,8 +397,7 @@ class DiLoCoShardedState:
         ``"local"`` one a view of the bucket's, the ``"shard"`` one zero outside this process's
         shard of the bucket."""
         out: list[torch.Tensor | None] = [None] * len(self._params)
-        rank = self._channel.rank
-        for start, bucket, res, size in self._buckets():
+        for start, bucket, res, size, rank in self._buckets():
             flat = res[name]
             if name == "shard":
                 flat = flat.new_zeros(bucket.numel)
@@ -346,8 +410,7 @@ class DiLoCoShardedState:
 
     def _write_residual(self, name: str, values: Sequence[torch.Tensor]) -> None:
         """Write per-parameter residuals (:meth:`_residual_per_param`'s form) into the buckets."""
-        rank = self._channel.rank
-        for start, bucket, res, size in self._buckets():
+        for start, bucket, res, size, rank in self._buckets():
             flat = torch.cat([values[start + m].reshape(-1) for m in bucket.members])
             if name == "local":
                 res["local"].zero_()
@@ -368,11 +431,6 @@ class DiLoCoShardedState:
     def _check_sharded_use(self, what: str) -> None:
         from distoptim.sync.optimizer import CrossShardOptimizer
 
-        if self._managed is not None:
-            raise ValueError(
-                f"{self._name}.{what} under a torchft manager: its replicas are the quorum's, "
-                "which this format does not describe; use state_dict() (per replica)"
-            )
         if isinstance(self.wrapped, CrossShardOptimizer):
             raise ValueError(
                 f"{self._name}.{what} with a CrossShardOptimizer inner: its state has its own "
