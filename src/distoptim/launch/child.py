@@ -2,7 +2,7 @@
 
 Owns: the messages on the pipe (started, result, failure), :func:`report_failure` (a failure
 goes to the parent as soon as it is raised), the byte form of values (:func:`to_bytes`,
-:func:`from_bytes`) and the child's entry point, which dies with its parent.
+:func:`from_bytes`) and the child's entry point, which dies with its parent and its launcher.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import io
-import os
 import pickle
 import signal
 import sys
@@ -24,6 +23,7 @@ from typing import Any
 import torch
 
 from distoptim.launch.failures import is_peer_failure
+from distoptim.launch.start import apply_environment, watch_lifeline
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,17 +104,20 @@ def _child_main(
     args: tuple[Any, ...],
     env: Mapping[str, str],
     num_threads: int | None,
-    parent_pid: int,
+    forked: bool,
+    lifeline: Connection,
 ) -> None:
+    """A started process: dies with its parent (the launcher, or its forkserver) and with its
+    launcher (``lifeline``: EOF once the launcher is gone), takes ``env``
+    (:func:`~distoptim.launch.start.apply_environment`), runs ``fn`` and reports."""
     global _PARENT
     _die_with_parent()
-    if os.getppid() != parent_pid:  # parent died before prctl took effect
-        os._exit(1)
-    os.environ.update(env)
-    if num_threads is not None:
-        torch.set_num_threads(num_threads)
+    watch_lifeline(lifeline)  # also when the launcher died before prctl took effect
     _PARENT = conn
     try:
+        apply_environment(env, forked)
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
         conn.send(_Started())
         value = fn(*args)
     except BaseException as exc:  # report everything, SystemExit and KeyboardInterrupt too
