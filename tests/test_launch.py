@@ -397,6 +397,33 @@ def test_forkserver_child_applies_what_torch_reads_as_it_loads():
     assert [(o.value["cpp_log_level"], o.value["threads"]) for o in outcomes] == [(2, 1), (0, 2)]
 
 
+def _mask_and_parent() -> tuple[list[int], int]:
+    import signal
+
+    return sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, ())), os.getppid()
+
+
+def test_forked_child_has_the_launchers_signal_mask_and_its_server_outlives_group_signals():
+    """A forked child inherits the server's mask (which holds SIGINT, SIGTERM and SIGHUP, so that
+    a Ctrl-C or a closed terminal does not end the server and every child with it): it takes
+    the mask of the launcher's thread that started it, as a spawned child would."""
+    import signal
+
+    (free,) = run_processes(_mask_and_parent, [()], timeout=60)
+    mask, server = free.value
+    assert mask == [] and server != os.getpid()
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        os.kill(server, sig)
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])
+    try:
+        sup = ProcessSupervisor(timeout=60)
+        sup.add(_mask_and_parent)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    (held,) = sup.run()
+    assert held.value == ([int(signal.SIGTERM)], server)  # the same server, still serving
+
+
 def test_start_method_is_checked():
     with pytest.raises(ValueError, match="start_method"):
         ProcessSupervisor(start_method="fork")

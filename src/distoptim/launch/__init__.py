@@ -86,6 +86,7 @@ from distoptim.launch.failures import (
     is_peer_failure,
     root_cause,
 )
+from distoptim.launch.start import DEFAULT_START_METHOD, START_METHODS, StartMethod
 from distoptim.launch.supervisor import (
     DEFAULT_GRACE,
     DEFAULT_TIMEOUT,
@@ -104,14 +105,17 @@ from distoptim.launch.torchrun import (
 
 __all__ = [
     "DEFAULT_GRACE",
+    "DEFAULT_START_METHOD",
     "DEFAULT_TIMEOUT",
     "RESTART_COUNT_ENV",
+    "START_METHODS",
     "MainGuardError",
     "PeerFailureError",
     "ProcessOutcome",
     "ProcessSupervisor",
     "ProcessTimeoutError",
     "RankFailedError",
+    "StartMethod",
     "exit_if_bootstrapping",
     "from_bytes",
     "import_dynamo_before_groups",
@@ -135,6 +139,7 @@ for _cls in (
     ProcessSupervisor,
     ProcessTimeoutError,
     RankFailedError,
+    StartMethod,
 ):
     _cls.__module__ = __name__
 del _cls

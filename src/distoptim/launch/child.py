@@ -15,7 +15,7 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from distoptim.launch.failures import is_peer_failure
-from distoptim.launch.start import apply_environment, watch_lifeline
+from distoptim.launch.start import ChildStart, watch_lifeline
 
 
 # ---------------------------------------------------------------------------------------------
@@ -102,20 +102,19 @@ def _child_main(
     conn: Connection,
     fn: Callable[..., Any],
     args: tuple[Any, ...],
-    env: Mapping[str, str],
+    start: ChildStart,
     num_threads: int | None,
-    forked: bool,
     lifeline: Connection,
 ) -> None:
     """A started process: dies with its parent (the launcher, or its forkserver) and with its
-    launcher (``lifeline``: EOF once the launcher is gone), takes ``env``
-    (:func:`~distoptim.launch.start.apply_environment`), runs ``fn`` and reports."""
+    launcher (``lifeline``: EOF once the launcher is gone), takes its environment and signal
+    mask (``start``), runs ``fn`` and reports."""
     global _PARENT
     _die_with_parent()
     watch_lifeline(lifeline)  # also when the launcher died before prctl took effect
     _PARENT = conn
     try:
-        apply_environment(env, forked)
+        start.apply()
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         conn.send(_Started())

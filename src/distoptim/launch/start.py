@@ -1,9 +1,10 @@
 """How a supervised process starts: the ``forkserver`` method (default) or ``spawn``.
 
 Owns: :class:`StartMethod` (the multiprocessing context of each method, the modules a
-forkserver preloads, the environment a child is given under each), the child's side of that
-environment (:func:`apply_environment`), and the lifeline by which a child notices that its
-launcher died, whichever process is its parent (:func:`watch_lifeline`).
+forkserver preloads, the environment a child is given under each), what a child takes on
+before it runs anything (:class:`ChildStart`: its environment and signal mask), and the
+lifeline by which a child notices that its launcher died, whichever process is its parent
+(:func:`watch_lifeline`).
 
 ``spawn`` starts a fresh interpreter per process, which imports torch (and ``torch._dynamo``)
 again: about 5 s of CPU each. ``forkserver`` forks each process from a server process that
@@ -21,6 +22,7 @@ import contextlib
 import ctypes
 import multiprocessing as mp
 import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
 import signal
 import threading
@@ -74,23 +76,43 @@ class StartMethod:
         return self.name == "forkserver"
 
     def context(self) -> Any:
-        """The multiprocessing context; for ``forkserver``, its server is running when this
-        returns (started here, outside any child's environment, with the preload)."""
-        ctx = mp.get_context(self.name)
-        if self.forks:
-            ctx.set_forkserver_preload(list(FORKSERVER_PRELOAD))
-            multiprocessing.forkserver.ensure_running()
-        return ctx
+        """The multiprocessing context (nothing started yet)."""
+        return mp.get_context(self.name)
 
-    def child_env(self, env: Mapping[str, str]) -> dict[str, str]:
-        """What a child is sent: ``env`` (spawn: it inherits the rest), or the launcher's whole
-        environment updated with ``env`` (forkserver: it inherits the server's)."""
-        return {**os.environ, **env} if self.forks else dict(env)
+    def ready(self) -> None:
+        """Call before each start, outside any child's environment: for ``forkserver``, start
+        the server (with the preload) unless it runs; a no-op for ``spawn``.
+
+        The server starts with SIGINT, SIGTERM and SIGHUP blocked: a signal sent to the whole
+        process group (Ctrl-C, a closed terminal) does not end it, which would end every child
+        with it; it ends when the launcher and its children are gone. Its children start with
+        them blocked too, until :meth:`ChildStart.apply` sets the launcher's mask."""
+        if self.forks:
+            multiprocessing.forkserver.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+            # first: starting the resource tracker unblocks SIGINT and SIGTERM after it
+            multiprocessing.resource_tracker.ensure_running()
+            old = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_SIGNALS)
+            try:
+                multiprocessing.forkserver.ensure_running()
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+    def child_start(self, env: Mapping[str, str]) -> ChildStart:
+        """What a child started now is sent: ``env`` (spawn: it inherits the rest), or the
+        launcher's whole environment updated with ``env`` and the starting thread's signal mask
+        (forkserver: it inherits the server's)."""
+        if not self.forks:
+            return ChildStart(dict(env), False, ())
+        mask = tuple(sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, ())))
+        return ChildStart({**os.environ, **env}, True, mask)
 
     def environ_at_start(self, env: Mapping[str, str]) -> contextlib.AbstractContextManager[Any]:
         """Hold around ``Process.start()``: spawn's interpreter starts with ``env`` in place
         (C++ log levels, malloc settings); a forked child gets it from :func:`apply_environment`."""
         return contextlib.nullcontext() if self.forks else _environ(env)
+
+
+_HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def resolve_start_method(value: str | StartMethod) -> StartMethod:
@@ -125,35 +147,47 @@ def _startup_only(key: str) -> bool:
     return any(key.startswith(p) if p.endswith("_") else key == p for p in STARTUP_ONLY)
 
 
-def apply_environment(env: Mapping[str, str], forked: bool) -> None:
-    """In a started child: make ``env`` (:meth:`StartMethod.child_env`) its environment.
+@dataclass(frozen=True)
+class ChildStart:
+    """What a child takes on before it runs anything (:meth:`StartMethod.child_start`)."""
 
-    Forked: ``env`` replaces what the server left; ``TORCH_CPP_LOG_LEVEL`` and
-    ``OMP_NUM_THREADS``, which torch read when the server imported it, are applied to torch
-    now; a changed :data:`STARTUP_ONLY` variable raises ``ValueError``.
-    """
-    if not forked:
-        os.environ.update(env)
-        return
-    inherited = dict(os.environ)
-    changed = sorted(
-        k for k in set(env) | set(inherited) if _startup_only(k) and env.get(k) != inherited.get(k)
-    )
-    if changed:
-        raise ValueError(
-            f"{', '.join(changed)} must be set before a process starts, and this one was forked "
-            "by a forkserver that started without it: start the processes with "
-            'start_method="spawn"'
+    env: dict[str, str]
+    forked: bool
+    mask: tuple[int, ...]  # forked: the signals blocked in the launcher's starting thread
+
+    def apply(self) -> None:
+        """In the started child: make ``env`` its environment, and its signal mask the
+        launcher's (forked).
+
+        Forked: ``env`` replaces what the server left; ``TORCH_CPP_LOG_LEVEL`` and
+        ``OMP_NUM_THREADS``, which torch read when the server imported it, are applied to torch
+        now; a changed :data:`STARTUP_ONLY` variable raises ``ValueError``.
+        """
+        if not self.forked:
+            os.environ.update(self.env)
+            return
+        signal.pthread_sigmask(signal.SIG_SETMASK, self.mask)
+        env, inherited = self.env, dict(os.environ)
+        changed = sorted(
+            k
+            for k in set(env) | set(inherited)
+            if _startup_only(k) and env.get(k) != inherited.get(k)
         )
-    os.environ.clear()
-    os.environ.update(env)
-    if env.get("TORCH_CPP_LOG_LEVEL") != inherited.get("TORCH_CPP_LOG_LEVEL"):
-        _set_cpp_log_level(env.get("TORCH_CPP_LOG_LEVEL"))
-    threads = env.get("OMP_NUM_THREADS")
-    if threads != inherited.get("OMP_NUM_THREADS") and threads is not None and threads.isdigit():
-        import torch
+        if changed:
+            raise ValueError(
+                f"{', '.join(changed)} must be set before a process starts, and this one was "
+                "forked by a forkserver that started without it: start the processes with "
+                'start_method="spawn"'
+            )
+        os.environ.clear()
+        os.environ.update(env)
+        if env.get("TORCH_CPP_LOG_LEVEL") != inherited.get("TORCH_CPP_LOG_LEVEL"):
+            _set_cpp_log_level(env.get("TORCH_CPP_LOG_LEVEL"))
+        threads = env.get("OMP_NUM_THREADS")
+        if threads != inherited.get("OMP_NUM_THREADS") and threads and threads.isdigit():
+            import torch
 
-        torch.set_num_threads(max(1, int(threads)))
+            torch.set_num_threads(max(1, int(threads)))
 
 
 def _set_cpp_log_level(value: str | None) -> None:

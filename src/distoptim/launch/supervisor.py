@@ -168,15 +168,15 @@ class ProcessSupervisor:
             env[RESTART_COUNT_ENV] = str(entry.restarts)
         entry.started = False
         method = self.start_method
+        method.ready()
         proc = self._ctx.Process(
             target=_child_main,
             args=(
                 send,
                 entry.fn,
                 entry.args,
-                method.child_env(env),
+                method.child_start(env),
                 self.num_threads,
-                method.forks,
                 self._lifeline,
             ),
             name=f"distoptim-{entry.name.replace(' ', '-')}",
