@@ -124,8 +124,8 @@ def _main_guard_hint() -> str:
     return (
         f"it died while starting, re-importing {script}, which starts processes again when "
         'imported: put the code that starts processes under `if __name__ == "__main__":` '
-        "(processes start with the spawn method, which imports the main module in each new "
-        "process)"
+        "(each new process imports the main module, under the forkserver and the spawn start "
+        "method alike)"
     )
 
 
