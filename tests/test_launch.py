@@ -424,6 +424,19 @@ def test_forked_child_has_the_launchers_signal_mask_and_its_server_outlives_grou
     assert held.value == ([int(signal.SIGTERM)], server)  # the same server, still serving
 
 
+def _draws() -> tuple[int, float, float]:
+    import numpy as np
+
+    return torch.initial_seed(), float(torch.rand(1)), float(np.random.rand())
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_every_child_draws_its_own_random_numbers(method):
+    """A forked child would draw the server's numbers: each is seeded afresh, as when spawned."""
+    draws = [o.value for o in run_processes(_draws, [(), ()], start_method=method, timeout=60)]
+    assert all(a != b for a, b in zip(*draws)), draws
+
+
 def test_start_method_is_checked():
     with pytest.raises(ValueError, match="start_method"):
         ProcessSupervisor(start_method="fork")
