@@ -90,12 +90,13 @@ class StartMethod:
         them blocked too, until :meth:`ChildStart.apply` sets the launcher's mask."""
         if self.forks:
             multiprocessing.forkserver.set_forkserver_preload(list(FORKSERVER_PRELOAD))
-            # first: starting the resource tracker unblocks SIGINT and SIGTERM after it
-            multiprocessing.resource_tracker.ensure_running()
             old = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_SIGNALS)
             try:
+                # the server needs the resource tracker, whose start unblocks SIGINT and SIGTERM
+                multiprocessing.resource_tracker.ensure_running()
+                signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_SIGNALS)
                 multiprocessing.forkserver.ensure_running()
-            finally:
+            finally:  # the caller's mask, whatever the tracker did to it
                 signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
     def child_start(self, env: Mapping[str, str]) -> ChildStart:
