@@ -288,11 +288,23 @@ def main() -> None:
         for world in worlds:
             for optimizer in optimizers:
                 if args.quick:  # one process pair, contenders in turn
-                    ranks = spawn(_measure, world, args=(CONTENDERS, optimizer, dims), timeout=300)
+                    ranks = spawn(
+                        _measure,
+                        world,
+                        args=(CONTENDERS, optimizer, dims),
+                        timeout=300,
+                        start_method="spawn",  # MALLOC at start-up: a forked child lacks it
+                    )
                 else:  # a process group of its own per contender
                     ranks = [{} for _ in range(world)]
                     for method in CONTENDERS:
-                        got = spawn(_measure, world, args=([method], optimizer, dims), timeout=600)
+                        got = spawn(
+                            _measure,
+                            world,
+                            args=([method], optimizer, dims),
+                            timeout=600,
+                            start_method="spawn",
+                        )
                         for mine, theirs in zip(ranks, got):
                             mine.update(theirs)
                 runs[f"{optimizer}/{world}"] = {

@@ -247,7 +247,9 @@ def main() -> None:
         with mock.patch.dict(os.environ, MALLOC):  # read by each process's malloc at start-up
             for case, dims in memory_cases.items():
                 result["cases"][case]["memory"] = {
-                    m: spawn(_memory, 2, args=(m, dims, args.foreach), timeout=300)[0]
+                    m: spawn(
+                        _memory, 2, args=(m, dims, args.foreach), timeout=300, start_method="spawn"
+                    )[0]
                     for m in memory_methods
                 }
     result["machine"] = machine("gloo (loopback)")

@@ -318,3 +318,176 @@ def test_same_function_runs_under_torchrun(tmp_path):
     # the group is really gone after torchrun_main: no gloo thread left to abort at exit
     for r in range(2):
         assert "gloo" not in (tmp_path / f"out.threads.{r}").read_text()
+
+
+# ---- start methods: forkserver (default) and spawn ------------------------------------------
+def _env_and_parent(rank: int, world_size: int, keys: tuple[str, ...]) -> dict:
+    import sys
+
+    return {
+        "env": {k: os.environ.get(k) for k in keys},
+        "ppid": os.getppid(),
+        "rank": (rank, os.environ["RANK"], os.environ["WORLD_SIZE"]),
+        "torch_before_main": "torch" in sys.modules,
+    }
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_child_sees_the_launchers_environment_its_own_and_its_rank(method, monkeypatch):
+    """A forked child inherits the forkserver's environment, not the launcher's: it is sent the
+    launcher's as it is at the start (a variable set or removed after the server started)."""
+    run_processes(_echo, [(1,)], start_method=method)  # the forkserver runs before the changes
+    monkeypatch.setenv("DISTOPTIM_TEST_LATE", "set after the server started")
+    monkeypatch.delenv("DISTOPTIM_TEST_GONE", raising=False)
+    keys = ("DISTOPTIM_TEST_LATE", "DISTOPTIM_TEST_GONE", "RANK", "ONLY_RANK_0")
+    stores = [dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)]
+    envs = [torchrun_env(r, 2, stores[0].port) for r in range(2)]
+    envs[0]["ONLY_RANK_0"] = "x"
+    outcomes = run_processes(
+        _with_process_group,
+        [(_env_and_parent, "gloo", 30.0, (keys,))] * 2,
+        envs=envs,
+        start_method=method,
+        timeout=60,
+    )
+    got = [o.value for o in outcomes]
+    assert [g["rank"] for g in got] == [(0, "0", "2"), (1, "1", "2")]
+    assert [g["env"] for g in got] == [
+        {k: v for k, v in zip(keys, ("set after the server started", None, str(r), x))}
+        for r, x in ((0, "x"), (1, None))
+    ]
+    forked = [g["ppid"] != os.getpid() for g in got]
+    assert forked == [method == "forkserver"] * 2  # the forkserver is their parent
+
+
+def _startup_env(keys: tuple[str, ...]) -> dict:
+    import ctypes
+
+    with open("/proc/self/environ", "rb") as f:  # what the process started with
+        at_start = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+    libc10 = os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so")
+    return {
+        "at_start": {k: at_start.get(k.encode(), b"").decode() or None for k in keys},
+        "cpp_log_level": ctypes.c_int.in_dll(ctypes.CDLL(libc10), "FLAGS_caffe2_log_level").value,
+        "threads": torch.get_num_threads(),
+    }
+
+
+def test_forkserver_refuses_a_variable_read_at_start_which_spawn_sets_at_start():
+    env = {"MALLOC_ARENA_MAX": "2"}
+    with pytest.raises(RankFailedError, match=r'MALLOC_ARENA_MAX .* start_method="spawn"') as info:
+        run_processes(_startup_env, [(("MALLOC_ARENA_MAX",),)], envs=[env], timeout=60)
+    assert isinstance(info.value.__cause__, ValueError)
+    (out,) = run_processes(
+        _startup_env, [(("MALLOC_ARENA_MAX",),)], envs=[env], start_method="spawn", timeout=60
+    )
+    assert out.value["at_start"] == env  # in place before the interpreter's first instruction
+
+
+def test_forkserver_child_applies_what_torch_reads_as_it_loads():
+    """TORCH_CPP_LOG_LEVEL and OMP_NUM_THREADS: the forkserver's torch read them long before."""
+    envs = [
+        {"TORCH_CPP_LOG_LEVEL": "ERROR", "OMP_NUM_THREADS": "1"},
+        {"TORCH_CPP_LOG_LEVEL": "INFO", "OMP_NUM_THREADS": "2"},
+    ]
+    sup = ProcessSupervisor(timeout=60)  # num_threads=None: torch's default, or the variable's
+    for env in envs:
+        sup.add(_startup_env, ((),), env=env)
+    outcomes = sup.run()
+    assert [(o.value["cpp_log_level"], o.value["threads"]) for o in outcomes] == [(2, 1), (0, 2)]
+
+
+def _mask_and_parent() -> tuple[list[int], int]:
+    import signal
+
+    return sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, ())), os.getppid()
+
+
+def test_forked_child_has_the_launchers_signal_mask_and_its_server_outlives_group_signals():
+    """A forked child inherits the server's mask (which holds SIGINT, SIGTERM and SIGHUP, so that
+    a Ctrl-C or a closed terminal does not end the server and every child with it): it takes
+    the mask of the launcher's thread that started it, as a spawned child would."""
+    import signal
+
+    (free,) = run_processes(_mask_and_parent, [()], timeout=60)
+    mask, server = free.value
+    assert mask == [] and server != os.getpid()
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        os.kill(server, sig)
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])
+    try:
+        sup = ProcessSupervisor(timeout=60)
+        sup.add(_mask_and_parent)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    (held,) = sup.run()
+    assert held.value == ([int(signal.SIGTERM)], server)  # the same server, still serving
+
+
+def _draws() -> tuple[int, float, float]:
+    import numpy as np
+
+    return torch.initial_seed(), float(torch.rand(1)), float(np.random.rand())
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_every_child_draws_its_own_random_numbers(method):
+    """A forked child would draw the server's numbers: each is seeded afresh, as when spawned."""
+    draws = [o.value for o in run_processes(_draws, [(), ()], start_method=method, timeout=60)]
+    assert all(a != b for a, b in zip(*draws)), draws
+
+
+def test_start_method_is_checked():
+    with pytest.raises(ValueError, match="start_method"):
+        ProcessSupervisor(start_method="fork")
+
+
+_LAUNCHER_SCRIPT = """
+import os
+import sys
+import threading
+from distoptim.launch import ProcessSupervisor
+
+
+def child():
+    print(os.getpid(), os.getppid(), flush=True)
+    threading.Event().wait(90)  # bounded: the test kills the launcher long before
+
+
+if __name__ == "__main__":
+    sup = ProcessSupervisor(timeout=120, start_method=sys.argv[1])
+    sup.add(child)
+    sup.run()
+"""
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_a_child_dies_within_seconds_when_its_launcher_is_killed(method, tmp_path):
+    """Under the forkserver the child's parent is the server, which every forked child keeps
+    alive: the child sees its launcher's death through its lifeline, and the server ends too."""
+    import select
+    import subprocess
+    import sys
+
+    script = tmp_path / "launcher.py"
+    script.write_text(_LAUNCHER_SCRIPT)
+    launcher = subprocess.Popen(
+        [sys.executable, str(script), method], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        ready, _, _ = select.select([launcher.stdout], [], [], 90)
+        assert ready, "the child did not start"
+        child, parent = map(int, launcher.stdout.readline().split())
+        assert (parent == launcher.pid) == (method == "spawn")
+        watched = [os.pidfd_open(p) for p in {child, parent} - {launcher.pid}]
+        launcher.kill()
+        launcher.wait(10)
+        t0 = time.monotonic()
+        for fd in watched:  # readable once the process has ended
+            ready, _, _ = select.select([fd], [], [], 20)
+            assert ready, "the child (or its forkserver) outlived the launcher"
+        assert time.monotonic() - t0 < 20
+        assert not _alive(child) and not _alive(parent)
+    finally:
+        launcher.kill()
+        launcher.wait(10)

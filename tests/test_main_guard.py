@@ -1,6 +1,6 @@
 """A script without ``if __name__ == "__main__":`` that starts processes: one line naming the fix.
 
-Processes start with the spawn method, so every child imports the script again; at its top
+Every child imports the script again (forkserver and spawn alike); at its top
 level the script starts processes again, which Python refuses in a child that is still
 starting. ``distoptim.launch``, ``distoptim.agn.spawn`` and the command line must say so in one
 line -- not "died during start-up ... pass on_startup_failure='drop'", a fix that would not help.

@@ -40,6 +40,7 @@ from distoptim.checks import (
 )
 from distoptim.launch import (
     DEFAULT_GRACE,
+    DEFAULT_START_METHOD,
     ProcessOutcome,
     ProcessSupervisor,
     RankFailedError,
@@ -47,6 +48,7 @@ from distoptim.launch import (
     root_cause,
     torchrun_env,
 )
+from distoptim.launch.start import resolve_start_method
 
 __all__ = ["STARTUP_POLICIES", "ClusterResult", "LocalCluster", "WorkerStartupError", "spawn"]
 
@@ -130,6 +132,7 @@ class LocalCluster:
         on_startup_failure: str = "fail",
         idle_timeout: float | None = None,
         grace: float = DEFAULT_GRACE,
+        start_method: str = DEFAULT_START_METHOD,
     ) -> None:
         if not callable(worker_fn):
             raise TypeError(f"worker_fn must be callable, got {type_name(worker_fn)}")
@@ -176,6 +179,7 @@ class LocalCluster:
         self.max_restarts = max_restarts
         self.on_startup_failure = on_startup_failure
         self.grace = grace
+        self.start_method = resolve_start_method(start_method)
         self.num_threads = (
             num_threads
             if num_threads is not None
@@ -213,6 +217,7 @@ class LocalCluster:
             grace=self.grace,
             num_threads=self.num_threads,
             on_failure=self._on_worker_failure,
+            start_method=self.start_method,
         )
         self._started = time.monotonic()
         main = (self.num_ps, self.options, self.worker_fn, self.args)
@@ -367,7 +372,8 @@ def spawn(
     :class:`LocalCluster`'s -- ``num_ps=1, args=(), timeout=300.0, checkpoint_dir=None,
     checkpoint_every=None`` and, keyword-only, ``rpc_timeout``, ``strategy``, ``num_threads``,
     ``transport``, ``max_restarts``, ``reconnect_timeout``, ``on_startup_failure``,
-    ``idle_timeout``, ``grace`` -- described here.
+    ``idle_timeout``, ``grace``, ``start_method`` (``"forkserver"`` or ``"spawn"``, see
+    :class:`~distoptim.launch.ProcessSupervisor`) -- described here.
 
     Each worker runs ``worker_fn(ctx, *args)`` (``ctx``: its :class:`Cluster`, with
     ``task_index``, ``is_chief``, ``num_worker``, ``num_ps``, ``custom_getter``); shards serve

@@ -38,8 +38,8 @@ server that stopped answering. Three rules make the caller see the cause, not a 
 
 A script without a main guard
 -----------------------------
-Processes start with the ``spawn`` method: each new process imports the parent's main module
-(as ``__mp_main__``) before it runs anything. A script that starts processes at its top level,
+Each new process imports the parent's main module (as ``__mp_main__``) before it runs anything,
+under either start method. A script that starts processes at its top level,
 without ``if __name__ == "__main__":``, therefore starts them again in every child, where
 Python refuses ("An attempt has been made to start a new process before the current process
 has finished its bootstrapping phase"). Every entry point here calls
@@ -65,12 +65,23 @@ is no port race) and gives every child the environment torchrun would: ``MASTER_
 Children then call ``init_process_group(init_method="env://")`` -- exactly the code path a
 torchrun job takes -- so a function tested with :func:`spawn` runs unchanged under torchrun.
 
+Start methods
+-------------
+``start_method=`` (:class:`ProcessSupervisor`, :func:`run_processes`, :func:`spawn`,
+``distoptim.agn.spawn``): ``"forkserver"`` (the default) forks each process from one server
+that imported torch once (:data:`~distoptim.launch.start.FORKSERVER_PRELOAD`), instead of
+2.3-2.5 s of CPU for a fresh interpreter's imports here; ``"spawn"`` starts a fresh
+interpreter, which a child needs when its ``env`` changes what is read before the first Python
+instruction (``MALLOC_*``...; a forked child refuses that by name). Either way a child has the
+launcher's environment at the start plus its ``env``, and dies with the launcher (a lifeline
+pipe: a forked child's parent is the server). See :mod:`distoptim.launch.start`.
+
 Modules
 -------
-``failures`` (the errors and the real-cause rule), ``child`` (what a started process sends its
-parent), ``supervisor`` (:class:`ProcessSupervisor`, :func:`run_processes`), ``torchrun``
-(:func:`spawn`, :func:`torchrun_main` and the torchrun environment). Everything public is
-imported from here.
+``failures`` (the errors and the real-cause rule), ``start`` (the start methods), ``child``
+(what a started process sends its parent), ``supervisor`` (:class:`ProcessSupervisor`,
+:func:`run_processes`), ``torchrun`` (:func:`spawn`, :func:`torchrun_main` and the torchrun
+environment). Everything public is imported from here.
 """
 
 from __future__ import annotations
@@ -86,6 +97,7 @@ from distoptim.launch.failures import (
     is_peer_failure,
     root_cause,
 )
+from distoptim.launch.start import DEFAULT_START_METHOD, START_METHODS, StartMethod
 from distoptim.launch.supervisor import (
     DEFAULT_GRACE,
     DEFAULT_TIMEOUT,
@@ -104,14 +116,17 @@ from distoptim.launch.torchrun import (
 
 __all__ = [
     "DEFAULT_GRACE",
+    "DEFAULT_START_METHOD",
     "DEFAULT_TIMEOUT",
     "RESTART_COUNT_ENV",
+    "START_METHODS",
     "MainGuardError",
     "PeerFailureError",
     "ProcessOutcome",
     "ProcessSupervisor",
     "ProcessTimeoutError",
     "RankFailedError",
+    "StartMethod",
     "exit_if_bootstrapping",
     "from_bytes",
     "import_dynamo_before_groups",
@@ -135,6 +150,7 @@ for _cls in (
     ProcessSupervisor,
     ProcessTimeoutError,
     RankFailedError,
+    StartMethod,
 ):
     _cls.__module__ = __name__
 del _cls

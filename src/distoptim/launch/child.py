@@ -2,7 +2,7 @@
 
 Owns: the messages on the pipe (started, result, failure), :func:`report_failure` (a failure
 goes to the parent as soon as it is raised), the byte form of values (:func:`to_bytes`,
-:func:`from_bytes`) and the child's entry point, which dies with its parent.
+:func:`from_bytes`) and the child's entry point, which dies with its parent and its launcher.
 """
 
 from __future__ import annotations
@@ -10,13 +10,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import io
-import os
 import pickle
 import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 import torch
 
 from distoptim.launch.failures import is_peer_failure
+from distoptim.launch.start import ChildStart, watch_lifeline
 
 
 # ---------------------------------------------------------------------------------------------
@@ -102,19 +102,21 @@ def _child_main(
     conn: Connection,
     fn: Callable[..., Any],
     args: tuple[Any, ...],
-    env: Mapping[str, str],
+    start: ChildStart,
     num_threads: int | None,
-    parent_pid: int,
+    lifeline: Connection,
 ) -> None:
+    """A started process: dies with its parent (the launcher, or its forkserver) and with its
+    launcher (``lifeline``: EOF once the launcher is gone), takes its environment and signal
+    mask (``start``), runs ``fn`` and reports."""
     global _PARENT
     _die_with_parent()
-    if os.getppid() != parent_pid:  # parent died before prctl took effect
-        os._exit(1)
-    os.environ.update(env)
-    if num_threads is not None:
-        torch.set_num_threads(num_threads)
+    watch_lifeline(lifeline)  # also when the launcher died before prctl took effect
     _PARENT = conn
     try:
+        start.apply()
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
         conn.send(_Started())
         value = fn(*args)
     except BaseException as exc:  # report everything, SystemExit and KeyboardInterrupt too

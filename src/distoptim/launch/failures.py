@@ -9,8 +9,10 @@ docstring ("The real cause of a failed run", "A script without a main guard").
 
 from __future__ import annotations
 
+import contextlib
 import math
 import multiprocessing as mp
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -122,8 +124,8 @@ def _main_guard_hint() -> str:
     return (
         f"it died while starting, re-importing {script}, which starts processes again when "
         'imported: put the code that starts processes under `if __name__ == "__main__":` '
-        "(processes start with the spawn method, which imports the main module in each new "
-        "process)"
+        "(each new process imports the main module, under the forkserver and the spawn start "
+        "method alike)"
     )
 
 
@@ -138,7 +140,12 @@ def exit_if_bootstrapping() -> None:
     """
     # multiprocessing's own test for this case (multiprocessing.spawn._check_not_importing_main)
     if getattr(mp.current_process(), "_inheriting", False):
-        raise SystemExit(_BOOTSTRAP_EXIT)
+        # os._exit, not SystemExit: a forkserver's child turns any exception that leaves its
+        # start-up, SystemExit included, into exit code 1
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(_BOOTSTRAP_EXIT)
 
 
 @dataclass

@@ -29,6 +29,7 @@ from distoptim.launch.failures import (
     exit_if_bootstrapping,
     root_cause,
 )
+from distoptim.launch.start import DEFAULT_START_METHOD, StartMethod, resolve_start_method
 
 DEFAULT_TIMEOUT = 300.0
 """Seconds a local run may take before every process is killed (and collective timeout)."""
@@ -57,26 +58,6 @@ def _stop(proc: mp.process.BaseProcess) -> None:
     if proc.is_alive():
         proc.kill()
         proc.join(_KILL_GRACE)
-
-
-_ENVIRON_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def _environ(env: Mapping[str, str]) -> Any:
-    """``os.environ`` updated with ``env`` for the duration (a child started meanwhile inherits
-    it from its first instruction; ``_child_main`` sets it again, for the record)."""
-    with _ENVIRON_LOCK:
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            yield
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
 
 @dataclass
@@ -113,8 +94,11 @@ class ProcessSupervisor:
 
     ``timeout`` bounds the whole run from the first :meth:`run` (:class:`ProcessTimeoutError`);
     on any exit (Ctrl-C included) no child is left running. ``num_threads``: torch intra-op
-    threads per child (None: torch's default). ``fn`` and arguments must be picklable
-    (processes start with the ``spawn`` method); return values travel with ``torch.save``.
+    threads per child (None: torch's default). ``start_method``: ``"forkserver"`` (forked
+    from a server that imported torch once) or ``"spawn"`` (a fresh interpreter each; needed
+    for variables read when a process starts, e.g. ``MALLOC_*``), see
+    :mod:`distoptim.launch.start`. ``fn`` and arguments must be picklable; return values travel
+    with ``torch.save``.
     """
 
     def __init__(
@@ -125,13 +109,17 @@ class ProcessSupervisor:
         num_threads: int | None = None,
         on_failure: Callable[[ProcessOutcome], None] | None = None,
         on_restart: Callable[[ProcessOutcome], None] | None = None,
+        start_method: str | StartMethod = DEFAULT_START_METHOD,
     ) -> None:
         self.timeout = check_seconds("timeout", timeout)
         self.grace = check_seconds("grace", grace, allow_zero=True)
         self.num_threads = check_optional_int("num_threads", num_threads, 1)
         self.on_failure = on_failure
         self.on_restart = on_restart
-        self._ctx = mp.get_context("spawn")
+        self.start_method = resolve_start_method(start_method)
+        self._ctx = self.start_method.context()
+        # the launcher holds the only write end, never writes: EOF in a child = launcher gone
+        self._lifeline, self._lifeline_w = self._ctx.Pipe(duplex=False)
         self._lock = threading.Lock()
         self._entries: list[_Entry] = []
         self._wake_r, self._wake_w = os.pipe()
@@ -179,12 +167,21 @@ class ProcessSupervisor:
         if entry.restarts:
             env[RESTART_COUNT_ENV] = str(entry.restarts)
         entry.started = False
+        method = self.start_method
+        method.ready()
         proc = self._ctx.Process(
             target=_child_main,
-            args=(send, entry.fn, entry.args, env, self.num_threads, os.getpid()),
+            args=(
+                send,
+                entry.fn,
+                entry.args,
+                method.child_start(env),
+                self.num_threads,
+                self._lifeline,
+            ),
             name=f"distoptim-{entry.name.replace(' ', '-')}",
         )
-        with _environ(env):  # in place when the child's interpreter starts (C++ log levels...)
+        with method.environ_at_start(env):  # spawn: in place when the interpreter starts
             proc.start()
         send.close()
         entry.proc, entry.conn = proc, recv
@@ -311,6 +308,8 @@ class ProcessSupervisor:
         for e in entries:
             if e.conn is not None:
                 e.conn.close()
+        self._lifeline.close()
+        self._lifeline_w.close()
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -391,12 +390,13 @@ def run_processes(
     on_failure: Callable[[ProcessOutcome], None] | None = None,
     restarts: int | Sequence[int] = 0,
     grace: float = DEFAULT_GRACE,
+    start_method: str | StartMethod = DEFAULT_START_METHOD,
 ) -> list[ProcessOutcome]:
     """Run ``fn(*args_per_process[i])`` in one fresh process each and collect the outcomes.
 
     ``fn`` and its arguments must be picklable (a module-level function): processes are
-    started with the ``spawn`` method. Return values travel back with ``torch.save``, so tensors
-    are fine.
+    started with ``start_method`` (:class:`ProcessSupervisor`). Return values travel back with
+    ``torch.save``, so tensors are fine.
 
     * ``fail_fast=True``: the first process that raises or exits without a result ends the run:
       after a grace period of ``grace`` seconds for the others' reports, all are killed and
@@ -428,6 +428,7 @@ def run_processes(
         grace=grace,
         num_threads=num_threads if num_threads is not None else _default_threads(n),
         on_failure=on_failure,
+        start_method=start_method,
     )
     try:
         for i, args in enumerate(args_per_process):

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from distoptim.checks import check_int, check_seconds, check_type
 from distoptim.launch.child import report_failure
 from distoptim.launch.failures import exit_if_bootstrapping
+from distoptim.launch.start import DEFAULT_START_METHOD, StartMethod
 from distoptim.launch.supervisor import DEFAULT_GRACE, DEFAULT_TIMEOUT, run_processes
 from distoptim.netcheck import check_torchrun_network
 
@@ -118,6 +119,7 @@ def spawn(
     num_threads: int | None = None,
     *,
     grace: float = DEFAULT_GRACE,
+    start_method: str | StartMethod = DEFAULT_START_METHOD,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``nprocs`` local ranks; return values in rank order.
 
@@ -129,8 +131,9 @@ def spawn(
     hangs ends the call within ``timeout`` (:class:`RankFailedError` /
     :class:`ProcessTimeoutError`), with every process killed.
 
-    ``fn`` must be a module-level function (processes start with ``spawn``). The same ``fn``
-    runs under torchrun with :func:`torchrun_main`.
+    ``fn`` must be a module-level function (it is pickled; ``start_method``: ``"forkserver"``
+    or ``"spawn"``, see :class:`ProcessSupervisor`). The same ``fn`` runs under torchrun with
+    :func:`torchrun_main`.
     """
     nprocs = check_int("nprocs", nprocs, 1)
     if not callable(fn):
@@ -147,6 +150,7 @@ def spawn(
             envs=[torchrun_env(r, nprocs, store.port) for r in range(nprocs)],
             num_threads=num_threads,
             grace=grace,
+            start_method=start_method,
         )
     finally:
         del store
