@@ -213,7 +213,25 @@ def _resumed(case: str) -> dict[str, Any]:
     return out
 
 
-def _bundle(rank: int, world: int) -> dict[Any, Any]:
+def _resumed_sharded(case: str, path: str) -> dict[str, Any]:
+    """:func:`_resumed` through DiLoCo's DCP checkpoint (``save_sharded`` / ``load_sharded``,
+    which restores the model's shards too)."""
+    model, opt = _build(case, "mesh")
+    _train(model, opt, 0, SAVE_AT)
+    opt.save_sharded(path)
+    _train(model, opt, SAVE_AT, STEPS)
+    opt.finish()
+    out: dict[str, Any] = {"saver": _full(model)}
+    again, fresh = _build(case, "mesh")
+    fresh.load_sharded(path)
+    out["iterations"] = (fresh.iterations, fresh.wrapped.iterations)
+    _train(again, fresh, SAVE_AT, STEPS)
+    fresh.finish()
+    out["full"] = _full(again)
+    return out
+
+
+def _bundle(rank: int, world: int, path: str) -> dict[Any, Any]:
     out: dict[Any, Any] = {}
     for case in CASES:
         for kind in ("mesh", "reference"):
@@ -225,12 +243,14 @@ def _bundle(rank: int, world: int) -> dict[Any, Any]:
                 out[case, "slots"] = _slots(model, opt.wrapped)
     for case in ("nesterov", "decay"):
         out[case, "resumed"] = _resumed(case)
+        out[case, "resumed_dcp"] = _resumed_sharded(case, f"{path}/{case}")
     return out
 
 
 @pytest.fixture(scope="module")
-def runs() -> list[dict[Any, Any]]:
-    return spawn(_bundle, GROUPS * PER_GROUP, timeout=300)
+def runs(tmp_path_factory) -> list[dict[Any, Any]]:
+    path = str(tmp_path_factory.mktemp("mesh_sgd_dcp"))
+    return spawn(_bundle, GROUPS * PER_GROUP, args=(path,), timeout=300)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -277,10 +297,13 @@ def test_no_slot_with_momentum_zero(runs):
             assert entry["names"] == [] and entry["get_slot"] == {"dtensor": False}
 
 
+@pytest.mark.parametrize("how", ["resumed", "resumed_dcp"])
 @pytest.mark.parametrize("case", ["nesterov", "decay"])
-def test_state_dict_round_trip_continues_bit_for_bit(runs, case):
+def test_state_dict_round_trip_continues_bit_for_bit(runs, case, how):
+    """``state_dict()``/``load_state_dict()``, and the DCP checkpoint (``save_sharded``/
+    ``load_sharded``)."""
     for rank in range(GROUPS * PER_GROUP):
-        resumed = runs[rank][case, "resumed"]
+        resumed = runs[rank][case, how]
         assert resumed["iterations"] == (SAVE_AT, SAVE_AT), (rank, resumed["iterations"])
         # the run that saved: state_dict() rewrote its momentum in Keras' units (one rounding
         # of v), which the resumed run continues from, bit for bit
