@@ -25,7 +25,11 @@ equivalent inner optimizer, and the parent checks every rank:
 * ``state_dict()`` / ``load_state_dict()`` of that DiLoCo round-trips: a run saved between two
   syncs and resumed in a fresh model and fresh optimizers continues bit for bit like the
   uninterrupted run (with the decaying rate: the inner's own step count, which the schedule
-  reads, is restored too).
+  reads, is restored too), and so does the DCP checkpoint (``save_sharded``/``load_sharded``).
+
+A second 4-rank spawn runs the ``plain`` and ``decay`` cases with torchft managers (a real
+lighthouse, one manager per process and optimizer) as the cross-group channel: one model on
+every rank, the same comparisons, and the very model the ``group=mesh`` run ends with.
 
 Tolerance (float32): the compared runs take the same gradients' path but round differently:
 each inner step's update of a parameter differs by a few roundings, ``|δw| <= 4·2^-24·(|w| +
@@ -54,7 +58,7 @@ from distoptim.dtensor import SGD as MeshSGD
 from distoptim.dtensor import ExponentialDecay
 from distoptim.launch import spawn
 
-pytestmark = pytest.mark.slow  # one 4-rank spawn (about 1 min on 2 loaded cores)
+pytestmark = pytest.mark.slow  # two 4-rank spawns (about 1 min each on 2 loaded cores)
 
 ATOL = 1e-5
 GROUPS, PER_GROUP = 2, 2
@@ -309,3 +313,76 @@ def test_state_dict_round_trip_continues_bit_for_bit(runs, case, how):
         # of v), which the resumed run continues from, bit for bit
         assert torch.equal(resumed["full"], resumed["saver"]), f"rank {rank}"
         torch.testing.assert_close(resumed["full"], runs[rank][case, "mesh"], rtol=0, atol=ATOL)
+
+
+# ---- torchft: the same groups, each process with its own manager ------------------------------
+def _managed(rank: int, world: int, lighthouse: str) -> dict[Any, Any]:
+    """The ``plain`` and ``decay`` cases with ``manager=`` as the cross-group channel (a
+    manager per DiLoCo: one manager serves one optimizer's state)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from distoptim.ft import make_manager
+
+    group, j = rank // PER_GROUP, rank % PER_GROUP
+    _MESH.append(
+        init_device_mesh("cpu", (GROUPS, PER_GROUP), mesh_dim_names=("replicate", "shard"))
+    )
+    out: dict[Any, Any] = {}
+    for case in ("plain", "decay"):
+        for kind in ("mesh", "reference"):
+            store = (  # the group's own store, on its first process (alive until the next)
+                dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+                if j == 0
+                else None
+            )
+            ports: list[Any] = [None] * world
+            dist.all_gather_object(ports, store.port if store is not None else None)
+            manager = make_manager(
+                lighthouse,
+                replica_id=f"group{group}.{case}.{kind}",
+                state_dict=lambda: {},
+                load_state_dict=lambda _: None,
+                min_replica_size=GROUPS,
+                rank=j,
+                world_size=PER_GROUP,
+                store_addr="127.0.0.1",
+                store_port=ports[group * PER_GROUP],
+                use_async_quorum=False,
+                init_sync=False,
+                timeout=60.0,
+                quorum_timeout=120.0,
+            )
+            try:
+                model = _model()
+                for layer in (model[0], model[2]):
+                    fully_shard(layer, mesh=_MESH[0]["shard"])
+                fully_shard(model, mesh=_MESH[0]["shard"])
+                outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+                opt = DiLoCo(_inner(model, case, kind), outer, H, manager=manager)
+                _train(model, opt, 0, STEPS)
+                opt.finish()
+                out[case, kind] = _full(model)
+            finally:
+                manager.shutdown(wait=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def managed() -> list[dict[Any, Any]]:
+    from distoptim.ft import Lighthouse
+
+    with Lighthouse(min_replicas=GROUPS) as lighthouse:
+        return spawn(_managed, GROUPS * PER_GROUP, args=(lighthouse.address,), timeout=300)
+
+
+def test_managed_groups_end_with_one_model_equal_to_the_equivalent_inner(managed, runs):
+    for rank in range(GROUPS * PER_GROUP):
+        for key in managed[0]:
+            assert torch.equal(managed[rank][key], managed[0][key]), (key, f"rank {rank}")
+        assert torch.equal(managed[rank]["plain", "mesh"], managed[rank]["plain", "reference"])
+        torch.testing.assert_close(
+            managed[rank]["decay", "mesh"], managed[rank]["decay", "reference"], rtol=0, atol=ATOL
+        )
+        # the manager averages what group=mesh averages, in the same order: the same model
+        assert torch.equal(managed[rank]["decay", "mesh"], runs[rank]["decay", "mesh"])
