@@ -111,6 +111,38 @@ def test_state_dict_round_trip_keeps_iterations():
     assert opt2.iterations == 3 and type(opt2.iterations) is int
 
 
+def test_state_dict_keeps_a_wrapped_keras_optimizers_own_step_count():
+    """A Keras-style inner (its own ``iterations`` drives its schedule) stepped before it was
+    wrapped: its count, not the wrapper's, comes back on load."""
+    from distoptim.dtensor import SGD
+
+    def schedule(t):
+        return 0.1 / (1 + t)
+
+    w = torch.zeros(3, requires_grad=True)
+    inner = SGD([w], learning_rate=schedule, momentum=0.9)
+    w.grad = torch.ones(3)
+    inner.step()  # alone, before it is wrapped
+    opt = WrappedOptimizer(inner)
+    for _ in range(3):
+        opt.step()
+    sd = opt.state_dict()
+    assert (sd["iterations"], sd["wrapped_iterations"]) == (3, 4)
+    w2 = torch.zeros(3, requires_grad=True)
+    opt2 = WrappedOptimizer(SGD([w2], learning_rate=schedule, momentum=0.9))
+    with pytest.raises(ValueError, match=r"state_dict\['wrapped_iterations'\] must be an int"):
+        opt2.load_state_dict({**sd, "wrapped_iterations": -1})
+    assert (opt2.iterations, opt2.wrapped.iterations) == (0, 0)  # nothing changed
+    opt2.load_state_dict(sd)
+    assert (opt2.iterations, opt2.wrapped.iterations) == (3, 4)
+    with torch.no_grad():
+        w2.copy_(w)
+    w2.grad = torch.ones(3)
+    opt.step()
+    opt2.step()
+    assert torch.equal(w2, w)  # the same rate (schedule(4)) and momentum
+
+
 def test_step_closure_zero_grad_and_lr_scheduler():
     opt, (w, b, _), x = _setup(momentum=0.0)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)

@@ -348,7 +348,9 @@ class WrappedOptimizer(TFOptimizerProtocol, torch.optim.Optimizer):
     ``WrappedOptimizer(opt)`` shares ``opt.param_groups`` (so LR schedulers and
     ``add_param_group`` reach the wrapped optimizer), delegates ``get_slot``,
     ``get_slot_names`` and ``variables`` to it, and its ``state_dict`` is the wrapped
-    optimizer's plus ``"iterations"`` and the wrapper's own ``"wrapper"`` entry.
+    optimizer's plus ``"iterations"`` and the wrapper's own ``"wrapper"`` entry (a wrapped
+    optimizer's own ``"iterations"``, e.g. a Keras-style one's, is kept as
+    ``"wrapped_iterations"`` and given back to it on load).
 
     ``step(closure)`` evaluates the closure, calls ``_before_inner_step()``, runs the wrapped
     optimizer's ``step()``, calls ``_after_inner_step()`` and counts one iteration. Subclasses
@@ -456,6 +458,9 @@ class WrappedOptimizer(TFOptimizerProtocol, torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         sd = self._wrapped.state_dict()
+        if "iterations" in sd:  # the wrapped optimizer's own count (a TF-protocol one's, which
+            # drives its schedule and EMA): kept apart from ours, which may differ from it
+            sd["wrapped_iterations"] = sd["iterations"]
         sd["iterations"] = self.iterations
         sd["wrapper"] = self._wrapper_state_dict()
         return sd
@@ -465,8 +470,11 @@ class WrappedOptimizer(TFOptimizerProtocol, torch.optim.Optimizer):
         sd = dict(state_dict)
         iterations = sd.pop("iterations", None)
         wrapper = sd.pop("wrapper", {})
+        wrapped_iterations = sd.pop("wrapped_iterations", None)
         if iterations is not None:
             iterations = check_int("state_dict['iterations']", iterations, 0)
+        if wrapped_iterations is not None:
+            sd["iterations"] = check_int("state_dict['wrapped_iterations']", wrapped_iterations, 0)
         self._check_wrapper_state_dict(wrapper)  # validate everything before changing anything
         check_inner_state_dict(self._wrapped, sd)
         self._wrapped.load_state_dict(sd)

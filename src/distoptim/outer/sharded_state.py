@@ -18,6 +18,7 @@ on load, whatever pieces overlap what the loading process holds::
     outer.state.<j>.<key>     the outer optimizer's state    (j: its own state_dict index)
     replica.<g>.params.<i>    replica group g's parameters   (differ between syncs)
     replica.<g>.inner.state.<j>.<key>   its inner optimizer's state
+    replica.<g>.inner.iterations        the inner's own step count (a Keras-style inner's)
     replica.<g>.residual.<i>  its error-feedback residual of Δ (lossy wires)
     shard_residual.<h>.<i>    the mean's residual that cross-group rank h keeps (two-phase wires)
 
@@ -76,7 +77,7 @@ from distoptim.outer.exchange import FragmentExchange
 from distoptim.outer.fragments import FragmentSchedule
 from distoptim.outer.groups import is_dtensor, like_param, local_view
 from distoptim.outer.state import UnboundChannel
-from distoptim.protocol import check_inner_state_dict
+from distoptim.protocol import TFOptimizerProtocol, check_inner_state_dict
 from distoptim.sync.sharded_checkpoint import CheckpointError, dcp_errors, dotted, nest, unnest
 
 __all__ = ["HEADER", "CheckpointMismatchError", "DiLoCoShardedState"]
@@ -139,7 +140,7 @@ class DiLoCoShardedState:
         g = self._replica_key()
         replica: dict[str, Any] = {
             "params": {str(i): p.detach() for i, p in enumerate(self._params)},
-            "inner": {"state": _state_entries(self.wrapped)},
+            "inner": _inner_entries(self.wrapped),
         }
         out: dict[str, Any] = {
             HEADER: (SHARDED_FORMAT, self._sharded_header()),
@@ -264,6 +265,14 @@ class DiLoCoShardedState:
             "state": _unkeyed(replica["inner"]["state"]),
             "param_groups": fields["inner_groups"],
         }
+        if "iterations" in replica["inner"] and isinstance(self.wrapped, TFOptimizerProtocol):
+            count = replica["inner"]["iterations"]
+            if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+                raise CheckpointMismatchError(
+                    f"{self._name} DCP checkpoint: replica.{self._channel.rank}.inner.iterations "
+                    f"must be an int >= 0, it holds {count!r}"
+                )
+            inner_sd["iterations"] = count
         outer_sd = {
             "state": _unkeyed(loaded["outer"]["state"]),
             "param_groups": fields["outer_groups"],
@@ -315,6 +324,8 @@ class DiLoCoShardedState:
                 "state": _state_template(saved, f"{where}replica.{g}.inner.state.", self.wrapped)
             },
         }
+        if f"{where}replica.{g}.inner.iterations" in saved:  # (checkpoints before it: none)
+            replica["inner"]["iterations"] = None  # a Python value: DCP puts it here
         out: dict[str, Any] = {
             HEADER: None,
             "global": {str(i): like(f"global.{i}", p) for i, p in self._indexed()},
@@ -436,6 +447,16 @@ class DiLoCoShardedState:
                 f"{self._name}.{what} with a CrossShardOptimizer inner: its state has its own "
                 "per-rank format (inner.save_sharded); use state_dict() here"
             )
+
+
+def _inner_entries(opt: torch.optim.Optimizer) -> dict[str, Any]:
+    """The inner optimizer's per-parameter state, and its own step count when it keeps one (a
+    Keras-style optimizer, whose schedule and EMA read it: ``distoptim.dtensor.SGD``)."""
+    sd = opt.state_dict()
+    out: dict[str, Any] = {"state": {str(j): dict(e) for j, e in sd["state"].items()}}
+    if isinstance(opt, TFOptimizerProtocol) and "iterations" in sd:
+        out["iterations"] = int(sd["iterations"])
+    return out
 
 
 def _state_entries(opt: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
