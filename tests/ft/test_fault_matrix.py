@@ -17,6 +17,44 @@ incarnation), on 3 replicas of a tiny model. The lighthouse needs 2 replica grou
 (the job's floor): with 1, a restarted replica whose peers are held up in a round with a stopped
 one may form a quorum alone and commit its own state (torchft's split brain, a documented
 limitation), which is not what these cases test.
+
+The matrix: each (point, role) cell, per algorithm, and the bundles that reach it (``kills``,
+``two`` = two-joiners-stops, ``straggler``, ``flight`` = in-flight-finish; DiLoCo runs int8, and
+top-k+int4 under ``kills``; Streaming is F = 2, tau = 1, int8). Each case asserts that every
+cell its bundle arms for its algorithm was reached, in that role. ``two`` has two joiners heal
+in one quorum and ``kills`` a joiner whose donor dies, under every algorithm.
+
+========================  ===========  ===========  ======================  =================
+point : role              CrossShard   DiLoCo       Streaming               LocalSGD
+========================  ===========  ===========  ======================  =================
+after_quorum:contributor  kills, two   kills, two   kills, two, straggler   kills, two,
+                                                                            straggler
+after_quorum:joiner       kills        kills        kills, flight           kills
+heal_donor:donor          kills        kills        kills                   kills
+heal_joiner:joiner        kills        kills        kills                   kills
+before_apply:contributor  two          two          two, straggler          two, straggler
+before_apply:joiner       two          two          two                     two
+in_flight:contributor     n/a (1)      n/a (2)      flight                  n/a (2)
+in_flight:joiner          n/a (1)      n/a (2)      flight                  n/a (2)
+finish:contributor        n/a (3)      two          two, flight             two
+finish:joiner             n/a (3)      n/a (4)      flight                  n/a (4)
+========================  ===========  ===========  ======================  =================
+
+Not meaningful (n/a), and why:
+
+1. CrossShard, ``in_flight``: its round is one ``step()`` (quorum, collectives, commit, apply);
+   nothing stays in flight between steps.
+2. DiLoCo and LocalSGD, ``in_flight``: with no sync delay (tau = 0; LocalSGD has none) a
+   sync is launched and applied inside one ``step()``, and the point is never reached.
+3. CrossShard, ``finish``: it has no ``finish()``.
+4. DiLoCo and LocalSGD, ``finish:joiner``: with tau = 0 a joiner loads its donor's state and
+   applies its first sync inside the step of that sync, so by ``finish()`` it is a
+   contributor. The one joiner state that outlives a step (a heal loaded in a sync whose
+   header then failed: the next sync heals again) needs the donor to die between the joiner's
+   fetch and that header, where no point is named (a donor stopped at ``heal_donor`` stops
+   the fetch itself).
+
+``donor`` is a role at ``heal_donor`` only: at every other point a donor is a contributor.
 """
 
 from __future__ import annotations
@@ -150,7 +188,7 @@ class _Injected:
                 self._freeze(e, c)
             elif response == "end":  # every replica stops after the step it is in
                 c.finish_at(self.top)
-                self.ended, self.ended_at = True, time.monotonic()
+                self.ended, self.ended_at, self.beyond = True, time.monotonic(), 0
                 c.cont(slot)
             else:
                 c.cont(slot)
@@ -203,11 +241,12 @@ def _case(name: str, fn: Any, args: tuple, bundle: Bundle) -> tuple[list[Any], l
     )
     end = time.monotonic()
     tail = end - scenario.ended_at if scenario.ended else float("nan")
-    left = [e["end"] - e["step"] for e in run.events if e["kind"] == "end_seen"]
+    # (an "end" at a joiner's quorum is set at or below every step: none left, at once)
+    left = [max(0, e["end"] - e["step"]) for e in run.events if e["kind"] == "end_seen"]
     print(
         f"\n[fault matrix] {name}: {end - start:.1f} s ({tail:.1f} s after the end was decided;"
-        f" of the {bundle.beyond} steps, {min(left, default=bundle.beyond)} or more were left"
-        f" when a replica read it), injected {scenario.injected}, thawed {scenario.thawed}"
+        f" of the {scenario.beyond} steps, {min(left, default=scenario.beyond)} or more were"
+        f" left when a replica read it), injected {scenario.injected}, thawed {scenario.thawed}"
     )
     assert scenario.ended and not scenario.early, (
         scenario.early,
