@@ -399,9 +399,18 @@ class _Recorder:
     def __init__(self) -> None:
         self.thawed: list[int] = []
         self.finish: list[int] = []
+        self.killed: list[int] = []
+        self.restarted: list[int] = []
 
     def stop(self, slot: int) -> bool:
         return True
+
+    def kill(self, slot: int) -> bool:
+        self.killed.append(slot)
+        return True
+
+    def restart(self, slot: int) -> None:
+        self.restarted.append(slot)
 
     def cont(self, slot: int) -> None:
         self.thawed.append(slot)
@@ -424,13 +433,20 @@ def _commit(slot: int, inc: int, syncs: int, quorum: int, contributed: int) -> d
     )
 
 
-def _stopped(slot: int, point: str, quorum: int, contributed: int) -> dict[str, Any]:
+def _stopped(
+    slot: int,
+    point: str,
+    quorum: int,
+    contributed: int,
+    role: str = "contributor",
+    inc: int = 1,
+) -> dict[str, Any]:
     return dict(
         kind="inject",
         slot=slot,
-        inc=1,
+        inc=inc,
         point=point,
-        role="contributor",
+        role=role,
         quorum=quorum,
         contributed=contributed,
     )
@@ -476,6 +492,47 @@ def test_two_joiners_scenario_never_leaves_fewer_than_min_replicas_unfrozen():
     assert c.thawed == [1, 2] and not scenario.frozen and scenario.down == {2: (1, 2)}
     scenario(_commit(2, 1, 16, 8, 3), c)  # type: ignore[arg-type]
     assert not scenario.down and scenario.ended and c.finish == [8 * 16 + FAR]
+
+
+def test_a_joiner_frozen_before_its_apply_must_contribute_once_after_its_heal():
+    """2.1 froze between should_commit and the apply of its healing sync: that sync is its
+    heal, no contribution, so its first contributing commit (after the thaw) brings it back."""
+    scenario, c = _Injected(TWO.responses, 5, "syncs", 3, 2), _Recorder()
+    scenario(_stopped(2, "before_apply", 5, 0, role="joiner"), c)  # type: ignore[arg-type]
+    assert scenario.down == {2: (1, 0)} and scenario.frozen == {2: 5}
+    scenario(_commit(0, 0, 13, 6, 13), c)  # type: ignore[arg-type]
+    assert c.thawed == [2]
+    scenario(_commit(2, 1, 12, 5, 0), c)  # type: ignore[arg-type]  # its healing sync's apply
+    assert 2 in scenario.down
+    scenario(_commit(2, 1, 14, 7, 1), c)  # type: ignore[arg-type]
+    assert 2 not in scenario.down
+
+
+def test_in_flight_scenario_answers_per_point_and_ends_at_the_joiners_quorum():
+    """The in-flight bundle: 1.2 answers its after_quorum stop ("end": thawed, every replica
+    told to stop at the newest commit, at or below every step) and its finish stop ("cont")
+    apart; slot 0 is killed inside finish() without a restart."""
+    scenario, c = _Injected(FLIGHT.responses, 3, "syncs", 3, 2), _Recorder()
+    events = [
+        _commit(0, 0, 6, 3, 6),
+        _stopped(1, "in_flight", 3, 2, inc=0),
+        _stopped(1, "in_flight", 4, 0, role="joiner"),
+        _commit(2, 0, 9, 5, 9),
+        _stopped(1, "after_quorum", 6, 0, role="joiner", inc=2),
+    ]
+    for e in events:
+        scenario(e, c)  # type: ignore[arg-type]
+    assert c.killed == c.restarted == [1, 1] and c.thawed == [1]
+    assert scenario.ended and c.finish == [8 * 9]  # the newest commit: nobody is behind it
+    assert scenario.down == {1: (2, 0)}  # it must contribute inside finish()
+    scenario(_stopped(0, "finish", 6, 9, inc=0), c)  # type: ignore[arg-type]
+    scenario(_stopped(1, "finish", 6, 0, role="joiner", inc=2), c)  # type: ignore[arg-type]
+    assert c.killed == [1, 1, 0] and c.restarted == [1, 1] and c.thawed == [1, 1]
+    assert c.finish == [8 * 9] and [r for *_, r in scenario.injected][-3:] == [
+        "end",
+        "kill-final",
+        "cont",
+    ]
 
 
 # ---- only the odd one fails ------------------------------------------------------------------
