@@ -44,10 +44,13 @@ from torch import nn
 from distoptim import CrossShardOptimizer
 from distoptim.comm.stats import ring_allreduce_bytes
 from distoptim.launch import spawn
+from tests._support.groups import GROUPS, PER_GROUP, Attempts, laid_out_per_group, raised
+from tests._support.groups import full as _full
+from tests._support.groups import mesh as _mesh
+from tests._support.groups import shard as _shard
 
 pytestmark = pytest.mark.slow  # one 4-rank spawn
 
-GROUPS, PER_GROUP = 2, 2
 ROWS = 8  # a group's batch per step (each of its 2 processes takes 4 rows)
 STEPS = 6
 OPTIMIZERS = ["sgd", "adam"]
@@ -81,36 +84,6 @@ def _batch(group: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _rows() -> slice:
     j = dist.get_rank() % PER_GROUP
     return slice(j * ROWS // PER_GROUP, (j + 1) * ROWS // PER_GROUP)
-
-
-def _full(model: nn.Module) -> torch.Tensor:
-    """Every parameter gathered whole (a collective over the mesh for DTensors), flattened."""
-    out = []
-    for p in model.parameters():
-        full = p.full_tensor() if hasattr(p, "full_tensor") else p
-        out.append(full.detach().reshape(-1).clone())
-    return torch.cat(out)
-
-
-_MESH: list[Any] = []
-
-
-def _mesh() -> Any:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if not _MESH:
-        _MESH.append(
-            init_device_mesh("cpu", (GROUPS, PER_GROUP), mesh_dim_names=("replicate", "shard"))
-        )
-    return _MESH[0]
-
-
-def _shard(model: nn.Module, mesh: Any) -> nn.Module:
-    from torch.distributed.fsdp import fully_shard
-
-    for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
 
 
 def _train(model: nn.Module, opt: Any, per_step: list[int] | None = None) -> None:
@@ -189,15 +162,7 @@ def _errors() -> dict[str, str]:
     from torch.distributed.fsdp import fully_shard
 
     mesh = _mesh()
-    out: dict[str, str] = {}
-
-    def attempt(key: str, fn: Any) -> None:
-        try:
-            fn()
-            out[key] = "no error"
-        except (TypeError, ValueError) as exc:
-            out[key] = f"{type(exc).__name__}: {exc}"
-
+    attempt = Attempts()
     model = _shard(_model(), mesh["shard"])
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     attempt("no_channel", lambda: CrossShardOptimizer(sgd))
@@ -228,34 +193,19 @@ def _errors() -> dict[str, str]:
     attempt("compute_gradients", lambda: tf.compute_gradients(loss))
     pairs = [(torch.zeros_like(p), p) for p in model.parameters()]
     attempt("apply_gradients", lambda: tf.apply_gradients(pairs))
-    return out
+    return attempt.said
 
 
 def _mismatched_layouts() -> str:
     """Group 0 shards with FSDP2, group 1 with TP: counterparts hold pieces of other shapes."""
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
     from distoptim.comm.guard import DesyncError
 
     mesh = _mesh()
-    model = _model()
-    if dist.get_rank() < PER_GROUP:
-        _shard(model, mesh["shard"])
-    else:
-        plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
-        model = parallelize_module(model, mesh["shard"], plan)
+    model = laid_out_per_group(_model(), lambda m: _shard(m, mesh["shard"]))
     opt = CrossShardOptimizer(_inner(model, "sgd"), group=mesh)
     x, y = _batch(0, 0)
     F.mse_loss(model(x), y).backward()
-    try:
-        opt.step()  # the first round: its parameter-list agreement
-    except DesyncError as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
+    return raised(opt.step, DesyncError)  # the first round: its parameter-list agreement
 
 
 def _run(rank: int, world: int) -> dict[Any, Any]:

@@ -296,20 +296,21 @@ def refused(m: Member) -> dict[str, Any]:
         return {"refused": f"{type(exc).__name__}: {exc}"}
 
 
-def restarted_manager(rank: int, lighthouse: str, store_port: int) -> dict[str, Any]:
-    """One process of a 2-process replica group restarted on its old store (as torchrun's
-    ``--max-restarts`` does: ``TORCHELASTIC_RESTART_COUNT`` > 0, the dead incarnation's torchft
-    keys still there). Rank 1 builds its manager first, then rank 0; both take one quorum."""
+def _pair_manager(
+    replica_id: str,
+    rank: int,
+    lighthouse: str,
+    store_port: int,
+    quorum_timeout: float,
+    connect_timeout: float,
+) -> Any:
+    """The stateless manager of process ``rank`` of the 2-process replica group ``replica_id``
+    whose store listens on ``store_port``."""
     from distoptim.ft.replica import make_manager
 
-    store = dist.TCPStore("127.0.0.1", store_port, is_master=False, wait_for_workers=False)
-    if rank == 0:
-        store.wait(["rank1_building"])  # rank 1 asks for rank 0's address before it exists
-    else:
-        store.set("rank1_building", "1")
-    manager = make_manager(
+    return make_manager(
         lighthouse,
-        replica_id="restarted",
+        replica_id=replica_id,
         state_dict=lambda: {},
         load_state_dict=lambda _: None,
         rank=rank,
@@ -317,10 +318,22 @@ def restarted_manager(rank: int, lighthouse: str, store_port: int) -> dict[str, 
         store_addr="127.0.0.1",
         store_port=store_port,
         timeout=30,
-        quorum_timeout=60,
-        connect_timeout=10,
+        quorum_timeout=quorum_timeout,
+        connect_timeout=connect_timeout,
         init_sync=False,
     )
+
+
+def restarted_manager(rank: int, lighthouse: str, store_port: int) -> dict[str, Any]:
+    """One process of a 2-process replica group restarted on its old store (as torchrun's
+    ``--max-restarts`` does: ``TORCHELASTIC_RESTART_COUNT`` > 0, the dead incarnation's torchft
+    keys still there). Rank 1 builds its manager first, then rank 0; both take one quorum."""
+    store = dist.TCPStore("127.0.0.1", store_port, is_master=False, wait_for_workers=False)
+    if rank == 0:
+        store.wait(["rank1_building"])  # rank 1 asks for rank 0's address before it exists
+    else:
+        store.set("rank1_building", "1")
+    manager = _pair_manager("restarted", rank, lighthouse, store_port, 60, connect_timeout=10)
     try:
         manager.start_quorum()
         manager.wait_quorum()
@@ -335,24 +348,11 @@ def rank0_lost(rank: int, lighthouse: str, store_port: int, how: str) -> dict[st
     next quorum and returns what it raised (``error``) and how long it took (``waited``). Rank
     1 ends its frozen rank 0 by pid (as torchrun's agent ends a dead group's workers)."""
     from distoptim.ft.lighthouse import lighthouse_status
-    from distoptim.ft.replica import make_manager
     from distoptim.ft.replicas import ManagedReplicas
 
     store = dist.TCPStore("127.0.0.1", store_port, is_master=False, wait_for_workers=False)
-    manager = make_manager(
-        lighthouse,
-        replica_id="lost",
-        state_dict=lambda: {},
-        load_state_dict=lambda _: None,
-        rank=rank,
-        world_size=2,
-        store_addr="127.0.0.1",
-        store_port=store_port,
-        timeout=30,
-        quorum_timeout=200,  # above torchft's 80 s keep-alive: not what ends rank 1's wait
-        connect_timeout=5,
-        init_sync=False,
-    )
+    # quorum_timeout above torchft's 80 s keep-alive: not what ends rank 1's wait
+    manager = _pair_manager("lost", rank, lighthouse, store_port, 200, connect_timeout=5)
     replicas = ManagedReplicas(manager, "rank0_lost")
     replicas.quorum()
     assert replicas.commit()

@@ -38,10 +38,13 @@ from torch import nn
 
 from distoptim import CrossShardOptimizer
 from distoptim.launch import spawn
+from tests._support.groups import GROUPS, PER_GROUP, Attempts, group_manager, raised
+from tests._support.groups import full as _full
+from tests._support.groups import mesh as _mesh
+from tests._support.groups import shard as _shard
 
 pytestmark = pytest.mark.slow  # one 4-rank spawn with torchft managers
 
-GROUPS, PER_GROUP = 2, 2
 ROWS = 8  # a group's batch per step (each of its 2 processes takes 4 rows)
 STEPS = 6
 CLIP = 0.05  # small enough that clipping changes the run (asserted)
@@ -62,32 +65,6 @@ def _inner(model: nn.Module, case: str) -> torch.optim.Optimizer:
 def _batch(group: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * group + t)
     return torch.randn(ROWS, 6, generator=g), torch.randn(ROWS, 4, generator=g)
-
-
-def _full(model: nn.Module) -> torch.Tensor:
-    """Every parameter gathered whole (a collective over the group's mesh), flattened."""
-    return torch.cat([p.full_tensor().detach().reshape(-1).clone() for p in model.parameters()])
-
-
-_MESH: list[Any] = []
-
-
-def _mesh() -> Any:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if not _MESH:
-        _MESH.append(
-            init_device_mesh("cpu", (GROUPS, PER_GROUP), mesh_dim_names=("replicate", "shard"))
-        )
-    return _MESH[0]
-
-
-def _shard(model: nn.Module, mesh: Any) -> nn.Module:
-    from torch.distributed.fsdp import fully_shard
-
-    for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
 
 
 def _train(model: nn.Module, opt: Any, clip: bool = False, steps: int = STEPS) -> None:
@@ -139,15 +116,7 @@ def _torch_hsdp_clipped() -> torch.Tensor:
 
 
 def _errors(manager: Any) -> dict[str, str]:
-    out: dict[str, str] = {}
-
-    def attempt(key: str, fn: Any) -> None:
-        try:
-            fn()
-            out[key] = "no error"
-        except (TypeError, ValueError) as exc:
-            out[key] = f"{type(exc).__name__}: {exc}"
-
+    attempt = Attempts()
     model = _shard(_model(), _mesh()["shard"])
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     attempt(
@@ -160,7 +129,7 @@ def _errors(manager: Any) -> dict[str, str]:
         "across",
         lambda: CrossShardOptimizer(torch.optim.SGD(across.parameters(), lr=0.1), manager=manager),
     )
-    return out
+    return attempt.said
 
 
 def _drifted(run: dict[str, Any]) -> str:
@@ -171,36 +140,11 @@ def _drifted(run: dict[str, Any]) -> str:
     if dist.get_rank() == 3:
         with torch.no_grad():
             next(iter(model.parameters())).to_local().add_(1e-3)
-    try:
-        _train(model, opt, steps=1)
-        return "no error"
-    except DesyncError as exc:
-        return f"{type(exc).__name__}: {exc}"
+    return raised(lambda: _train(model, opt, steps=1), DesyncError)
 
 
 def _run(rank: int, world: int, lighthouse: str) -> dict[Any, Any]:
-    from distoptim.ft import make_manager
-
-    group, j = rank // PER_GROUP, rank % PER_GROUP
-    store = (
-        dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if j == 0 else None
-    )
-    ports: list[Any] = [None] * world
-    dist.all_gather_object(ports, store.port if store is not None else None)
-    manager = make_manager(
-        lighthouse,
-        replica_id=f"group{group}",
-        state_dict=lambda: {},
-        load_state_dict=lambda _: None,
-        min_replica_size=GROUPS,
-        rank=j,
-        world_size=PER_GROUP,
-        store_addr="127.0.0.1",
-        store_port=ports[group * PER_GROUP],
-        init_sync=False,
-        timeout=60.0,
-        quorum_timeout=120.0,
-    )
+    manager, _store = group_manager(rank, world, lighthouse)
     out: dict[Any, Any] = {}
     try:
         out["errors"] = _errors(manager)
@@ -226,7 +170,7 @@ def runs() -> list[dict[Any, Any]]:
 @pytest.mark.parametrize("case", CASES)
 def test_every_process_of_every_group_ends_with_one_model(runs, case):
     first = runs[0]["managed", case]["full"]
-    assert not torch.equal(first, _full_initial()), "training changed nothing"
+    assert not torch.equal(first, _full(_model())), "training changed nothing"
     for rank, out in enumerate(runs):
         got = out["managed", case]
         assert got["iterations"] == STEPS and got["failed"] == 0, (rank, got)
@@ -273,7 +217,3 @@ ERRORS = {
 def test_configurations_that_are_not_one_model_fail_at_construction(runs, case):
     for rank, out in enumerate(runs):
         assert ERRORS[case] in out["errors"][case], (rank, out["errors"][case])
-
-
-def _full_initial() -> torch.Tensor:
-    return torch.cat([p.detach().reshape(-1) for p in _model().parameters()])

@@ -34,21 +34,18 @@ def _model() -> torch.nn.Module:
                                torch.nn.Linear(WIDTH, 3))  # fmt: skip
 
 
-def drifting(ctx: ReplicaContext, flip_slot: int | None) -> dict[str, Any]:
-    """Train ``STEPS`` committed steps; replica ``flip_slot`` flips a bit after ``FLIP_AT``."""
-    model = _model()
-    g = torch.Generator().manual_seed(7)
-    x, y = torch.randn(256, WIDTH, generator=g), torch.randint(0, 3, (256,), generator=g)
-    opt: CrossShardOptimizer | None = None
+def _manager(ctx: ReplicaContext, parts: dict[str, Any]) -> Any:
+    """This replica's manager; the state it serves and loads is ``parts`` (name: a module or
+    optimizer), read when the manager asks, so a part added after the manager counts."""
 
     def state() -> dict[str, Any]:
-        return copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})  # type: ignore[union-attr]
+        return copy.deepcopy({name: part.state_dict() for name, part in parts.items()})
 
     def load(s: dict[str, Any]) -> None:
-        model.load_state_dict(s["model"])
-        opt.load_state_dict(s["opt"])  # type: ignore[union-attr]
+        for name, part in parts.items():
+            part.load_state_dict(s[name])
 
-    manager = make_manager(
+    return make_manager(
         ctx.lighthouse,
         replica_id=ctx.replica_id,
         state_dict=state,
@@ -58,23 +55,49 @@ def drifting(ctx: ReplicaContext, flip_slot: int | None) -> dict[str, Any]:
         connect_timeout=30,
         init_sync=False,
     )
-    opt = CrossShardOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), manager=manager)
+
+
+def _train(
+    ctx: ReplicaContext, model: Any, opt: Any, count: str, until: int, flip: Any, at: int | None
+) -> dict[str, Any]:
+    """Train until ``opt``'s ``count`` (``"iterations"`` or ``"syncs"``) reaches ``until``;
+    ``flip()`` runs right after the round that makes it ``at`` (``None``: never). Returns
+    ``{"error": ...}`` with what the training raised, ``{}`` if nothing."""
+    g = torch.Generator().manual_seed(7)
+    x, y = torch.randn(256, WIDTH, generator=g), torch.randint(0, 3, (256,), generator=g)
     shards = SlotShards(256, ctx.num_slots, ctx.slot, 8, seed=3)
     ctx.wait_for_peers(240)
-    result: dict[str, Any] = {"slices": state_slices(list(model.parameters()))}
     try:
-        while opt.iterations < STEPS:
+        while getattr(opt, count) < until:
             idx = shards.batch(opt.iterations)
             opt.zero_grad()
             torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
-            before = opt.iterations
+            before = getattr(opt, count)
             opt.step()
-            if opt.iterations > before and opt.iterations == FLIP_AT and ctx.slot == flip_slot:
-                with torch.no_grad():  # the last element: the last slice to be checked
-                    model[2].bias.view(torch.int32)[-1] ^= 1
+            now = getattr(opt, count)
+            if now > before and now == at:
+                with torch.no_grad():
+                    flip()
     except Exception as exc:
-        result["error"] = f"{type(exc).__name__}: {exc}"
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {}
+
+
+def drifting(ctx: ReplicaContext, flip_slot: int | None) -> dict[str, Any]:
+    """Train ``STEPS`` committed steps; replica ``flip_slot`` flips a bit after ``FLIP_AT``."""
+    model = _model()
+    parts: dict[str, Any] = {"model": model}
+    manager = _manager(ctx, parts)
+    opt = CrossShardOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3), manager=manager)
+    parts["opt"] = opt
+
+    def flip() -> None:  # the last element: the last slice to be checked
+        model[2].bias.view(torch.int32)[-1] ^= 1
+
+    at = FLIP_AT if ctx.slot == flip_slot else None
+    result = _train(ctx, model, opt, "iterations", STEPS, flip, at)
     result.update(
+        slices=state_slices(list(model.parameters())),
         step=opt.iterations,
         state=state_checksum(list(model.parameters())),
         commits=opt.replica_stats.commits,
@@ -113,17 +136,7 @@ def diloco_drifting(ctx: ReplicaContext, flip_slot: int | None) -> dict[str, Any
     from distoptim.outer import managed as managed_module
 
     model = _model()
-    g = torch.Generator().manual_seed(7)
-    x, y = torch.randn(256, WIDTH, generator=g), torch.randint(0, 3, (256,), generator=g)
     inner = torch.optim.Adam(model.parameters(), lr=1e-3)
-
-    def state() -> dict[str, Any]:
-        return copy.deepcopy({"model": model.state_dict(), "inner": inner.state_dict()})
-
-    def load(s: dict[str, Any]) -> None:
-        model.load_state_dict(s["model"])
-        inner.load_state_dict(s["inner"])
-
     parts_seen: list[int] = []
     checksum = managed_module.state_checksum
 
@@ -132,37 +145,21 @@ def diloco_drifting(ctx: ReplicaContext, flip_slot: int | None) -> dict[str, Any
         return checksum(tensors, part, parts)
 
     managed_module.state_checksum = spy  # type: ignore[assignment]
-    manager = make_manager(
-        ctx.lighthouse,
-        replica_id=ctx.replica_id,
-        state_dict=state,
-        load_state_dict=load,
-        timeout=30,
-        quorum_timeout=120,
-        connect_timeout=30,
-        init_sync=False,
-    )
+    manager = _manager(ctx, {"model": model, "inner": inner})
     outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
     opt = DiLoCo(inner, outer, sync_every=D_EVERY, manager=manager)
+
+    def flip() -> None:  # a mantissa bit no later outer step rounds away
+        list(opt.global_parameters)[-1].view(torch.int32)[-1] ^= 1 << 10
+
     # the state word's tensors: the global copy and the outer momentum, of the same shapes
     slices = state_slices(list(model.parameters()) * 2)
     syncs = D_FLIP_AT + 2 * slices
-    shards = SlotShards(256, ctx.num_slots, ctx.slot, 8, seed=3)
-    ctx.wait_for_peers(240)
-    result: dict[str, Any] = {"slices": slices, "syncs_wanted": syncs}
-    try:
-        while opt.syncs < syncs:
-            idx = shards.batch(opt.iterations)
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
-            before = opt.syncs
-            opt.step()
-            if opt.syncs > before and opt.syncs == D_FLIP_AT and ctx.slot == flip_slot:
-                with torch.no_grad():  # a mantissa bit no later outer step rounds away
-                    list(opt.global_parameters)[-1].view(torch.int32)[-1] ^= 1 << 10
-    except Exception as exc:
-        result["error"] = f"{type(exc).__name__}: {exc}"
+    at = D_FLIP_AT if ctx.slot == flip_slot else None
+    result = _train(ctx, model, opt, "syncs", syncs, flip, at)
     result.update(
+        slices=slices,
+        syncs_wanted=syncs,
         syncs=opt.syncs,
         state=state_checksum(list(opt.global_parameters)),
         parts_seen=parts_seen,

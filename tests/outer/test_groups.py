@@ -33,12 +33,21 @@ from torch import nn
 
 from distoptim import DiLoCo, LocalSGD
 from distoptim.launch import spawn
+from tests._support.groups import (
+    GROUPS,
+    PER_GROUP,
+    Attempts,
+    group_manager,
+    laid_out_per_group,
+    raised,
+)
+from tests._support.groups import full as _full
+from tests._support.groups import mesh as _mesh
 from tests.comm import reference as wire_ref
 
 pytestmark = pytest.mark.slow  # two 4-rank spawns (about 1-3 min each on 2 loaded cores)
 
 ATOL = 1e-5
-GROUPS, PER_GROUP = 2, 2
 ROWS = 8  # a group's batch per inner step (each of its 2 processes takes 4 rows)
 STEPS, H = 12, 4
 WIRES = ["fp32", "bf16", "int8", "topk:0.25"]
@@ -77,26 +86,7 @@ def _train(model: nn.Module, opt: Any, group: int, rows: slice) -> None:
     opt.finish()
 
 
-def _full(model: nn.Module) -> torch.Tensor:
-    """Every parameter gathered whole (a collective over the group for DTensors), flattened."""
-    out = []
-    for p in model.parameters():
-        full = p.full_tensor() if hasattr(p, "full_tensor") else p
-        out.append(full.detach().reshape(-1))
-    return torch.cat(out)
-
-
-_MESHES: dict[str, Any] = {}  # per process: each mesh made once (making one is collective)
-
-
-def _mesh(inner_name: str) -> Any:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if inner_name not in _MESHES:
-        _MESHES[inner_name] = init_device_mesh(
-            "cpu", (GROUPS, PER_GROUP), mesh_dim_names=("replicate", inner_name)
-        )
-    return _MESHES[inner_name]
+_MESHES: dict[str, Any] = {}  # per process: each subgroup made once (making one is collective)
 
 
 def _fsdp(name: str, cls: str, **kw: Any) -> torch.Tensor:
@@ -195,15 +185,7 @@ def _errors() -> dict[str, str]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    out: dict[str, str] = {}
-
-    def attempt(key: str, fn: Any) -> None:
-        try:
-            fn()
-            out[key] = "no error"
-        except (TypeError, ValueError) as exc:
-            out[key] = f"{type(exc).__name__}: {exc}"
-
+    attempt = Attempts()
     mesh = _mesh("shard")
     model = _model()
     fully_shard(model, mesh=mesh["shard"])
@@ -218,36 +200,22 @@ def _errors() -> dict[str, str]:
         "model_without_them",
         lambda: _optimizers(model, "diloco", "diloco", group=mesh, model=_model()),
     )
-    return out
+    return attempt.said
 
 
 def _mismatched_layouts() -> str:
     """Group 0 shards with FSDP2, group 1 with TP: counterparts hold pieces of other shapes."""
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
 
     from distoptim.comm.guard import DesyncError
 
     mesh = _mesh("shard")
-    model = _model()
-    if dist.get_rank() < PER_GROUP:
-        fully_shard(model, mesh=mesh["shard"])
-    else:
-        plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
-        model = parallelize_module(model, mesh["shard"], plan)
+    model = laid_out_per_group(_model(), lambda m: fully_shard(m, mesh=mesh["shard"]))
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     opt = DiLoCo(inner, torch.optim.SGD(model.parameters(), lr=0.7), 1, group=mesh)
     x, y = _batch(0, 0)
     F.mse_loss(model(x), y).backward()
-    try:
-        opt.step()  # the first sync: its header
-    except DesyncError as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
+    return raised(opt.step, DesyncError)  # the first sync: its header
 
 
 def _groups(rank: int, world: int) -> dict[Any, Any]:
@@ -376,29 +344,10 @@ def _managed(rank: int, world: int, lighthouse: str) -> dict[str, Any]:
     from torchft.local_sgd import DiLoCo as TorchftDiLoCo
 
     from distoptim.comm.guard import DesyncError
-    from distoptim.ft import make_manager
 
     group, j = rank // PER_GROUP, rank % PER_GROUP
-    store = (
-        dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if j == 0 else None
-    )
-    ports: list[Any] = [None] * world
-    dist.all_gather_object(ports, store.port if store is not None else None)
-    manager = make_manager(
-        lighthouse,
-        replica_id=f"group{group}",
-        state_dict=lambda: {},
-        load_state_dict=lambda _: None,
-        min_replica_size=GROUPS,
-        rank=j,
-        world_size=PER_GROUP,
-        store_addr="127.0.0.1",
-        store_port=ports[group * PER_GROUP],
-        use_async_quorum=False,  # torchft's DiLoCo requires it
-        init_sync=False,
-        timeout=60.0,
-        quorum_timeout=120.0,
-    )
+    # torchft's DiLoCo requires use_async_quorum=False
+    manager, _store = group_manager(rank, world, lighthouse, use_async_quorum=False)
     out: dict[str, Any] = {}
     try:
         plain = _model()
@@ -428,11 +377,7 @@ def _managed(rank: int, world: int, lighthouse: str) -> dict[str, Any]:
         if rank == 3:
             with torch.no_grad():
                 opt._global[0].add_(1e-3)
-        try:
-            _train(ours, opt, group, rows)
-            out["differs"] = "no error"
-        except DesyncError as exc:
-            out["differs"] = f"{type(exc).__name__}: {exc}"
+        out["differs"] = raised(lambda: _train(ours, opt, group, rows), DesyncError)
     finally:
         manager.shutdown(wait=False)
     return out
