@@ -4,6 +4,7 @@ the console script, the real cause of a failed run, Ctrl-C and SIGTERM, torchrun
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 from datetime import timedelta
@@ -226,6 +227,21 @@ def _alive(pid: int) -> bool:
         return False
 
 
+_MP_HELPERS = re.compile(r"multiprocessing\.(resource_tracker|forkserver) import main")
+
+
+def _is_helper(pid: int, parent: int) -> bool:
+    """Whether ``pid`` is one of multiprocessing's own helpers that ``parent`` started (not a
+    worker): the resource tracker, or the forkserver ``distoptim.launch`` starts processes
+    from (the workers it forks keep its command line, but their parent is the server)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return False
+    return ppid == parent and _MP_HELPERS.search(_cmdline(pid)) is not None
+
+
 def _cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline") as fh:
@@ -244,7 +260,7 @@ def test_ctrl_c_and_sigterm_stop_every_worker_and_keep_partial_results(tmp_path,
     try:
         read_until(proc.stderr, "training started", timeout=120)
         spawned = _descendants(proc.pid)
-        helpers = {p for p in spawned if "resource_tracker" in _cmdline(p)}
+        helpers = {p for p in spawned if _is_helper(p, proc.pid)}
         workers = spawned - helpers
         assert len(workers) >= 2  # the pool: 2 ranks (sync) or 1 PS + 2 workers (agn)
         proc.send_signal(sig)  # to the parent only, as `kill` or a test can
@@ -256,8 +272,9 @@ def test_ctrl_c_and_sigterm_stop_every_worker_and_keep_partial_results(tmp_path,
     assert proc.returncode == code, stderr
     assert "interrupted" in stderr and "Traceback" not in stderr
     assert "leaked semaphore" not in stderr
-    # the parent reaps its workers before it exits; multiprocessing's resource tracker leaves
-    # by itself when the parent's end of its pipe closes -- wait for that exit, bounded
+    # the parent waits for its workers to end before it exits; multiprocessing's resource
+    # tracker and forkserver leave by themselves when the parent's end of their pipes closes --
+    # wait for that exit, bounded
     assert not [p for p in workers if _alive(p)], "worker processes outlived the signal"
     assert wait_gone(helpers, timeout=30), "multiprocessing helper outlived the command"
     doc = results(out)
