@@ -17,7 +17,10 @@ schedule; and what the run's events say afterwards (:class:`FaultTolerantRecord`
   relative to the same configuration's run without faults when both are run;
 * **recoveries** -- heals: a replica received a peer's state;
 * **time to heal** -- from a restarted replica's first quorum to its first contributing commit
-  (its process start and import are reported separately: ``start_s``).
+  (its process start and import are reported separately: ``start_s``);
+* **time away** -- from a kill to the slot's first contributing commit after it (``away_s``),
+  and per restart where that time went (``restarts``: the kill to the new incarnation's start,
+  its start to ready, ready to its first quorum, the heal; whether a warm spare took the slot).
 
 Pacing (``step_ms``): each replica's inner step takes at least ``step_ms`` milliseconds (it
 waits out the rest after computing, as a straggler does), so replicas behave like machines of
@@ -106,6 +109,8 @@ class FaultTolerantRecord:
     recoveries: int
     heal_s: list[float] = field(default_factory=list)
     start_s: list[float] = field(default_factory=list)  # restarted processes: spawn -> ready
+    away_s: list[float] = field(default_factory=list)  # kill -> the slot contributing again
+    restarts: list[dict[str, Any]] = field(default_factory=list)  # where each absence went
     final_val_acc: float | None = None
     final_val_loss: float | None = None
     states_equal: bool = True  # every commit's committers held bitwise-equal state
@@ -283,6 +288,7 @@ def summarise(spec: FaultTolerantSpec, run: ReplicaRun) -> FaultTolerantRecord:
             states.setdefault(e["n"], set()).add(e["state"])
     mismatched = sum(1 for v in states.values() if len(v) > 1)
     heal_s, start_s = _heal_times(events)
+    restarts = _restarts(events, run)
     finals = [v for v in run.values if isinstance(v, dict) and v.get("joined")]
     return FaultTolerantRecord(
         spec=dataclasses.asdict(spec) | {"chaos": str(spec.chaos) if spec.chaos else None},
@@ -294,6 +300,8 @@ def summarise(spec: FaultTolerantSpec, run: ReplicaRun) -> FaultTolerantRecord:
         recoveries=sum(1 for e in events if e["kind"] == "heal"),
         heal_s=heal_s,
         start_s=start_s,
+        away_s=[r["away_s"] for r in restarts if r["away_s"] is not None],
+        restarts=restarts,
         final_val_acc=statistics.fmean(v["val_acc"] for v in finals) if finals else None,
         final_val_loss=statistics.fmean(v["val_loss"] for v in finals) if finals else None,
         states_equal=mismatched == 0,
@@ -325,3 +333,48 @@ def _heal_times(events: list[dict[str, Any]]) -> tuple[list[float], list[float]]
         if "round" in marks and "contributed" in marks:
             heal.append(marks["contributed"] - marks["round"])
     return heal, start
+
+
+def _restarts(events: list[dict[str, Any]], run: ReplicaRun) -> list[dict[str, Any]]:
+    """Per kill: where the slot's time away went, in seconds (None: the run ended first).
+
+    ``restart_s`` -- kill to the next incarnation's start (the schedule's pause, the hand-off);
+    ``start_s`` -- its start to ready (a new process: its start and imports; a warm spare:
+    building the model and the manager); ``wait_s`` -- ready to its first quorum; ``heal_s`` --
+    first quorum to its first contributing commit; ``away_s`` -- kill to that commit."""
+    marks: dict[tuple[int, int], dict[str, Any]] = {}
+    for e in events:
+        m = marks.setdefault((e["slot"], e["inc"]), {})
+        if e["kind"] == "process":
+            m["spawned"], m["spare"] = e.get("spawned_at", e["t"]), bool(e.get("spare"))
+            if "warm_since" in e:
+                m["warm"] = e["warm_since"]
+        elif e["kind"] in ("ready", "round"):
+            m.setdefault(e["kind"], e.get("at", e["t"]))
+        elif e["kind"] == "commit" and e["samples"] > 0:
+            m.setdefault("contributed", e["t"])
+    out = []
+    incarnation = dict.fromkeys(range(len(run.values)), 0)
+    for action in sorted(run.chaos, key=lambda a: a.at):
+        if action.action != "kill":
+            continue
+        incarnation[action.slot] += 1
+        m = marks.get((action.slot, incarnation[action.slot]), {})
+
+        def span(a: str, b: str, m: dict[str, Any] = m) -> float | None:
+            return m[b] - m[a] if a in m and b in m else None
+
+        m["killed"] = action.at
+        out.append(
+            {
+                "slot": action.slot,
+                "spare": m.get("spare", False),
+                "warm_before_kill_s": span("warm", "killed"),  # a spare: < 0 if not ready
+                "restart_s": span("killed", "spawned"),
+                "start_s": span("spawned", "ready"),
+                "wait_s": span("ready", "round"),
+                "heal_s": span("round", "contributed"),
+                "away_s": span("killed", "contributed"),
+            }
+        )
+    return out
