@@ -16,12 +16,18 @@ Figures:
 * **goodput** -- useful samples per second (the samples of the steps whose work reached a
   committed model, see ``distoptim.cli.faulttolerant``) under ``--chaos`` (default
   ``kill:30``: one replica SIGKILLed every 30 s, round robin, restarted at once: a new process
-  that imports torch, heals from a peer and joins), relative to the same contender's run without
-  faults; the runs are interleaved (fault-free, faulty; then the next contender), and the final
-  validation accuracy of both is recorded. Goals: DiLoCo H = 50 >= 95 %, sync >= 80 %, final
-  accuracy within 1 point of the fault-free run.
+  that imports torch, heals from a peer and joins; with ``--spares N``, a warm spare -- a
+  process already started, imported and waiting -- takes the slot at once), relative to the
+  same contender's run without faults. Per contender, one faulty run per number of spares
+  (default 0 and 1) with the fault-free run in their middle (spares 0, fault-free, spares 1;
+  then the next contender), so each ratio pairs runs close in time; every run records the load
+  average at its start and end, and the final validation accuracy. Goals: without a spare
+  DiLoCo H = 50 >= 95 %, sync >= 80 %; with one, DiLoCo >= 97 %, sync >= 90 %; final accuracy
+  within 1 point of the fault-free run.
 * **time to heal** -- per restart: from the new replica's first quorum to its first committed
-  contribution (goal <= 2 s); its process start and torch import (spawn to ready) separately.
+  contribution (goal <= 2 s); its process start and torch import (spawn to ready) separately;
+  **time away** -- from the kill to the slot's first contributing commit, and per restart where
+  it went (``restarts``: kill to start, start to ready, ready to first quorum, heal).
 * **nothing silently wrong** -- every commit of every run: the replicas that committed it logged
   bitwise-equal synchronised state (counted).
 * **overhead without faults** -- the same contender without a manager (``distoptim.launch``
@@ -51,7 +57,9 @@ Run::
     python benchmarks/ft.py                    # everything: ~25 minutes on 2 cores
     python benchmarks/ft.py --only vs-torchft  # the per-step comparison: a few minutes
     python benchmarks/ft.py --quick            # a smoke run of the per-step comparison (a
-                                               # tiny model; --only goodput --quick: goodput)
+                                               # tiny model; --only goodput --quick: goodput,
+                                               # sync only, one fault, one spare)
+    python benchmarks/ft.py --only goodput --no-overhead --spares 0 1   # goodput alone
 
 Writes ``benchmarks/results/ft.json`` (``--out``; ``--only vs-torchft``:
 ``benchmarks/results/ft_vs_torchft.json``); a ``--quick`` run writes to
