@@ -132,11 +132,13 @@ def _median(xs: list[float]) -> float | None:
 
 
 def _goodput(name: str, steps: int, replicas: int, chaos: Chaos, step_ms: float,
-             spares: list[int], data: Dataset) -> dict[str, Any]:  # fmt: skip
+             spares: list[int], heartbeat_timeout: float,
+             data: Dataset) -> dict[str, Any]:  # fmt: skip
     """The contender without faults and under ``chaos`` with each number of warm spares,
     interleaved: the fault-free run sits in the middle of the faulty ones, so each ratio pairs
     runs close in time."""
     base = {"replicas": replicas, "steps": steps, "step_ms": step_ms, **CONTENDERS[name]}
+    base["heartbeat_timeout"] = heartbeat_timeout
     order: list[int | None] = list(spares)
     order.insert(len(order) // 2, None)  # None: the fault-free run
     runs: dict[int | None, dict[str, Any]] = {}
@@ -525,6 +527,12 @@ def main() -> None:
         help="warm spares of the goodput's faulty runs, one run each (default 0 1; --quick: 1)",
     )
     parser.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=2.0,
+        help="the lighthouse's (s): how long a killed group still counts, which a spare waits",
+    )
+    parser.add_argument(
         "--no-overhead", action="store_true", help="goodput: leave out the overhead runs"
     )
     parser.add_argument(
@@ -586,6 +594,7 @@ def main() -> None:
             "overhead_steps": overhead_steps,
             "repeats": repeats,
             "spares": spares,
+            "heartbeat_timeout": args.heartbeat_timeout,
             "overhead": overhead_on,
             "quick": args.quick,
             "only": args.only,
@@ -623,7 +632,9 @@ def main() -> None:
             print(vs["profile"])
     if args.only in ("all", "goodput"):
         goodput = {
-            name: _goodput(name, steps, replicas, chaos, args.step_ms, spares, data)
+            name: _goodput(
+                name, steps, replicas, chaos, args.step_ms, spares, args.heartbeat_timeout, data
+            )
             for name in names
         }
         result["goodput"] = goodput
