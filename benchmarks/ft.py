@@ -527,6 +527,13 @@ def main() -> None:
         help="warm spares of the goodput's faulty runs, one run each (default 0 1; --quick: 1)",
     )
     parser.add_argument(
+        "--contenders",
+        nargs="+",
+        choices=list(CONTENDERS),
+        default=None,
+        help="goodput: these contenders only (default both; --quick: sync)",
+    )
+    parser.add_argument(
         "--heartbeat-timeout",
         type=float,
         default=2.0,
@@ -559,7 +566,7 @@ def main() -> None:
     steps = 300 if args.quick else int(args.seconds * 1000 / args.step_ms)
     overhead_steps = 100 if args.quick else 600
     repeats = 1 if args.quick else args.repeats
-    names = ["sync"] if args.quick else list(CONTENDERS)  # --quick: one contender, cheap
+    names = args.contenders or (["sync"] if args.quick else list(CONTENDERS))  # quick: cheap
     spares = args.spares if args.spares is not None else [1] if args.quick else [0, 1]
     for n in spares:
         if n < 0:
