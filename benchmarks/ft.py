@@ -16,12 +16,18 @@ Figures:
 * **goodput** -- useful samples per second (the samples of the steps whose work reached a
   committed model, see ``distoptim.cli.faulttolerant``) under ``--chaos`` (default
   ``kill:30``: one replica SIGKILLed every 30 s, round robin, restarted at once: a new process
-  that imports torch, heals from a peer and joins), relative to the same contender's run without
-  faults; the runs are interleaved (fault-free, faulty; then the next contender), and the final
-  validation accuracy of both is recorded. Goals: DiLoCo H = 50 >= 95 %, sync >= 80 %, final
-  accuracy within 1 point of the fault-free run.
+  that imports torch, heals from a peer and joins; with ``--spares N``, a warm spare -- a
+  process already started, imported and waiting -- takes the slot at once), relative to the
+  same contender's run without faults. Per contender, one faulty run per number of spares
+  (default 0 and 1) with the fault-free run in their middle (spares 0, fault-free, spares 1;
+  then the next contender), so each ratio pairs runs close in time; every run records the load
+  average at its start and end, and the final validation accuracy. Goals: without a spare
+  DiLoCo H = 50 >= 95 %, sync >= 80 %; with one, DiLoCo >= 97 %, sync >= 90 %; final accuracy
+  within 1 point of the fault-free run.
 * **time to heal** -- per restart: from the new replica's first quorum to its first committed
-  contribution (goal <= 2 s); its process start and torch import (spawn to ready) separately.
+  contribution (goal <= 2 s); its process start and torch import (spawn to ready) separately;
+  **time away** -- from the kill to the slot's first contributing commit, and per restart where
+  it went (``restarts``: kill to start, start to ready, ready to first quorum, heal).
 * **nothing silently wrong** -- every commit of every run: the replicas that committed it logged
   bitwise-equal synchronised state (counted).
 * **overhead without faults** -- the same contender without a manager (``distoptim.launch``
@@ -51,7 +57,9 @@ Run::
     python benchmarks/ft.py                    # everything: ~25 minutes on 2 cores
     python benchmarks/ft.py --only vs-torchft  # the per-step comparison: a few minutes
     python benchmarks/ft.py --quick            # a smoke run of the per-step comparison (a
-                                               # tiny model; --only goodput --quick: goodput)
+                                               # tiny model; --only goodput --quick: goodput,
+                                               # sync only, one fault, one spare)
+    python benchmarks/ft.py --only goodput --no-overhead --spares 0 1   # goodput alone
 
 Writes ``benchmarks/results/ft.json`` (``--out``; ``--only vs-torchft``:
 ``benchmarks/results/ft_vs_torchft.json``); a ``--quick`` run writes to
@@ -88,40 +96,77 @@ from distoptim.launch import spawn
 
 RESULTS = Path(__file__).parent / "results" / "ft.json"
 CONTENDERS = {"sync": {"algo": "sync"}, "diloco_h50": {"algo": "diloco", "sync_every": 50}}
-GOALS = {"sync": 0.80, "diloco_h50": 0.95}
+GOALS = {"sync": (0.80, 0.90), "diloco_h50": (0.95, 0.97)}
+"""Goodput goals (ratio to the fault-free run): without a spare, with one or more."""
 
 
 def _load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def _goodput_pair(name: str, steps: int, replicas: int, chaos: Chaos, step_ms: float,
-                  data: Dataset) -> dict[str, Any]:  # fmt: skip
+def _goodput_run(name: str, label: str, spec: FaultTolerantSpec, data: Dataset) -> dict[str, Any]:
+    """One run of a contender: its record, wall time and the load average around it."""
+    load_before, began = _load(), time.perf_counter()
+    record = run_fault_tolerant(spec, data).as_dict()
+    record["elapsed_s"] = time.perf_counter() - began
+    record["load_before"], record["load_after"] = load_before, _load()
+    away = record["away_s"]
+    print(
+        f"{name:<12} {label:<10} wall {record['wall_s']:7.1f} s  goodput "
+        f"{record['goodput']:8.1f} samples/s  commits {record['commits']:5d}  recoveries "
+        f"{record['recoveries']:3d}  away median "
+        f"{statistics.median(away) if away else float('nan'):.2f} s  acc "
+        f"{record['final_val_acc']:.4f}  equal {record['states_equal']}  load "
+        f"{load_before} -> {record['load_after']}",
+        flush=True,
+    )
+    return record
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def _goodput(name: str, steps: int, replicas: int, chaos: Chaos, step_ms: float,
+             spares: list[int], heartbeat_timeout: float,
+             data: Dataset) -> dict[str, Any]:  # fmt: skip
+    """The contender without faults and under ``chaos`` with each number of warm spares,
+    interleaved: the fault-free run sits in the middle of the faulty ones, so each ratio pairs
+    runs close in time."""
     base = {"replicas": replicas, "steps": steps, "step_ms": step_ms, **CONTENDERS[name]}
-    out: dict[str, Any] = {}
-    for label, schedule in (("fault_free", None), ("faulty", chaos)):
-        spec = FaultTolerantSpec(chaos=schedule, **base)
-        began = time.perf_counter()
-        record = run_fault_tolerant(spec, data).as_dict()
-        record["elapsed_s"] = time.perf_counter() - began
-        out[label] = record
-        print(
-            f"{name:<12} {label:<10} wall {record['wall_s']:7.1f} s  goodput "
-            f"{record['goodput']:8.1f} samples/s  commits {record['commits']:5d}  recoveries "
-            f"{record['recoveries']:3d}  acc {record['final_val_acc']:.4f}  equal "
-            f"{record['states_equal']}",
-            flush=True,
-        )
-    free, faulty = out["fault_free"], out["faulty"]
-    heal = faulty["heal_s"]
-    out["goodput_ratio"] = faulty["goodput"] / free["goodput"]
-    out["accuracy_drop_points"] = 100 * (free["final_val_acc"] - faulty["final_val_acc"])
-    out["heal_median_s"] = statistics.median(heal) if heal else None
-    out["start_median_s"] = statistics.median(faulty["start_s"]) if faulty["start_s"] else None
-    out["goal_goodput"] = GOALS[name]
-    out["goodput_goal_met"] = out["goodput_ratio"] >= GOALS[name]
-    out["heal_goal_met"] = out["heal_median_s"] is not None and out["heal_median_s"] <= 2.0
-    out["accuracy_goal_met"] = out["accuracy_drop_points"] <= 1.0
+    base["heartbeat_timeout"] = heartbeat_timeout
+    order: list[int | None] = list(spares)
+    order.insert(len(order) // 2, None)  # None: the fault-free run
+    runs: dict[int | None, dict[str, Any]] = {}
+    for n in order:
+        spec = FaultTolerantSpec(chaos=None if n is None else chaos, spares=n or 0, **base)
+        runs[n] = _goodput_run(name, "fault_free" if n is None else f"spares={n}", spec, data)
+    free = runs[None]
+    out: dict[str, Any] = {"order": ["fault_free" if n is None else n for n in order]}
+    out["fault_free"] = free
+    out["spares"] = {}
+    for n in spares:
+        faulty = runs[n]
+        goal = GOALS[name][min(n, 1)]
+        heal, away = _median(faulty["heal_s"]), _median(faulty["away_s"])
+        row = {
+            "run": faulty,
+            "goodput_ratio": faulty["goodput"] / free["goodput"],
+            "accuracy_drop_points": 100 * (free["final_val_acc"] - faulty["final_val_acc"]),
+            "heal_median_s": heal,
+            "heal_max_s": max(faulty["heal_s"], default=None),
+            "away_median_s": away,
+            "start_median_s": _median(faulty["start_s"]),
+            "goal_goodput": goal,
+        }
+        row["goodput_goal_met"] = row["goodput_ratio"] >= goal
+        row["heal_goal_met"] = heal is not None and heal <= 2.0
+        row["accuracy_goal_met"] = row["accuracy_drop_points"] <= 1.0
+        out["spares"][str(n)] = row
     return out
 
 
@@ -475,6 +520,29 @@ def main() -> None:
     parser.add_argument("--chaos", default="kill:30")
     parser.add_argument("--repeats", type=int, default=2, help="of the overhead runs")
     parser.add_argument(
+        "--spares",
+        type=int,
+        nargs="+",
+        default=None,
+        help="warm spares of the goodput's faulty runs, one run each (default 0 1; --quick: 1)",
+    )
+    parser.add_argument(
+        "--contenders",
+        nargs="+",
+        choices=list(CONTENDERS),
+        default=None,
+        help="goodput: these contenders only (default both; --quick: sync)",
+    )
+    parser.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=2.0,
+        help="the lighthouse's (s): how long a killed group still counts, which a spare waits",
+    )
+    parser.add_argument(
+        "--no-overhead", action="store_true", help="goodput: leave out the overhead runs"
+    )
+    parser.add_argument(
         "--only",
         choices=("all", "goodput", "vs-torchft"),
         default="all",
@@ -494,11 +562,16 @@ def main() -> None:
         name = "ft_vs_torchft.json" if args.only == "vs-torchft" else RESULTS.name
         args.out = RESULTS.parent / "quick" / name if args.quick else RESULTS.parent / name
     replicas = 2 if args.quick else args.replicas
-    chaos = Chaos.parse("kill:4:0" if args.quick else args.chaos)
+    chaos = Chaos.parse("kill:60:0" if args.quick else args.chaos)  # quick: one fault (by_step)
     steps = 300 if args.quick else int(args.seconds * 1000 / args.step_ms)
     overhead_steps = 100 if args.quick else 600
     repeats = 1 if args.quick else args.repeats
-    names = list(CONTENDERS)
+    names = args.contenders or (["sync"] if args.quick else list(CONTENDERS))  # quick: cheap
+    spares = args.spares if args.spares is not None else [1] if args.quick else [0, 1]
+    for n in spares:
+        if n < 0:
+            parser.error(f"--spares takes numbers of spares >= 0, got {n}")
+    overhead_on = not (args.quick or args.no_overhead)
     vs_cfg = {
         "widths": [64, 128, 64] if args.quick else [512, 1024, 1024, 512],
         "batch": 32,
@@ -527,6 +600,9 @@ def main() -> None:
             "chaos": str(chaos),
             "overhead_steps": overhead_steps,
             "repeats": repeats,
+            "spares": spares,
+            "heartbeat_timeout": args.heartbeat_timeout,
+            "overhead": overhead_on,
             "quick": args.quick,
             "only": args.only,
         },
@@ -563,21 +639,28 @@ def main() -> None:
             print(vs["profile"])
     if args.only in ("all", "goodput"):
         goodput = {
-            name: _goodput_pair(name, steps, replicas, chaos, args.step_ms, data) for name in names
+            name: _goodput(
+                name, steps, replicas, chaos, args.step_ms, spares, args.heartbeat_timeout, data
+            )
+            for name in names
         }
-        overhead = {
-            name: _overhead(name, replicas, overhead_steps, repeats, data) for name in names
-        }
-        result["goodput"], result["overhead"] = goodput, overhead
+        result["goodput"] = goodput
+        if overhead_on:
+            result["overhead"] = {
+                name: _overhead(name, replicas, overhead_steps, repeats, data) for name in names
+            }
         print()
         for name, g in goodput.items():
-            print(
-                f"{name:<12} goodput {100 * g['goodput_ratio']:5.1f} % "
-                f"(goal {100 * g['goal_goodput']:.0f} %)  heal median {g['heal_median_s']} s  "
-                f"start median {g['start_median_s']} s  "
-                f"accuracy drop {g['accuracy_drop_points']:.2f} pt"
-            )
-        for name, o in overhead.items():
+            for n, row in g["spares"].items():
+                print(
+                    f"{name:<12} spares={n} goodput {100 * row['goodput_ratio']:5.1f} % "
+                    f"(goal {100 * row['goal_goodput']:.0f} %)  heal median "
+                    f"{_fmt(row['heal_median_s'])} s (max {_fmt(row['heal_max_s'])})  away "
+                    f"median {_fmt(row['away_median_s'])} s  start median "
+                    f"{_fmt(row['start_median_s'])} s  accuracy drop "
+                    f"{row['accuracy_drop_points']:.2f} pt"
+                )
+        for name, o in result.get("overhead", {}).items():
             print(
                 f"{name:<12} step {o['plain_step_ms']:.2f} ms plain, {o['managed_step_ms']:.2f} "
                 f"ms with a manager ({o['ratio']:.2f}x; {o['quorum_cost_ms_per_round']:.1f} ms "

@@ -162,10 +162,21 @@ def _ft(r: dict[str, Any]) -> None:
         assert v["paired_ratios"] and all(_positive(x) for x in v["paired_ratios"])
         assert _positive(v["check"]["slice_ms"]) and _positive(v["check_share_of_step"])
     for g in r.get("goodput", {}).values():
-        for run in (g["fault_free"], g["faulty"]):
+        assert set(g["spares"]) == {str(n) for n in r["config"]["spares"]}
+        runs = [g["fault_free"], *(row["run"] for row in g["spares"].values())]
+        for run in runs:
             assert run["states_equal"] and run["commits"] > 0 and _positive(run["goodput"])
-        assert g["faulty"]["faults"]  # the schedule dealt at least one fault
-        assert _positive(g["goodput_ratio"])
+            for key in ("load_before", "load_after"):
+                assert len(run[key]) == 3 and all(x >= 0 for x in run[key]), (key, run[key])
+        for n, row in g["spares"].items():
+            faulty = row["run"]
+            assert faulty["faults"]  # the schedule dealt at least one fault
+            assert _positive(row["goodput_ratio"])
+            assert faulty["heal_s"] and all(x >= 0 for x in faulty["heal_s"])
+            assert faulty["away_s"] and all(_positive(x) for x in faulty["away_s"])
+            assert _positive(row["away_median_s"]) and row["heal_median_s"] is not None
+            healed = [x for x in faulty["restarts"] if x["away_s"] is not None]
+            assert healed and all(x["spare"] is (n != "0") for x in healed), faulty["restarts"]
     for o in r.get("overhead", {}).values():
         assert _positive(o["plain_step_ms"]) and _positive(o["managed_step_ms"])
 
@@ -296,6 +307,19 @@ def test_agn_fault_scenarios_quick_run(tmp_path):
     result = json.loads(out.read_text())
     assert result["faults"] and "passes_ms" not in result, said
     _shared_ending(result, "agn.py", "--quick", "--only", "faults", "--out", str(out))
+
+
+def test_ft_goodput_quick_run(tmp_path):
+    """``ft.py --quick`` runs the per-step comparison; the goodput's own smoke run (one
+    contender, two replicas, a fault-free run and one with a warm spare under one SIGKILL) goes
+    through a real kill and hand-off and writes what it measured."""
+    out = tmp_path / "ft_goodput.json"
+    proc = _run("ft.py", "--only", "goodput", "--quick", "--out", str(out), cwd=tmp_path)
+    said = f"\n--- stdout ---\n{proc.stdout[-3000:]}\n--- stderr ---\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, said
+    result = json.loads(out.read_text())
+    assert set(result["goodput"]) == {"sync"} and result["config"]["spares"] == [1], said
+    _ft(result)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")

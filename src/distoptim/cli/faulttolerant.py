@@ -17,7 +17,10 @@ schedule; and what the run's events say afterwards (:class:`FaultTolerantRecord`
   relative to the same configuration's run without faults when both are run;
 * **recoveries** -- heals: a replica received a peer's state;
 * **time to heal** -- from a restarted replica's first quorum to its first contributing commit
-  (its process start and import are reported separately: ``start_s``).
+  (its process start and import are reported separately: ``start_s``);
+* **time away** -- from a kill to the slot's first contributing commit after it (``away_s``),
+  and per restart where that time went (``restarts``: the kill to the new incarnation's start,
+  its start to ready, ready to its first quorum, the heal; whether a warm spare took the slot).
 
 Pacing (``step_ms``): each replica's inner step takes at least ``step_ms`` milliseconds (it
 waits out the rest after computing, as a straggler does), so replicas behave like machines of
@@ -61,7 +64,11 @@ class FaultTolerantSpec:
     ``collective_timeout``: the manager's timeout (collectives, commits, heals). A replica that
     dies can leave a survivor waiting in a collective with a live peer that already gave the
     round up: that wait ends only at this timeout, so it is the main cost of a fault here; 3 s
-    is a hundred times a healthy step's collective on this machine.
+    is a hundred times a healthy step's collective on this machine. ``heartbeat_timeout``: the
+    lighthouse's: how long it still counts a group that stopped heartbeating (torchft's
+    managers beat every 0.1 s) -- a killed group's quorum, and a warm spare's first one, wait
+    that long (with one spare, 4 groups, a kill every 8 s: 2 s gave heals of 1.9-3.0 s, 1 s
+    of 0.9-1.0 s).
     """
 
     algo: str
@@ -84,6 +91,7 @@ class FaultTolerantSpec:
     timeout: float = 1800.0
     collective_timeout: float = 3.0
     spares: int = 0
+    heartbeat_timeout: float = 2.0
 
     def __post_init__(self) -> None:
         if self.algo not in FT_ALGORITHMS:
@@ -106,6 +114,8 @@ class FaultTolerantRecord:
     recoveries: int
     heal_s: list[float] = field(default_factory=list)
     start_s: list[float] = field(default_factory=list)  # restarted processes: spawn -> ready
+    away_s: list[float] = field(default_factory=list)  # kill -> the slot contributing again
+    restarts: list[dict[str, Any]] = field(default_factory=list)  # where each absence went
     final_val_acc: float | None = None
     final_val_loss: float | None = None
     states_equal: bool = True  # every commit's committers held bitwise-equal state
@@ -254,6 +264,7 @@ def run_fault_tolerant(spec: FaultTolerantSpec, data: Dataset) -> FaultTolerantR
         spares=spec.spares,
         timeout=spec.timeout,
         join_timeout=_join_timeout(spec),
+        heartbeat_timeout=spec.heartbeat_timeout,
     )
     return summarise(spec, run)
 
@@ -283,6 +294,7 @@ def summarise(spec: FaultTolerantSpec, run: ReplicaRun) -> FaultTolerantRecord:
             states.setdefault(e["n"], set()).add(e["state"])
     mismatched = sum(1 for v in states.values() if len(v) > 1)
     heal_s, start_s = _heal_times(events)
+    restarts = _restarts(events, run)
     finals = [v for v in run.values if isinstance(v, dict) and v.get("joined")]
     return FaultTolerantRecord(
         spec=dataclasses.asdict(spec) | {"chaos": str(spec.chaos) if spec.chaos else None},
@@ -294,6 +306,8 @@ def summarise(spec: FaultTolerantSpec, run: ReplicaRun) -> FaultTolerantRecord:
         recoveries=sum(1 for e in events if e["kind"] == "heal"),
         heal_s=heal_s,
         start_s=start_s,
+        away_s=[r["away_s"] for r in restarts if r["away_s"] is not None],
+        restarts=restarts,
         final_val_acc=statistics.fmean(v["val_acc"] for v in finals) if finals else None,
         final_val_loss=statistics.fmean(v["val_loss"] for v in finals) if finals else None,
         states_equal=mismatched == 0,
@@ -325,3 +339,48 @@ def _heal_times(events: list[dict[str, Any]]) -> tuple[list[float], list[float]]
         if "round" in marks and "contributed" in marks:
             heal.append(marks["contributed"] - marks["round"])
     return heal, start
+
+
+def _restarts(events: list[dict[str, Any]], run: ReplicaRun) -> list[dict[str, Any]]:
+    """Per kill: where the slot's time away went, in seconds (None: the run ended first).
+
+    ``restart_s`` -- kill to the next incarnation's start (the schedule's pause, the hand-off);
+    ``start_s`` -- its start to ready (a new process: its start and imports; a warm spare:
+    building the model and the manager); ``wait_s`` -- ready to its first quorum; ``heal_s`` --
+    first quorum to its first contributing commit; ``away_s`` -- kill to that commit."""
+    marks: dict[tuple[int, int], dict[str, Any]] = {}
+    for e in events:
+        m = marks.setdefault((e["slot"], e["inc"]), {})
+        if e["kind"] == "process":
+            m["spawned"], m["spare"] = e.get("spawned_at", e["t"]), bool(e.get("spare"))
+            if "warm_since" in e:
+                m["warm"] = e["warm_since"]
+        elif e["kind"] in ("ready", "round"):
+            m.setdefault(e["kind"], e.get("at", e["t"]))
+        elif e["kind"] == "commit" and e["samples"] > 0:
+            m.setdefault("contributed", e["t"])
+    out = []
+    incarnation = dict.fromkeys(range(len(run.values)), 0)
+    for action in sorted(run.chaos, key=lambda a: a.at):
+        if action.action != "kill":
+            continue
+        incarnation[action.slot] += 1
+        m = marks.get((action.slot, incarnation[action.slot]), {})
+
+        def span(a: str, b: str, m: dict[str, Any] = m) -> float | None:
+            return m[b] - m[a] if a in m and b in m else None
+
+        m["killed"] = action.at
+        out.append(
+            {
+                "slot": action.slot,
+                "spare": m.get("spare", False),
+                "warm_before_kill_s": span("warm", "killed"),  # a spare: < 0 if not ready
+                "restart_s": span("killed", "spawned"),
+                "start_s": span("spawned", "ready"),
+                "wait_s": span("ready", "round"),
+                "heal_s": span("round", "contributed"),
+                "away_s": span("killed", "contributed"),
+            }
+        )
+    return out

@@ -202,6 +202,9 @@ def _spare_main(
         import torchft  # noqa: F401
 
         import distoptim.ft.replica  # noqa: F401
+    if os.path.exists(ending_path):  # a replacement spare started late in the run
+        return None
+    _warm_torch()
     warm_since = time.time()
     while True:
         if not handoff.empty():
@@ -211,6 +214,21 @@ def _spare_main(
         if os.path.exists(ending_path):
             return None
         time.sleep(0.05)  # polls the hand-off queue and the run's end marker
+
+
+def _warm_torch() -> None:
+    """What torch loads lazily on a replica's first optimizer and step, loaded ahead: the first
+    ``torch.optim`` optimizer built in a process imports ``torch._dynamo`` (some 800 modules,
+    2.6 s on this 2-core machine), which a spare would otherwise pay after taking a slot."""
+    with contextlib.suppress(ImportError):
+        import torch
+
+        param = torch.zeros(2, requires_grad=True)
+        opt = torch.optim.Adam([param], lr=1e-3)
+        torch.nn.functional.cross_entropy(
+            param.view(1, 2), torch.zeros(1, dtype=torch.long)
+        ).backward()
+        opt.step()
 
 
 class _Chaos(threading.Thread):
