@@ -39,6 +39,9 @@ def test_a_replica_host_killed_and_brought_back(hosts: Hosts, tmp_path_factory) 
         # host 3 is training: its first progress line, whatever its step (started last on a
         # loaded machine, it may heal into the others' step past 100 and never print "step 100")
         assert running.wait_for(on[3], r"\[replica 2\] step \d+ ", _TIMEOUT), running.log(on[3])
+        # ... and so is host 1, whose last step marks where the survivors went on from (host 3's
+        # first line can come before host 1's first: seen with processes forked warm)
+        assert running.wait_for(on[1], r"\[replica 0\] step \d+ ", _TIMEOUT), running.log(on[1])
         running.kill_host(on[3])
         mark = max(s for s, _, _ in _steps(running.log(on[1])))
         # the survivors go on without it (two groups: the lighthouse's floor)
