@@ -54,15 +54,7 @@ def _watchable(pid: int, host: str) -> bool:
     sharing this kernel's ``/dev/shm`` (a container or network namespace with its own
     hostname) could map the segment, but its death would be seen only at the request's
     timeout, while every other worker's commit waits for the lock."""
-    if host != socket.gethostname() or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # it exists; /proc still tells when it ends (see _process_gone)
-    return True
+    return host == socket.gethostname() and pid > 0 and not _process_gone(pid, host)
 
 
 def _process_gone(pid: int, host: str) -> bool:
