@@ -57,6 +57,7 @@ from distoptim import DiLoCo
 from distoptim.dtensor import SGD as MeshSGD
 from distoptim.dtensor import ExponentialDecay
 from distoptim.launch import spawn
+from tests._support.groups import group_manager
 
 pytestmark = pytest.mark.slow  # two 4-rank spawns (about 1 min each on 2 loaded cores)
 
@@ -322,37 +323,17 @@ def _managed(rank: int, world: int, lighthouse: str) -> dict[Any, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from distoptim.ft import make_manager
-
-    group, j = rank // PER_GROUP, rank % PER_GROUP
+    group = rank // PER_GROUP
     _MESH.append(
         init_device_mesh("cpu", (GROUPS, PER_GROUP), mesh_dim_names=("replicate", "shard"))
     )
     out: dict[Any, Any] = {}
     for case in ("plain", "decay"):
         for kind in ("mesh", "reference"):
-            store = (  # the group's own store, on its first process (alive until the next)
-                dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-                if j == 0
-                else None
-            )
-            ports: list[Any] = [None] * world
-            dist.all_gather_object(ports, store.port if store is not None else None)
-            manager = make_manager(
-                lighthouse,
-                replica_id=f"group{group}.{case}.{kind}",
-                state_dict=lambda: {},
-                load_state_dict=lambda _: None,
-                min_replica_size=GROUPS,
-                rank=j,
-                world_size=PER_GROUP,
-                store_addr="127.0.0.1",
-                store_port=ports[group * PER_GROUP],
+            manager, _store = group_manager(  # the group's store lives until the next
+                rank, world, lighthouse, replica_id=f"group{group}.{case}.{kind}",
                 use_async_quorum=False,
-                init_sync=False,
-                timeout=60.0,
-                quorum_timeout=120.0,
-            )
+            )  # fmt: skip
             try:
                 model = _model()
                 for layer in (model[0], model[2]):
