@@ -5,11 +5,13 @@ from __future__ import annotations
 import concurrent.futures
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 import torch
 
+from distoptim import CrossShardOptimizer
 from distoptim.comm.checksum import state_checksum
 from distoptim.ft import _torchft
 from distoptim.ft.data import SlotShards
@@ -46,6 +48,7 @@ def test_pinned_internals_answer_on_a_real_quorum():
             assert future.done()
             assert _torchft.quorum_rank_and_size(manager) == (0, 1)
             assert _torchft.is_healing(manager) is False
+            assert _torchft.uses_async_quorum(manager) is True
             group = _torchft.quorum_group(manager)
             t = torch.ones(3)
             work = group.allreduce([t], torch.distributed.AllreduceOptions())
@@ -53,6 +56,63 @@ def test_pinned_internals_answer_on_a_real_quorum():
             assert t.tolist() == [1.0, 1.0, 1.0]
             assert manager.should_commit() is True
             assert manager.current_step() == 1
+        finally:
+            manager.shutdown(wait=False)
+
+
+@pytest.mark.parametrize("use_async_quorum", [True, False])
+def test_a_donors_state_is_not_read_while_forward_and_backward_run(use_async_quorum):
+    """CrossShard's zero_grad() starts the quorum early; the state a donor's quorum thread reads
+    for a healing peer (the user's state_dict functions: an FSDP2 module's reshards it) must
+    wait until step() waits for the quorum itself. The reader here calls what torchft's quorum
+    thread calls; the forward pass waits (1 s at most) for it to finish, which it does at once
+    on a round that does not hold the reads. A synchronous-quorum manager reads inside
+    start_quorum(): nothing is held, nothing deadlocks."""
+    order: list[str] = []
+    read = threading.Event()
+
+    def state() -> dict:
+        order.append("read")
+        read.set()
+        return {}
+
+    with Lighthouse(min_replicas=1, join_timeout=0.2) as lighthouse:
+        manager = make_manager(
+            lighthouse.address,
+            replica_id="hold0",
+            state_dict=state,
+            load_state_dict=lambda _: None,
+            timeout=10,
+            connect_timeout=5,
+            quorum_timeout=10,
+            init_sync=False,
+            use_async_quorum=use_async_quorum,
+        )
+        try:
+            model = torch.nn.Linear(4, 2)
+            opt = CrossShardOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), manager=manager)
+
+            def forward_pre_hook(*_: object) -> None:
+                if not read.wait(1.0):
+                    order.append("held")
+
+            model.register_forward_pre_hook(forward_pre_hook)
+            for _ in range(2):
+                order.clear()
+                read.clear()
+                opt.zero_grad()
+                reader = threading.Thread(target=manager._manager_state_dict)  # torchft's read
+                reader.start()
+                model(torch.randn(3, 4)).sum().backward()
+                order.append("backward")
+                opt.step()
+                reader.join(10)
+                assert not reader.is_alive()
+                if use_async_quorum:
+                    assert order == ["held", "backward", "read"]
+                else:
+                    assert order == ["read", "backward"]
+            assert opt.iterations == 2
         finally:
             manager.shutdown(wait=False)
 

@@ -14,6 +14,8 @@ torchft upgrade that moves them breaks one small module and its test
   that is about to receive a peer's state contributes nothing to this step's mean;
 * the future of the quorum in progress (``Manager._quorum_future``), so a replica can wait for
   it in slices and say why it does not come (``wait_quorum()`` takes no timeout);
+* whether the quorum runs on the manager's own thread (``Manager._use_async_quorum``): only
+  then can a round hold the state reads of a donor's quorum past the caller's backward;
 * the keys the manager writes in its replica group's store (``group_store_keys``), which a
   group restarted on the same store must clear first.
 
@@ -41,6 +43,7 @@ __all__ = [
     "quorum_rank_and_size",
     "quiet",
     "require",
+    "uses_async_quorum",
 ]
 
 TORCHFT_VERSION = "0.2.0"
@@ -124,6 +127,12 @@ def advertised_http_transport(host: str, timeout: Any) -> Any:
     # http.server logs every request (each heal's GET) to stderr: not the user's business
     transport._server.RequestHandlerClass.log_message = lambda *args: None
     return transport
+
+
+def uses_async_quorum(manager: Any) -> bool:
+    """Whether ``manager`` forms its quorum (and reads the state it sends a healing peer) on its
+    own thread, beside the caller's forward and backward (``use_async_quorum=True``)."""
+    return bool(manager._use_async_quorum)
 
 
 def min_replica_size(manager: Any) -> int:

@@ -137,6 +137,7 @@ class ManagedReplicas:
         self._heals_at_start = 0
         self._last_quorum_id: int | None = None
         self._keys: set[str] = set()
+        self._holding_reads = False  # this round holds the manager's state reads (start)
 
     # ---- the round ------------------------------------------------------------------------
     @property
@@ -144,22 +145,45 @@ class ManagedReplicas:
         """Whether a round was started and has not been committed (or abandoned) yet."""
         return self._started
 
-    def start(self) -> None:
-        """Start this round's quorum (once; later calls until :meth:`commit` do nothing)."""
+    def start(self, hold_reads: bool = False) -> None:
+        """Start this round's quorum (once; later calls until :meth:`commit` do nothing).
+
+        ``hold_reads``: the caller's forward and backward passes come before it waits for the
+        quorum (CrossShard's ``zero_grad()``). torchft's quorum thread then may not read the
+        state it sends a healing peer (the user's ``state_dict`` functions) until this replica
+        waits for the quorum itself: an FSDP2 module's ``state_dict()`` reshards it, freeing
+        the unsharded parameters its forward or backward is using. The hold is the manager's
+        own (``disallow_state_dict_read()``); :meth:`quorum` and :meth:`commit` release it.
+        A synchronous-quorum manager reads inside ``start_quorum()``: nothing to hold.
+        """
         if self._started:
             return
         if self.stats.first_round_at is None:
             self.stats.first_round_at = time.time()
         self._heals_at_start = self.stats.heals
-        self.manager.start_quorum()
+        if hold_reads and _torchft.uses_async_quorum(self.manager):
+            self.manager.disallow_state_dict_read()
+            self._holding_reads = True
+        try:
+            self.manager.start_quorum()
+        except BaseException:
+            self._release_reads()
+            raise
         self._started = True
         self._quorum = None
         self.stats.rounds += 1
+
+    def _release_reads(self) -> None:
+        """Let the quorum thread read the state again (before this thread waits for it)."""
+        if self._holding_reads:
+            self._holding_reads = False
+            self.manager.allow_state_dict_read()
 
     def quorum(self) -> Quorum:
         """The current round's :class:`Quorum` (waits for the quorum; starts it if needed)."""
         self.start()
         if self._quorum is None:
+            self._release_reads()  # a donor's quorum reads the state before it completes
             manager = self.manager
             self._wait_quorum()
             # a quorum whose process group could not be set up (a peer gone while it formed)
@@ -221,6 +245,7 @@ class ManagedReplicas:
     def commit(self) -> bool:
         """End the round: ``should_commit()``; a healing replica receives its state here."""
         self.start()  # a round must have a quorum to be judged
+        self._release_reads()
         manager = self.manager
         began = time.monotonic()
         try:

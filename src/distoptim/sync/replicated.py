@@ -109,7 +109,11 @@ class ReplicatedRounds:
         if self.replicas.in_round:
             return
         heals = self.replicas.stats.heals
-        self.replicas.start()
+        # early: forward and backward come before the quorum is awaited, and the state a
+        # donor sends must not be read while they run (an FSDP2 module's state_dict()
+        # reshards it): the round holds the manager's state reads until step() (see
+        # ManagedReplicas.start)
+        self.replicas.start(hold_reads=early)
         self._started_early = early
         self._heals_at_start = heals
 
