@@ -134,11 +134,15 @@ def member(m: Member) -> dict[str, Any]:
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
     outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
 
+    model.in_pass = False  # between a forward pass's start and its backward's end (_train)
+    model.register_forward_pre_hook(lambda *_: setattr(model, "in_pass", True))
+
     def state() -> dict[str, Any]:  # what this process's counterpart receives when it heals
+        in_pass = model.in_pass  # torchft's quorum thread reads it: see test_group_heal
         model_state = {k: _local(v).detach().clone() for k, v in model.state_dict().items()}
         sent = {"model": model_state, "inner": inner.state_dict()}
         mark = _checksum(list(model_state.values()))
-        m.log("serving", sent=mark)
+        m.log("serving", sent=mark, in_pass=in_pass)
         return {"from_group": m.group, "from_rank": m.rank, "sum": mark, **sent}
 
     def load(saved: dict[str, Any]) -> None:
@@ -247,6 +251,7 @@ def _train(m: Member, model: nn.Module, opt: Any, outer: Any, manager: Any) -> d
         x, y = _batch(m.group, opt.iterations, m.rank, m.size)
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
+        model.in_pass = False
         syncs, contributed = opt.syncs, opt.replica_stats.contributed
         opt.step()
         if opt.syncs == syncs:
