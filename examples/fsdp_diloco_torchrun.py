@@ -18,6 +18,10 @@ On one machine, 2 groups x 2 processes (three terminals)::
     torchrun --nproc-per-node 2 --master-port 29501 examples/fsdp_diloco_torchrun.py \\
         --lighthouse http://localhost:29510 --replica-id 1
 
+A group may also be started with ``--max-restarts N``: torchrun then restarts its workers when
+one dies, and they heal from the other groups (``init_replica_group`` keeps a restarted attempt
+from meeting the dead one's workers; ``tests/ft/test_torchrun_restart.py``).
+
 Across machines: the lighthouse on one of them (``--host`` its address there), one replica
 group per machine, each told the address the other groups reach it at (``--host``: its
 manager, checkpoint server and torchrun store) and the interface gloo binds
@@ -39,7 +43,7 @@ from torch.distributed.fsdp import fully_shard
 
 import distoptim
 from distoptim.comm.checksum import state_checksum
-from distoptim.ft import SlotShards, make_manager
+from distoptim.ft import SlotShards, init_replica_group, make_manager
 
 
 def _blobs(n: int = 4096, classes: int = 8, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,8 +71,8 @@ def main() -> None:
     parser.add_argument("--sync-every", type=int, default=20)
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")  # the replica group's own processes (torchrun's world)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    # the replica group's own processes (torchrun's world), safe across torchrun's restarts
+    rank, world = init_replica_group("gloo")
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
     torch.manual_seed(0)  # every process of every group builds the same model
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 8))

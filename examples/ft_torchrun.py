@@ -32,7 +32,7 @@ from torch import nn
 
 import distoptim
 from distoptim.comm.checksum import state_checksum
-from distoptim.ft import SlotShards, make_manager
+from distoptim.ft import SlotShards, init_replica_group, make_manager
 
 
 def _blobs(n: int = 4096, classes: int = 8, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,8 +53,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=600)
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")  # the replica group's own processes (torchrun's world)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    # the replica group's own processes (torchrun's world), safe across torchrun's restarts
+    rank, world = init_replica_group("gloo")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 8))
     inner = torch.optim.AdamW(model.parameters(), lr=3e-3)

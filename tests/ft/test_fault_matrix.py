@@ -642,3 +642,24 @@ def test_inject_specs_are_checked_before_anything_is_armed(spec, match):
     assert not inject.ARMED
     with pytest.raises(TypeError, match=r"must be a str"):
         inject.parse(3)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("restart_count", "attempt", "armed"),
+    [(None, None, True), ("0", None, True), ("2", None, True), (None, "0", True),
+     ("0", "0", True), ("1", "0", False), ("1", "1", True), ("3", "1", False)],
+)  # fmt: skip
+def test_the_environment_arms_its_triggers_in_the_torchrun_attempt_it_names(
+    restart_count, attempt, armed
+):
+    """torchrun restarts a group's workers with the first attempt's environment; with
+    DISTOPTIM_FT_INJECT_ATTEMPT the variable's triggers fire in that attempt only."""
+    env = {inject.ENV: "after_quorum:contributor@3=kill"}
+    if restart_count is not None:
+        env["TORCHELASTIC_RESTART_COUNT"] = restart_count
+    if attempt is not None:
+        env[inject.ATTEMPT_ENV] = attempt
+    assert inject.armed_by_environment(env) == (env[inject.ENV] if armed else "")
+    assert inject.armed_by_environment({inject.ATTEMPT_ENV: "0"}) == ""
+    with pytest.raises(ValueError, match=r"DISTOPTIM_FT_INJECT_ATTEMPT must be an integer"):
+        inject.armed_by_environment({**env, inject.ATTEMPT_ENV: "first"})

@@ -199,3 +199,43 @@ def test_slot_shards_partition_each_epoch_and_follow_the_step():
         SlotShards(103, 3, 3, 4)
     with pytest.raises(ValueError, match=r"fewer than one batch"):
         SlotShards(10, 4, 0, 4)
+
+
+def test_init_replica_group_outside_torchrun_names_what_it_needs(monkeypatch):
+    from distoptim.ft import init_replica_group
+
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match=r"MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE not set"):
+        init_replica_group()
+    with pytest.raises(ValueError, match=r"timeout"):
+        init_replica_group(timeout=0)
+
+
+def test_init_replica_group_files_its_keys_under_the_attempt(monkeypatch):
+    """Under torchrun's agent store, attempt N's process group files its rendezvous under
+    ``attempt_N``: a restarted attempt cannot read the dead one's worker addresses (the whole
+    restart: tests/ft/test_torchrun_restart.py)."""
+    import torch.distributed as dist
+
+    from distoptim.ft import init_replica_group
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "RANK": "0",
+           "WORLD_SIZE": "1", "TORCHELASTIC_USE_AGENT_STORE": "True",
+           "TORCHELASTIC_RESTART_COUNT": "1"}  # fmt: skip
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    try:
+        assert init_replica_group(timeout=30) == (0, 1)
+        t = torch.ones(2)
+        dist.all_reduce(t)
+        assert t.tolist() == [1.0, 1.0]
+        # every key of its gloo rendezvous is filed under the attempt (a dead attempt's,
+        # unprefixed or under attempt_0, is never read)
+        assert store.list_keys() and all(k.startswith("attempt_1/") for k in store.list_keys())
+        with pytest.raises(ValueError, match=r"a default process group exists already"):
+            init_replica_group()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

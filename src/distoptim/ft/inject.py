@@ -22,7 +22,10 @@ process: frozen exactly there, for a supervisor to kill or continue), ``kill`` (
 process). Several triggers are separated by commas. They are armed from the environment
 variable ``DISTOPTIM_FT_INJECT`` when this module is imported, or by :func:`arm` (a test's
 replica function, per slot), which also accepts an ``action`` callable ``action(point, role)``
-run instead (e.g. log an event, then stop).
+run instead (e.g. log an event, then stop). torchrun gives a group's restarted workers the
+environment of the first ones: with ``DISTOPTIM_FT_INJECT_ATTEMPT=K`` the variable arms its
+triggers only in attempt ``K`` (``TORCHELASTIC_RESTART_COUNT``, 0 for the first), so a fault
+that brings ``--max-restarts`` into play fires once, not in every attempt.
 
 ``stop`` freezes the whole process. In a replica group of several processes, group rank 0's
 process also hosts the group's torchft manager server: stopped, it can hold back its other
@@ -42,7 +45,19 @@ import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["ARMED", "ENV", "POINTS", "ROLES", "Trigger", "arm", "disarm", "hit", "parse"]
+__all__ = [
+    "ARMED",
+    "ATTEMPT_ENV",
+    "ENV",
+    "POINTS",
+    "ROLES",
+    "Trigger",
+    "arm",
+    "armed_by_environment",
+    "disarm",
+    "hit",
+    "parse",
+]
 
 ENV = "DISTOPTIM_FT_INJECT"
 POINTS = ("after_quorum", "heal_donor", "heal_joiner", "before_apply", "in_flight", "finish")
@@ -134,5 +149,22 @@ def hit(point: str, role: str) -> None:
             os.kill(os.getpid(), sig)
 
 
-if os.environ.get(ENV):
-    arm(os.environ[ENV])
+ATTEMPT_ENV = "DISTOPTIM_FT_INJECT_ATTEMPT"
+
+
+def armed_by_environment(environ: dict[str, str] | None = None) -> str:
+    """The spec ``DISTOPTIM_FT_INJECT`` arms in this process ("" if none): the variable's,
+    unless ``DISTOPTIM_FT_INJECT_ATTEMPT`` names another torchrun attempt than this one's
+    (``TORCHELASTIC_RESTART_COUNT``). ValueError when the attempt is not an integer >= 0."""
+    env = os.environ if environ is None else environ
+    spec = env.get(ENV, "")
+    wanted = env.get(ATTEMPT_ENV, "")
+    if not spec or not wanted:
+        return spec
+    if not wanted.isdigit():
+        raise ValueError(f"fault injection: {ATTEMPT_ENV} must be an integer >= 0, got {wanted!r}")
+    return spec if int(env.get("TORCHELASTIC_RESTART_COUNT", "0")) == int(wanted) else ""
+
+
+if armed_by_environment():
+    arm(armed_by_environment())
