@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -141,6 +143,84 @@ def test_state_dict_keeps_a_wrapped_keras_optimizers_own_step_count():
     opt.step()
     opt2.step()
     assert torch.equal(w2, w)  # the same rate (schedule(4)) and momentum
+
+
+class _Counting(WrappedOptimizer):
+    """A wrapper with state of its own (its ``"wrapper"`` entry): how many steps it saw."""
+
+    def __init__(self, opt):
+        super().__init__(opt)
+        self.seen = 0
+
+    def _after_inner_step(self):
+        self.seen += 1
+
+    def _wrapper_state_dict(self):
+        return {"seen": self.seen}
+
+    def _check_wrapper_state_dict(self, state):
+        if not isinstance(state, dict) or set(state) != {"seen"}:
+            raise ValueError(f"_Counting needs state_dict['wrapper'] = {{'seen': n}}, got {state}")
+
+    def _load_wrapper_state_dict(self, state):
+        self.seen = state["seen"]
+
+
+def _chain(w, depth, schedule, stepped=False):
+    """``depth`` wrappers (a ``_Counting`` one under a plain one, alternately) over the mesh
+    SGD; ``stepped``: each level steps alone once before it is wrapped, so every level's count
+    differs (innermost: ``depth + 1`` steps more than the outermost)."""
+    from distoptim.dtensor import SGD
+
+    opt = SGD([w], learning_rate=schedule, momentum=0.9)
+    for level in range(depth + 1):
+        if level:
+            opt = (_Counting if level % 2 else WrappedOptimizer)(opt)
+        if stepped:
+            w.grad = torch.ones(3)
+            opt.step()
+    return opt
+
+
+def _levels(opt):
+    """Outermost first: each level's ``iterations`` (and a ``_Counting`` level's ``seen``)."""
+    out = []
+    while True:
+        out.append((opt.iterations, getattr(opt, "seen", None)))
+        if not isinstance(opt, WrappedOptimizer):
+            return out
+        opt = opt.wrapped
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+def test_state_dict_keeps_every_step_count_of_a_wrapper_chain(depth):
+    """However deep the mesh SGD sits, its own count (which its schedule reads) and every
+    wrapper's count and own state come back on load; the resumed chain continues bit for bit."""
+
+    def schedule(t):
+        return 0.1 / (1 + t)
+
+    w = torch.zeros(3, requires_grad=True)
+    opt = _chain(w, depth, schedule, stepped=True)
+    sd = opt.state_dict()
+    w2 = torch.zeros(3, requires_grad=True)
+    opt2 = _chain(w2, depth, schedule)
+    assert _levels(opt)[-1][0] == depth + 1  # the mesh SGD's own count, the chain's largest
+    opt2.load_state_dict(copy.deepcopy(sd))
+    assert _levels(opt2) == _levels(opt)
+    opt3 = _chain(torch.zeros(3, requires_grad=True), depth, schedule)
+    fresh = _levels(opt3)
+    deepest = "wrapped_" * depth + "iterations"
+    with pytest.raises(ValueError, match=rf"state_dict\['{deepest}'\] must be an int >= 0"):
+        opt3.load_state_dict({**sd, deepest: -1})
+    assert _levels(opt3) == fresh  # a refusal changed nothing, at any level
+    with torch.no_grad():
+        w2.copy_(w)
+    for _ in range(2):
+        w.grad, w2.grad = torch.ones(3), torch.ones(3)
+        opt.step()
+        opt2.step()
+    assert torch.equal(w2, w)  # the same rates (the schedule at the same step) and momentum
 
 
 def test_step_closure_zero_grad_and_lr_scheduler():

@@ -35,6 +35,7 @@ __all__ = [
     "TFOptimizerProtocol",
     "WrappedOptimizer",
     "check_inner_state_dict",
+    "is_step_count",
     "run_closure",
 ]
 
@@ -348,9 +349,13 @@ class WrappedOptimizer(TFOptimizerProtocol, torch.optim.Optimizer):
     ``WrappedOptimizer(opt)`` shares ``opt.param_groups`` (so LR schedulers and
     ``add_param_group`` reach the wrapped optimizer), delegates ``get_slot``,
     ``get_slot_names`` and ``variables`` to it, and its ``state_dict`` is the wrapped
-    optimizer's plus ``"iterations"`` and the wrapper's own ``"wrapper"`` entry (a wrapped
-    optimizer's own ``"iterations"``, e.g. a Keras-style one's, is kept as
-    ``"wrapped_iterations"`` and given back to it on load).
+    optimizer's plus ``"iterations"`` and the wrapper's own ``"wrapper"`` entry. The entries of
+    the wrapped optimizer's state dict that a wrapper writes too -- a Keras-style optimizer's
+    own ``"iterations"``, a wrapped wrapper's ``"iterations"`` and ``"wrapper"`` -- are kept
+    under ``"wrapped_"`` + their key and given back to it on load, so however deep a chain of
+    wrappers is, every level's count and state round-trip (DiLoCo over CrossShardOptimizer
+    over ``distoptim.dtensor.SGD``: ``"wrapped_iterations"`` is the CrossShardOptimizer's,
+    ``"wrapped_wrapped_iterations"`` the SGD's, which its schedule reads).
 
     ``step(closure)`` evaluates the closure, calls ``_before_inner_step()``, runs the wrapped
     optimizer's ``step()``, calls ``_after_inner_step()`` and counts one iteration. Subclasses
@@ -457,10 +462,13 @@ class WrappedOptimizer(TFOptimizerProtocol, torch.optim.Optimizer):
         """Load the (already checked) ``"wrapper"`` entry; must not raise."""
 
     def state_dict(self) -> dict[str, Any]:
-        sd = self._wrapped.state_dict()
-        if "iterations" in sd:  # the wrapped optimizer's own count (a TF-protocol one's, which
-            # drives its schedule and EMA): kept apart from ours, which may differ from it
-            sd["wrapped_iterations"] = sd["iterations"]
+        # the wrapped optimizer's entries that ours would overwrite (its own count, which a
+        # TF-protocol one's schedule and EMA read; a wrapper's state and what it kept of the
+        # optimizer it wraps) move one "wrapped_" down: every level of a chain keeps its own
+        sd = {
+            (_WRAPPED + k if _written_by_wrappers(k) else k): v
+            for k, v in self._wrapped.state_dict().items()
+        }
         sd["iterations"] = self.iterations
         sd["wrapper"] = self._wrapper_state_dict()
         return sd
@@ -470,11 +478,14 @@ class WrappedOptimizer(TFOptimizerProtocol, torch.optim.Optimizer):
         sd = dict(state_dict)
         iterations = sd.pop("iterations", None)
         wrapper = sd.pop("wrapper", {})
-        wrapped_iterations = sd.pop("wrapped_iterations", None)
         if iterations is not None:
             iterations = check_int("state_dict['iterations']", iterations, 0)
-        if wrapped_iterations is not None:
-            sd["iterations"] = check_int("state_dict['wrapped_iterations']", wrapped_iterations, 0)
+        sd = {  # the wrapped optimizer's state dict: its entries moved one "wrapped_" up
+            (k[len(_WRAPPED) :] if _kept_for_the_wrapped(k) else k): v for k, v in sd.items()
+        }
+        for key in sd:  # every count of the chain below, named as this dict holds it
+            if is_step_count(key):
+                sd[key] = check_int(f"state_dict[{_WRAPPED + key!r}]", sd[key], 0)
         self._check_wrapper_state_dict(wrapper)  # validate everything before changing anything
         check_inner_state_dict(self._wrapped, sd)
         self._wrapped.load_state_dict(sd)
@@ -484,6 +495,35 @@ class WrappedOptimizer(TFOptimizerProtocol, torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._wrapped!r})"
+
+
+_WRAPPED = "wrapped_"
+"""The prefix of an entry a wrapper keeps for the optimizer it wraps (see WrappedOptimizer)."""
+
+
+def _own_key(key: Any) -> Any:
+    """``key`` without its ``"wrapped_"`` prefixes: the key of the level that wrote it."""
+    while isinstance(key, str) and key.startswith(_WRAPPED):
+        key = key[len(_WRAPPED) :]
+    return key
+
+
+def _written_by_wrappers(key: Any) -> bool:
+    """Whether a state-dict key is one a wrapper writes: its count, its own state, or an entry
+    it keeps for the optimizer it wraps (``"wrapped_"`` + a key a wrapper writes)."""
+    return isinstance(key, str) and _own_key(key) in ("iterations", "wrapper")
+
+
+def _kept_for_the_wrapped(key: Any) -> bool:
+    """Whether a wrapper's state-dict key is an entry it keeps for the optimizer it wraps."""
+    return isinstance(key, str) and key.startswith(_WRAPPED) and _written_by_wrappers(key)
+
+
+def is_step_count(key: Any) -> bool:
+    """Whether a key of a distoptim optimizer's state dict is a step count: its own
+    ``"iterations"`` or, for a wrapper, one of the optimizers it wraps (``"wrapped_iterations"``,
+    ``"wrapped_wrapped_iterations"``, ...: one ``"wrapped_"`` per level down)."""
+    return isinstance(key, str) and _own_key(key) == "iterations"
 
 
 def check_inner_state_dict(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> None:

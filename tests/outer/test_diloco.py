@@ -203,6 +203,56 @@ def test_state_dict_structure_does_not_depend_on_the_step():
     assert busy["pending"]["fragment"] == 0 and fresh["pending"]["fragment"] == -1
 
 
+def _over_cross_shard(model):
+    """DiLoCo over CrossShardOptimizer over the mesh SGD with a decaying rate (one process: the
+    CrossShardOptimizer is one shard); the SGD and the CrossShardOptimizer each step once alone
+    before they are wrapped, so the three step counts differ."""
+    from distoptim.dtensor import SGD as MeshSGD
+    from distoptim.dtensor import ExponentialDecay
+
+    x, y = ref.data(1)
+    sgd = MeshSGD(model.parameters(), learning_rate=ExponentialDecay(0.1, 2, 0.5), momentum=0.9)
+    with pytest.warns(UserWarning, match="torch.distributed is not initialized"):
+        inner = distoptim.CrossShardOptimizer(sgd)
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    for opt in (sgd, inner):
+        opt.zero_grad()
+        ref.loss_of(model, x[0, 0], y[0, 0]).backward()
+        opt.step()
+    return DiLoCo(inner, outer, sync_every=4)
+
+
+def _counts(opt):
+    return (opt.iterations, opt.wrapped.iterations, opt.wrapped.wrapped.iterations)
+
+
+def test_state_dict_keeps_the_step_count_of_a_mesh_sgd_two_wrappers_deep():
+    """The mesh SGD's own count (its schedule reads it) comes back through DiLoCo over a
+    CrossShardOptimizer, and the resumed run continues bit for bit."""
+    x, y = ref.data(1)
+    split = 6  # between the syncs at 4 and 8
+
+    def train(model, opt, first, last):
+        for t in range(first, last):
+            opt.zero_grad()
+            ref.loss_of(model, x[0, t], y[0, t]).backward()
+            opt.step()
+
+    model = ref.mlp()
+    opt = _over_cross_shard(model)
+    train(model, opt, 1, split + 1)
+    saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    train(model, opt, split + 1, 11)
+    model2 = ref.mlp(seed=5)
+    opt2 = _over_cross_shard(model2)
+    model2.load_state_dict(saved[0])
+    opt2.load_state_dict(saved[1])
+    assert _counts(opt2) == (split, split + 1, split + 2)
+    train(model2, opt2, split + 1, 11)
+    assert _counts(opt2) == _counts(opt)
+    assert torch.equal(ref.flat(model.parameters()), ref.flat(model2.parameters()))
+
+
 # ---------------------------------------------------------------------------------------------
 # bad input
 # ---------------------------------------------------------------------------------------------

@@ -20,8 +20,9 @@ SGD are elementwise. The int8 wire is not (its scales are per chunk of a bucket 
 which another layout cuts differently), so after resharding its two one-process variants are
 compared with each other; its residuals are compared as saved. Refusals, before anything changes, on
 every rank: another wire, other parameter shapes, another number of replica groups, no checkpoint
-there, and a checkpoint asked for with a sync in flight. Two fast tests run one process without a
-process group (plain tensors, Adam's 0-dim ``step``, two fragments, a nested ``prefix``).
+there, and a checkpoint asked for with a sync in flight. Three fast tests run one process without a
+process group (plain tensors, Adam's 0-dim ``step``, two fragments, a nested ``prefix``; the
+mesh SGD's own step count two wrappers deep).
 
 Under torchft (the second half): each replica group saves its own checkpoint over its own
 processes, and fresh optimizers over the same managers load it at the same k, at another k
@@ -378,6 +379,38 @@ def test_one_process_refusals_change_nothing(tmp_path):
     after = (_record(other), other.iterations, _full(other_model))
     assert _same_state(before[0], after[0]) == [] and before[1] == after[1]
     assert _same(before[2], after[2])
+
+
+def _over_a_wrapper() -> tuple[nn.Module, DiLoCo]:
+    """DiLoCo over a WrappedOptimizer over the mesh SGD with a decaying rate; the SGD and the
+    WrappedOptimizer each step once alone before they are wrapped (three different counts)."""
+    from distoptim import WrappedOptimizer
+    from distoptim.dtensor import SGD as MeshSGD
+    from distoptim.dtensor import ExponentialDecay
+
+    model = _model()
+    sgd = MeshSGD(model.parameters(), learning_rate=ExponentialDecay(0.1, 2, 0.5), momentum=0.9)
+    inner = WrappedOptimizer(sgd)
+    for opt in (sgd, inner):
+        _steps(model, opt, 0, 100, 1, 1.0)  # (another batch than the run's)
+    return model, DiLoCo(inner, torch.optim.SGD(model.parameters(), lr=0.7), H)
+
+
+def test_one_process_keeps_the_step_count_of_a_mesh_sgd_two_wrappers_deep(tmp_path):
+    """The mesh SGD's own count (its schedule reads it) comes back from the DCP checkpoint of
+    DiLoCo over a WrappedOptimizer, and the resumed run continues bit for bit."""
+    model, opt = _over_a_wrapper()
+    _lone_steps(model, opt, 0, SAVE_AT)
+    opt.save_sharded(str(tmp_path))
+    _lone_steps(model, opt, SAVE_AT, MORE)
+    opt.finish()
+    again, fresh = _over_a_wrapper()
+    fresh.load_sharded(str(tmp_path))
+    counts = (fresh.iterations, fresh.wrapped.iterations, fresh.wrapped.wrapped.iterations)
+    assert counts == (SAVE_AT, SAVE_AT + 1, SAVE_AT + 2)
+    _lone_steps(again, fresh, SAVE_AT, MORE)
+    fresh.finish()
+    assert _same(_full(again), _full(model))
 
 
 # ---- torchft: each replica group saves its own DCP checkpoint, loads it at another k ----------

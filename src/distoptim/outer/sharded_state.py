@@ -19,6 +19,7 @@ on load, whatever pieces overlap what the loading process holds::
     replica.<g>.params.<i>    replica group g's parameters   (differ between syncs)
     replica.<g>.inner.state.<j>.<key>   its inner optimizer's state
     replica.<g>.inner.iterations        the inner's own step count (a Keras-style inner's)
+    replica.<g>.inner.wrapped_iterations, ...   those of the optimizers a wrapper inner wraps
     replica.<g>.residual.<i>  its error-feedback residual of Δ (lossy wires)
     shard_residual.<h>.<i>    the mean's residual that cross-group rank h keeps (two-phase wires)
 
@@ -77,7 +78,7 @@ from distoptim.outer.exchange import FragmentExchange
 from distoptim.outer.fragments import FragmentSchedule
 from distoptim.outer.groups import is_dtensor, like_param, local_view
 from distoptim.outer.state import UnboundChannel
-from distoptim.protocol import TFOptimizerProtocol, check_inner_state_dict
+from distoptim.protocol import TFOptimizerProtocol, check_inner_state_dict, is_step_count
 from distoptim.sync.sharded_checkpoint import CheckpointError, dcp_errors, dotted, nest, unnest
 
 __all__ = ["HEADER", "CheckpointMismatchError", "DiLoCoShardedState"]
@@ -265,14 +266,15 @@ class DiLoCoShardedState:
             "state": _unkeyed(replica["inner"]["state"]),
             "param_groups": fields["inner_groups"],
         }
-        if "iterations" in replica["inner"] and isinstance(self.wrapped, TFOptimizerProtocol):
-            count = replica["inner"]["iterations"]
+        counts = [k for k in replica["inner"] if is_step_count(k)]
+        for key in counts if isinstance(self.wrapped, TFOptimizerProtocol) else ():
+            count = replica["inner"][key]
             if not isinstance(count, int) or isinstance(count, bool) or count < 0:
                 raise CheckpointMismatchError(
-                    f"{self._name} DCP checkpoint: replica.{self._channel.rank}.inner.iterations "
+                    f"{self._name} DCP checkpoint: replica.{self._replica_key()}.inner.{key} "
                     f"must be an int >= 0, it holds {count!r}"
                 )
-            inner_sd["iterations"] = count
+            inner_sd[key] = count
         outer_sd = {
             "state": _unkeyed(loaded["outer"]["state"]),
             "param_groups": fields["outer_groups"],
@@ -324,8 +326,10 @@ class DiLoCoShardedState:
                 "state": _state_template(saved, f"{where}replica.{g}.inner.state.", self.wrapped)
             },
         }
-        if f"{where}replica.{g}.inner.iterations" in saved:  # (checkpoints before it: none)
-            replica["inner"]["iterations"] = None  # a Python value: DCP puts it here
+        inner = f"{where}replica.{g}.inner."
+        for key in saved:  # the step counts saved (checkpoints before they were: none)
+            if key.startswith(inner) and is_step_count(key[len(inner) :]):
+                replica["inner"][key[len(inner) :]] = None  # a Python value: DCP puts it here
         out: dict[str, Any] = {
             HEADER: None,
             "global": {str(i): like(f"global.{i}", p) for i, p in self._indexed()},
@@ -451,11 +455,13 @@ class DiLoCoShardedState:
 
 def _inner_entries(opt: torch.optim.Optimizer) -> dict[str, Any]:
     """The inner optimizer's per-parameter state, and its own step count when it keeps one (a
-    Keras-style optimizer, whose schedule and EMA read it: ``distoptim.dtensor.SGD``)."""
+    Keras-style optimizer, whose schedule and EMA read it: ``distoptim.dtensor.SGD``), and, when
+    it is a wrapper, those of the optimizers it wraps however deep (``"wrapped_iterations"``,
+    ...: the mesh SGD under a ``WrappedOptimizer`` keeps its schedule's step too)."""
     sd = opt.state_dict()
     out: dict[str, Any] = {"state": {str(j): dict(e) for j, e in sd["state"].items()}}
-    if isinstance(opt, TFOptimizerProtocol) and "iterations" in sd:
-        out["iterations"] = int(sd["iterations"])
+    if isinstance(opt, TFOptimizerProtocol):
+        out.update({k: int(v) for k, v in sd.items() if is_step_count(k)})
     return out
 
 
