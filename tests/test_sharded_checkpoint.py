@@ -361,3 +361,36 @@ def test_a_truncated_shard_file_is_a_checkpoint_error_on_every_rank(tmp_path: Pa
     for rank, out in enumerate(spawn(_load_damaged, 2, args=(str(tmp_path),), timeout=120)):
         assert out["error"] == "CheckpointError", (rank, out)
         assert f"file {damaged} has 100 bytes, its metadata needs at least" in out["message"]
+
+
+@pytest.mark.parametrize("depth", [1, 2], ids=["mesh_sgd", "wrapped_mesh_sgd"])
+def test_the_wrapped_chains_step_counts_round_trip(tmp_path: Path, depth: int) -> None:
+    """A Keras-style inner (distoptim.dtensor.SGD) keeps its own step count, which its
+    schedule reads; a per-rank checkpoint keeps it however deep the wrapper chain (it was lost:
+    saved (2, 2), loaded (2, 0))."""
+    from distoptim.dtensor import SGD
+    from distoptim.protocol import WrappedOptimizer
+
+    def inner(model: nn.Module) -> torch.optim.Optimizer:
+        sgd = SGD(model.parameters(), learning_rate=0.1, momentum=0.9)
+        return sgd if depth == 1 else WrappedOptimizer(sgd)
+
+    def counts(opt: CrossShardOptimizer) -> list[int]:
+        out, o = [opt.iterations], opt.wrapped
+        while o is not None:
+            out.append(o.iterations)
+            o = getattr(o, "wrapped", None)
+        return out
+
+    model = nn.Linear(6, 4)
+    opt = _trained(model, inner(model), shard=False)
+    opt.wrapped.iterations += 3  # every level its own count
+    saved = counts(opt)
+    assert len(saved) == depth + 1 and len(set(saved)) == 2
+    opt.save_sharded(tmp_path / "c")
+    fresh_model = nn.Linear(6, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fresh = CrossShardOptimizer(inner(fresh_model))
+        fresh.load_sharded(tmp_path / "c")
+    assert counts(fresh) == saved

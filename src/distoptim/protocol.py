@@ -526,6 +526,21 @@ def is_step_count(key: Any) -> bool:
     return isinstance(key, str) and _own_key(key) == "iterations"
 
 
+def wrapped_step_counts(opt: torch.optim.Optimizer) -> dict[str, int]:
+    """The step counts of ``opt`` and of every optimizer under it, keyed as a wrapper over
+    ``opt`` keeps them in its state dict (``"wrapped_iterations"``: ``opt``'s own,
+    ``"wrapped_wrapped_iterations"``: that of the optimizer ``opt`` wraps, ...). Reads the
+    counts only (no state is packed); a plain torch optimizer keeps none: ``{}``."""
+    out: dict[str, int] = {}
+    key = _WRAPPED + "iterations"
+    while isinstance(opt, TFOptimizerProtocol):
+        out[key] = int(opt.iterations)
+        if not isinstance(opt, WrappedOptimizer):
+            break
+        opt, key = opt._wrapped, _WRAPPED + key
+    return out
+
+
 def check_inner_state_dict(opt: torch.optim.Optimizer, sd: dict[str, Any]) -> None:
     """The checks ``torch.optim.Optimizer.load_state_dict`` makes, without loading anything.
 

@@ -13,8 +13,11 @@ nested in a larger one (the model's next to it)::
 
 ``i`` is the parameter's index in torch's optimizer state dict (the parameters of every param
 group, in order), ``param_groups`` torch's own (hyperparameters and those indices), ``layout``
-``{"optimizer": "<module>.<class>", "shapes": [shape of parameter i, ...]}`` (the wrapped
-optimizer's type; checkpoints of the earlier format ``per-rank-1`` have no layout). Per-element
+``{"optimizer": "<module>.<class>", "shapes": [shape of parameter i, ...], "counts":
+{"wrapped_iterations": n, ...}}`` (the wrapped optimizer's type, and the step counts of its
+chain as ``state_dict()`` names them: a Keras-style optimizer's schedule reads its own;
+checkpoints of the earlier format ``per-rank-1`` have no layout, earlier ``per-rank-2`` ones no
+counts). Per-element
 state (Adam's moments, SGD's momentum) is a 1-D tensor of the parameter's ``numel`` elements in
 its flat (row-major) order: a ``ShardedTensor`` whose local shards are the pieces this rank
 holds (weight-update sharding: its pieces of the flat bucket layout, :mod:`distoptim.comm.shard`),
@@ -62,6 +65,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from distoptim.protocol import wrapped_step_counts
 from distoptim.sync.apply import ApplyStrategy, Owned
 
 __all__ = [
@@ -186,8 +190,14 @@ def _type_name(opt: torch.optim.Optimizer) -> str:
 
 
 def _layout(opt: torch.optim.Optimizer) -> dict[str, Any]:
-    """The header's layout: the wrapped optimizer's type and every parameter's shape."""
-    return {"optimizer": _type_name(opt), "shapes": [tuple(p.shape) for p in _params(opt)]}
+    """The header's layout: the wrapped optimizer's type, every parameter's shape, and the step
+    counts of the wrapped optimizer's chain (a Keras-style one's, whose schedule reads it:
+    ``{"wrapped_iterations": n, ...}``, as ``state_dict()`` names them)."""
+    return {
+        "optimizer": _type_name(opt),
+        "shapes": [tuple(p.shape) for p in _params(opt)],
+        "counts": wrapped_step_counts(opt),
+    }
 
 
 def _groups(opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -370,10 +380,11 @@ def loaded_state(opt: torch.optim.Optimizer, loaded: dict[str, Any]) -> dict[tor
 
 def read(
     opt: torch.optim.Optimizer, apply: ApplyStrategy, group: Any, checkpoint_id: Any, prefix: str
-) -> tuple[int, list[dict[str, Any]], dict[torch.Tensor, Owned]]:
+) -> tuple[int, list[dict[str, Any]], dict[str, int], dict[torch.Tensor, Owned]]:
     """DCP-load this rank's part (:func:`template_of`) of the checkpoint at ``checkpoint_id``,
-    saved under ``prefix`` (``""`` or ``"optim"``, ...): ``(iterations, param_groups, owned
-    pieces)``, after :func:`check_fit`.
+    saved under ``prefix`` (``""`` or ``"optim"``, ...): ``(iterations, param_groups, the
+    wrapped chain's step counts, owned pieces)``, after :func:`check_fit` and
+    :func:`saved_counts`.
 
     Every rank calls it (DCP's collectives); nothing of the optimizer changes here.
     """
@@ -389,7 +400,24 @@ def read(
     saved_keys = {i: set(keys) for i, keys in _entries(metadata, where).items()}
     held = {p: set(o.elements) | set(o.scalars) for p, o in apply.owned().items()}
     iterations, groups = check_fit(opt, loaded[HEADER], saved_keys, held)
-    return iterations, groups, loaded_state(opt, loaded)
+    return iterations, groups, saved_counts(opt, loaded[HEADER]), loaded_state(opt, loaded)
+
+
+def saved_counts(opt: torch.optim.Optimizer, header: tuple[Any, ...]) -> dict[str, int]:
+    """The step counts of the wrapped optimizer's chain a (checked) header holds, keyed as
+    ``state_dict()`` names them (``{}`` for a checkpoint saved before they were, or of a plain
+    torch optimizer). ``ValueError`` when one is not an int >= 0 or names a level ``opt``'s
+    chain does not have. Changes nothing."""
+    layout = header[3] if len(header) == 4 else {}
+    counts = layout.get("counts", {}) if isinstance(layout, dict) else {}
+    mine = wrapped_step_counts(opt)
+    for key, count in counts.items() if isinstance(counts, dict) else [("counts", counts)]:
+        if key not in mine or not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise ValueError(
+                f"per-rank optimizer checkpoint: step count {key!r} = {count!r} does not fit the "
+                f"wrapped {_type_name(opt)}, whose chain keeps {sorted(mine) or 'none'} (ints >= 0)"
+            )
+    return dict(counts)
 
 
 def nest(state: dict[str, Any], prefix: str) -> dict[str, Any]:

@@ -214,9 +214,11 @@ class CrossShardState:
         if self._rounds.size == 1:
             self._rounds.solo_plan()
         group = self._rounds.comm.replicas.group
-        iterations, groups, owned = sharded_checkpoint.read(
+        iterations, groups, counts, owned = sharded_checkpoint.read(
             self._wrapped, self._apply, group, checkpoint_id, prefix
         )
-        # hyperparameters and iterations through the checked path (the state comes next)
-        self.load_state_dict({"state": {}, "param_groups": groups, "iterations": iterations})
+        # hyperparameters and step counts through the checked path (the state comes next)
+        self.load_state_dict(
+            {"state": {}, "param_groups": groups, "iterations": iterations, **counts}
+        )
         self._apply.load_owned(owned)
