@@ -115,6 +115,30 @@ def _torch_hsdp_clipped() -> torch.Tensor:
     return _full(model)
 
 
+def _copies_run(manager: Any) -> dict[str, Any]:
+    """Full copies: each group's 2 processes hold the whole model (CrossShard's own round inside
+    the group, ``group_assignment``), the manager across; and the same data reduced over all
+    four ranks at once without a manager, the reference."""
+    out: dict[str, Any] = {}
+    for how in ("managed", "world"):
+        model = _model()
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if how == "managed":
+            opt = CrossShardOptimizer(
+                sgd, name="copies", manager=manager, group_assignment=[[0, 1], [2, 3]]
+            )
+        else:
+            opt = CrossShardOptimizer(sgd, name="copies_world")
+        _train(model, opt)
+        opt.finish()
+        out[how] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        if how == "managed":
+            stats = opt.replica_stats
+            out["commits"], out["payload"] = stats.commits, stats.payload_bytes
+            out["whole"] = sum(b.head for b in opt.bucket_plan.buckets) * 4  # float32 bytes
+    return out
+
+
 def _errors(manager: Any) -> dict[str, str]:
     attempt = Attempts()
     model = _shard(_model(), _mesh()["shard"])
@@ -153,6 +177,7 @@ def _run(rank: int, world: int, lighthouse: str) -> dict[Any, Any]:
             out["managed", case] = {k: v for k, v in run.items() if k not in ("model", "opt")}
             out["plain", case] = _unmanaged_run(case)
         out["torch_clipped"] = _torch_hsdp_clipped()
+        out["copies"] = _copies_run(manager)
         out["drifted"] = _drifted(run)
     finally:
         manager.shutdown(wait=False)
@@ -217,3 +242,22 @@ ERRORS = {
 def test_configurations_that_are_not_one_model_fail_at_construction(runs, case):
     for rank, out in enumerate(runs):
         assert ERRORS[case] in out["errors"][case], (rank, out["errors"][case])
+
+
+def test_full_copies_in_a_group_send_each_their_half_across_and_end_as_one_model(runs):
+    """Groups of full copies (not shards): each process averages only its 1/k of every bucket
+    with its counterpart, the group all-gathers the halves (sync/group_slices.py). All four
+    ranks end bitwise equal, within float32 rounding of one 4-rank reduction (the mean over the
+    groups of the groups' means: the same sum in another order; asserted 1e-6, measured ~1e-8),
+    and the two processes of a group together put the model's bytes on the wire across groups,
+    once per step (with P = 2 a ring all-reduce sends its input's bytes: each its half)."""
+    copies = [r["copies"] for r in runs]
+    for c in copies[1:]:
+        assert torch.equal(c["managed"], copies[0]["managed"])
+    for c in copies:
+        assert c["commits"] == STEPS + 1  # every step, and finish()
+        assert torch.allclose(c["managed"], c["world"], rtol=0, atol=1e-6)
+    for g in range(GROUPS):
+        pair = copies[g * PER_GROUP : (g + 1) * PER_GROUP]
+        assert sum(c["payload"] for c in pair) == STEPS * pair[0]["whole"], pair
+        assert all(c["payload"] <= STEPS * (pair[0]["whole"] // 2 + 4) for c in pair), pair

@@ -117,6 +117,7 @@ class ReplicaStats:
     first_round_at: float | None = None  # wall clock of this replica's first quorum
     first_contribution_at: float | None = None  # ... and of its first contributing commit
     errors: list[str] = field(default_factory=list)  # the last few round failures, as text
+    payload_bytes: int = 0  # the update's bytes this process put on the wire across groups
 
 
 class ManagedReplicas:

@@ -60,6 +60,7 @@ from distoptim.comm.stats import CommStats
 from distoptim.protocol import WrappedOptimizer, run_closure
 from distoptim.sync.apply import ApplyStrategy
 from distoptim.sync.collectives import Collectives, Replicas
+from distoptim.sync.group_slices import GroupSlices
 from distoptim.sync.local_grads import cross_group, replica_ranks
 from distoptim.sync.managed_shards import group_of_shards
 from distoptim.sync.options import Reduction, SyncOptions
@@ -87,6 +88,14 @@ def _choose_apply(
     if options.gradient_as_bucket_view:
         return ViewsApply(opt, params, options, comm)
     return PackedApply(opt, params, options, comm)
+
+
+def _slices_of(replicas: Replicas, shards: Any) -> GroupSlices | None:
+    """Full copies in a replica group of several processes: which ``1/k`` of every bucket this
+    process averages across the groups (``None``: one process per group, or FSDP2 shards)."""
+    if shards is not None or replicas.size < 2:
+        return None
+    return GroupSlices(replicas.group, replicas.rank, replicas.size)
 
 
 def _check_managed(manager: Any, options: SyncOptions) -> None:
@@ -290,6 +299,7 @@ class CrossShardOptimizer(CrossShardTFPath, CrossShardState, WrappedOptimizer):
                 options.wire,
                 comm.stats,
                 within=group_of_shards(shards),
+                slices=_slices_of(replicas, shards),
             )
             self._replicated.replicas.register_state(
                 "counters", lambda: {"iterations": self.iterations}, self._load_counters

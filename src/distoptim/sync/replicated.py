@@ -34,9 +34,12 @@ first in which that member's state is judged. Every member takes the same decisi
 quorum, the same commit vote, the same table of words); if they ever did not, the words say
 which slice each checked, and the round is not committed (so the next one is whole again).
 
-Each process of a replica group of full copies all-reduces the whole (identical) buckets with
-its counterpart in the other groups (torchft connects equal group ranks), so a group of ``k``
-processes moves ``k`` times the bytes of one. A group whose model is sharded (``DTensor``
+In a replica group of ``k > 1`` processes holding full copies (CrossShard's own round inside
+the group), every process holds the same reduced buckets; sending them whole from each would
+move ``k`` times the bytes of one process across the groups (torchft connects equal group
+ranks). Instead process ``r`` averages only slice ``r`` of each bucket with its counterparts,
+and the group all-gathers the slices (:mod:`distoptim.sync.group_slices`): ``1/k`` of the
+bytes per process across groups, one all-gather inside. A group whose model is sharded (``DTensor``
 parameters: FSDP2 inside the group, HSDP across) has no round of its own here: each process
 all-reduces only its ``1/k`` piece of the gradient, which FSDP2's reduce-scatter left it, and
 the words carry the group's combined state checksum (:mod:`distoptim.sync.managed_shards`).
@@ -63,6 +66,7 @@ from distoptim.comm.stats import CommStats, ring_allreduce_bytes
 from distoptim.ft.agreement import ReplicaWords, decode, encode, hparams_digest, judge
 from distoptim.ft.replicas import ManagedReplicas
 from distoptim.local_shards import local_view
+from distoptim.sync.group_slices import GroupSlices
 from distoptim.sync.managed_shards import group_checksum
 
 __all__ = ["MAX_SLICES", "SLICE_LIMBS", "ReplicatedRounds", "state_slices"]
@@ -75,7 +79,10 @@ class ReplicatedRounds:
     are part of the words); ``mean``: divide by the participants (MEAN) or not (SUM);
     ``wire``: the ``compression`` format of the all-reduce; ``within``: the process group
     of this replica group's own processes when each holds its shards of the model
-    (:mod:`distoptim.sync.managed_shards`: the words carry the group's combined checksum).
+    (:mod:`distoptim.sync.managed_shards`: the words carry the group's combined checksum);
+    ``slices``: when each of the group's ``k > 1`` processes holds the whole model, which
+    ``1/k`` of every bucket this one averages across the groups
+    (:mod:`distoptim.sync.group_slices`).
     """
 
     def __init__(
@@ -88,9 +95,11 @@ class ReplicatedRounds:
         wire: WireFormat,
         stats: CommStats,
         within: Any = None,
+        slices: GroupSlices | None = None,
     ) -> None:
         self.replicas = ManagedReplicas(manager, owner)
         self.within = within  # the group's own processes: its checksum combines theirs
+        self.slices = slices  # full copies in a group of k: each sends its 1/k across
         self.owner = owner
         self.params = params
         self.opt = opt
@@ -187,25 +196,28 @@ class ReplicatedRounds:
                 self._agreed_quorum = q.quorum_id
             else:
                 q = replace(q, group_size=0)  # no payload: the round will not commit
+        heads = [] if rnd is None else [b[: k.head] for k, b in zip(rnd.plan.buckets, buffers)]
         if not q.failed:
             pending = []
-            if rnd is not None:
-                for bucket, buffer in zip(rnd.plan.buckets, buffers):
-                    head = buffer[: bucket.head]
-                    if self.mean and q.participants > 1:
-                        head.div_(q.participants)  # before the wire: float16 stays in range
-                    wire = self.wire.encode(head)
-                    nbytes = wire.numel() * wire.element_size()
-                    self.stats.send(ring_allreduce_bytes(nbytes, q.group_size))
-                    pending.append((head, wire, replicas.all_reduce_sum(wire)))
+            for head in heads:
+                if self.mean and q.participants > 1:
+                    head.div_(q.participants)  # before the wire: float16 stays in range
+                part = head if self.slices is None else self.slices.part(head)
+                wire = self.wire.encode(part)
+                nbytes = ring_allreduce_bytes(wire.numel() * wire.element_size(), q.group_size)
+                self.stats.send(nbytes)
+                replicas.stats.payload_bytes += nbytes
+                pending.append((part, wire, replicas.all_reduce_sum(wire)))
             table = encode(words, q.group_rank, q.group_size)
             self.stats.send(ring_allreduce_bytes(table.numel() * 4, q.group_size))
             done = replicas.all_reduce_group(table)
-            for head, wire, work in pending:
+            for part, wire, work in pending:
                 work.wait()
-                self.wire.decode(wire, head)
+                self.wire.decode(wire, part)
             done.wait()
             self._judge(table, q)
+        if self.slices is not None:  # every process of the group, whatever the quorum did
+            self.slices.gather(heads, self.stats)
         committed = replicas.commit()
         clean = committed and self._clean_table and not q.failed
         self._clean_quorum = q.quorum_id if clean else None
