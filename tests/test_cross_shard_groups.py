@@ -124,6 +124,29 @@ def _hsdp_cross_shard(name: str, channel: str = "mesh", shape: str = "even") -> 
     }
 
 
+PASSES = 2  # backward passes per step in the accumulation case
+
+
+def _accumulated(ours: bool) -> torch.Tensor:
+    """``PASSES`` micro-batches per step, their gradients accumulated: CrossShard across the
+    groups with ``backward_passes_per_step=PASSES`` (it divides the sum once), or torch's own
+    HSDP with each micro-batch's loss divided by ``PASSES`` (the DDP habit)."""
+    mesh = _mesh()
+    model = _shard(_model(), mesh["shard"] if ours else mesh)
+    inner = _inner(model, "adam")
+    opt = CrossShardOptimizer(inner, group=mesh, backward_passes_per_step=PASSES) if ours else inner
+    for t in range(STEPS):
+        opt.zero_grad()
+        for m in range(PASSES):
+            x, y = _batch(dist.get_rank() // PER_GROUP, 100 * (m + 1) + t)
+            loss = F.mse_loss(model(x[_rows()]), y[_rows()])
+            (loss if ours else loss / PASSES).backward()
+        opt.step()
+    if ours:
+        opt.finish()
+    return _full(model)
+
+
 def _torch_hsdp(name: str, shape: str = "even") -> torch.Tensor:
     """torch's own HSDP: FSDP2 over the 2-D mesh, the same optimizer, no wrapper."""
     model = _shard(MODELS[shape](), _mesh())
@@ -179,7 +202,6 @@ def _errors() -> dict[str, str]:
         ("shard_optimizer_state", True),
         ("overlap", True),
         ("gradient_as_bucket_view", True),
-        ("backward_passes_per_step", 2),
     ]:
         attempt(option, lambda o=option, v=value: CrossShardOptimizer(sgd, group=mesh, **{o: v}))
     mixed = _model()
@@ -218,6 +240,8 @@ def _run(rank: int, world: int) -> dict[Any, Any]:
     for channel in CHANNELS:
         out["channel", channel] = _hsdp_cross_shard("sgd", channel)["full"]
     out["unsharded"] = _unsharded()
+    out["accumulated"] = _accumulated(ours=True)
+    out["torch", "accumulated"] = _accumulated(ours=False)
     out["errors"] = _errors()
     out["mismatched"] = _mismatched_layouts()
     return out
@@ -285,7 +309,6 @@ ERRORS = {
     "shard_optimizer_state": "shard_optimizer_state=True",
     "overlap": "overlap=True",
     "gradient_as_bucket_view": "gradient_as_bucket_view=True",
-    "backward_passes_per_step": "backward_passes_per_step > 1",
     "mixed": "are plain tensors",
     "hsdp_twice": "would average its shard",
     "compute_gradients": "the TF path",
@@ -305,3 +328,17 @@ def test_counterparts_laid_out_differently_fail_the_first_round(runs):
     for rank, out in enumerate(runs):
         message = out["mismatched"]
         assert message.startswith("ParameterMismatchError"), (rank, message)
+
+
+def test_accumulated_passes_equal_torchs_hsdp_with_the_loss_divided(runs):
+    """backward_passes_per_step=2 with FSDP2 inside the groups: FSDP2 accumulates each pass's
+    reduce-scattered piece into .grad, CrossShard averages the sum across the groups and divides
+    it by the passes once; torch's HSDP adds the passes' pieces after its all-reduce. The same
+    sums in another order: float32 rounding, asserted within 1e-6 (measured 3e-8 after 6 Adam
+    steps); every rank bitwise equal to every other."""
+    first = runs[0]["accumulated"]
+    assert not torch.equal(first, _full(_model())), "training changed nothing"
+    for rank, out in enumerate(runs):
+        assert torch.equal(out["accumulated"], first), f"rank {rank} differs"
+        gap = (out["accumulated"] - out["torch", "accumulated"]).abs().max().item()
+        assert gap <= 1e-6, (rank, gap)

@@ -115,6 +115,28 @@ def _torch_hsdp_clipped() -> torch.Tensor:
     return _full(model)
 
 
+def _passes_run(manager: Any) -> dict[str, torch.Tensor]:
+    """Two backward passes per step (``backward_passes_per_step=2``), with the manager and with
+    ``group=mesh``: the same divisions by powers of two, so bitwise the same model."""
+    out = {}
+    for how in ("managed", "mesh"):
+        model = _shard(_model(), _mesh()["shard"])
+        across = {"manager": manager} if how == "managed" else {"group": _mesh()}
+        opt = CrossShardOptimizer(_inner(model, "adam"), backward_passes_per_step=2, **across)
+        rank = dist.get_rank()
+        j = rank % PER_GROUP
+        rows = slice(j * ROWS // PER_GROUP, (j + 1) * ROWS // PER_GROUP)
+        for t in range(STEPS):
+            opt.zero_grad()
+            for m in range(2):
+                x, y = _batch(rank // PER_GROUP, 100 * (m + 1) + t)
+                F.mse_loss(model(x[rows]), y[rows]).backward()
+            opt.step()
+        opt.finish()
+        out[how] = _full(model)
+    return out
+
+
 def _copies_run(manager: Any) -> dict[str, Any]:
     """Full copies: each group's 2 processes hold the whole model (CrossShard's own round inside
     the group, ``group_assignment``), the manager across; and the same data reduced over all
@@ -178,6 +200,7 @@ def _run(rank: int, world: int, lighthouse: str) -> dict[Any, Any]:
             out["plain", case] = _unmanaged_run(case)
         out["torch_clipped"] = _torch_hsdp_clipped()
         out["copies"] = _copies_run(manager)
+        out["passes"] = _passes_run(manager)
         out["drifted"] = _drifted(run)
     finally:
         manager.shutdown(wait=False)
@@ -261,3 +284,11 @@ def test_full_copies_in_a_group_send_each_their_half_across_and_end_as_one_model
         pair = copies[g * PER_GROUP : (g + 1) * PER_GROUP]
         assert sum(c["payload"] for c in pair) == STEPS * pair[0]["whole"], pair
         assert all(c["payload"] <= STEPS * (pair[0]["whole"] // 2 + 4) for c in pair), pair
+
+
+def test_accumulated_passes_under_the_manager_are_the_group_mesh_run_bitwise(runs):
+    first = runs[0]["passes"]["managed"]
+    assert not torch.equal(first, _full(_model()))
+    for rank, out in enumerate(runs):
+        assert torch.equal(out["passes"]["managed"], first), rank
+        assert torch.equal(out["passes"]["managed"], out["passes"]["mesh"]), rank

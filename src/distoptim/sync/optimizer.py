@@ -139,7 +139,6 @@ def _check_groups(
         "overlap=True": options.overlap,
         "gradient_as_bucket_view=True": options.gradient_as_bucket_view,
         "shard_optimizer_state=True": options.shard_optimizer_state,
-        "backward_passes_per_step > 1": options.backward_passes_per_step > 1,
     }
     ranks = None if shards is not None else replica_ranks(options.group_assignment, pg)
     checks.check_cross_group(owner, params, ranks, refused)
@@ -209,9 +208,8 @@ class CrossShardOptimizer(CrossShardTFPath, CrossShardState, WrappedOptimizer):
             group only: each process averages its local shard's gradient with theirs, ``1/k``
             of the bytes of an unsharded group (:mod:`distoptim.sync.local_grads`). A channel
             holding another process of this process's own group is a ``ValueError``; so are
-            ``DTensor`` parameters with ``overlap``, ``gradient_as_bucket_view``,
-            ``shard_optimizer_state`` or ``backward_passes_per_step > 1`` (not supported
-            yet). With a torchft ``manager=`` instead (one per process, the group's replica id,
+            ``DTensor`` parameters with ``overlap``, ``gradient_as_bucket_view`` or
+            ``shard_optimizer_state`` (not supported yet). With a torchft ``manager=`` instead (one per process, the group's replica id,
             its group rank, ``world_size`` = the processes the model is sharded over: torchtitan
             + torchft's HSDP), the manager is the channel: each process averages its shard with
             its counterparts, and every commit checks the group's combined state checksum
