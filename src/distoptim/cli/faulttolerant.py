@@ -121,6 +121,8 @@ class FaultTolerantRecord:
     states_equal: bool = True  # every commit's committers held bitwise-equal state
     mismatched_commits: int = 0
     faults: list[dict[str, Any]] = field(default_factory=list)
+    # the live groups' longest heartbeat silences the lighthouse saw (HeartbeatWatch)
+    heartbeats: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -313,6 +315,7 @@ def summarise(spec: FaultTolerantSpec, run: ReplicaRun) -> FaultTolerantRecord:
         states_equal=mismatched == 0,
         mismatched_commits=mismatched,
         faults=[dataclasses.asdict(a) for a in run.chaos],
+        heartbeats=dict(run.heartbeats),
     )
 
 
