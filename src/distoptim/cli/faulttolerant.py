@@ -197,6 +197,8 @@ def replica_main(ctx: ReplicaContext, spec: FaultTolerantSpec, data: Dataset) ->
     )
     opt = _build(spec, inner, manager)
     holder.append(opt)
+    if ctx.incarnation and hasattr(opt, "join"):  # the DiLoCo family: heal at the next sync
+        opt.join()
     n = int(data.x_train.shape[0])
     shards = SlotShards(n, ctx.num_slots, ctx.slot, spec.batch_size, spec.seed)
     ctx.log("ready")
