@@ -537,8 +537,9 @@ def main() -> None:
     parser.add_argument(
         "--heartbeat-timeout",
         type=float,
-        default=2.0,
-        help="the lighthouse's (s): how long a killed group still counts, which a spare waits",
+        default=1.0,
+        help="the lighthouse's (s): how long a killed group still counts, which a spare waits "
+        "(default 1)",
     )
     parser.add_argument(
         "--no-overhead", action="store_true", help="goodput: leave out the overhead runs"

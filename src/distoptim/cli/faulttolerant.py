@@ -68,7 +68,8 @@ class FaultTolerantSpec:
     lighthouse's: how long it still counts a group that stopped heartbeating (torchft's
     managers beat every 0.1 s) -- a killed group's quorum, and a warm spare's first one, wait
     that long (with one spare, 4 groups, a kill every 8 s: 2 s gave heals of 1.9-3.0 s, 1 s
-    of 0.9-1.0 s).
+    of 0.9-1.0 s); a live group silent that long would be dropped (the record's
+    ``heartbeats`` say how long the live groups' longest silence was).
     """
 
     algo: str
@@ -91,7 +92,7 @@ class FaultTolerantSpec:
     timeout: float = 1800.0
     collective_timeout: float = 3.0
     spares: int = 0
-    heartbeat_timeout: float = 2.0
+    heartbeat_timeout: float = 1.0
 
     def __post_init__(self) -> None:
         if self.algo not in FT_ALGORITHMS:

@@ -10,7 +10,10 @@ What its three times mean (torchft's semantics, in seconds here):
 
 * ``heartbeat_timeout``: a replica group whose manager has not sent a heartbeat for this long is
   dead: the next quorum forms without it. This is how fast a SIGKILLed or SIGSTOPped replica is
-  noticed between steps (torchft's default is 5 s; distoptim's local default 2 s).
+  noticed between steps, and what a warm spare's first quorum waits for: the lighthouse still
+  counts the dead incarnation until then (torchft's default is 5 s; distoptim's local default
+  1 s, ten of torchft's 0.1 s beats: a live group is dropped only after a silence that long,
+  :class:`HeartbeatWatch` measures the longest one).
 * ``join_timeout``: how long a quorum waits for replica groups that are heartbeating (alive)
   but have not asked to join yet -- stragglers, or a DiLoCo replica still in its inner steps.
   Longer than the gap between two replicas' sync points, shorter than you want a slow replica
@@ -189,7 +192,7 @@ class Lighthouse:
         *,
         host: str = "127.0.0.1",
         port: int = 0,
-        heartbeat_timeout: float = 2.0,
+        heartbeat_timeout: float = 1.0,
         join_timeout: float = 10.0,
         quorum_tick: float = 0.05,
         advertise: str | None = None,

@@ -598,7 +598,7 @@ def run_replicas(
     chaos: Chaos | None = None,
     on_event: Callable[[dict[str, Any], Controls], None] | None = None,
     timeout: float = DEFAULT_TIMEOUT,
-    heartbeat_timeout: float = 2.0,
+    heartbeat_timeout: float = 1.0,
     join_timeout: float = 10.0,
     num_threads: int | None = 1,
     workdir: str | None = None,
