@@ -110,14 +110,15 @@ def _goodput_run(name: str, label: str, spec: FaultTolerantSpec, data: Dataset) 
     record = run_fault_tolerant(spec, data).as_dict()
     record["elapsed_s"] = time.perf_counter() - began
     record["load_before"], record["load_after"] = load_before, _load()
-    away = record["away_s"]
+    away, beats = record["away_s"], record["heartbeats"]
     print(
         f"{name:<12} {label:<10} wall {record['wall_s']:7.1f} s  goodput "
         f"{record['goodput']:8.1f} samples/s  commits {record['commits']:5d}  recoveries "
         f"{record['recoveries']:3d}  away median "
         f"{statistics.median(away) if away else float('nan'):.2f} s  acc "
-        f"{record['final_val_acc']:.4f}  equal {record['states_equal']}  load "
-        f"{load_before} -> {record['load_after']}",
+        f"{record['final_val_acc']:.4f}  equal {record['states_equal']}  longest live "
+        f"heartbeat silence {beats.get('longest_s', float('nan')):.2f} s (<= "
+        f"{beats.get('bound_s', float('nan')):.2f})  load {load_before} -> {record['load_after']}",
         flush=True,
     )
     return record
@@ -536,8 +537,9 @@ def main() -> None:
     parser.add_argument(
         "--heartbeat-timeout",
         type=float,
-        default=2.0,
-        help="the lighthouse's (s): how long a killed group still counts, which a spare waits",
+        default=1.0,
+        help="the lighthouse's (s): how long a killed group still counts, which a spare waits "
+        "(default 1)",
     )
     parser.add_argument(
         "--no-overhead", action="store_true", help="goodput: leave out the overhead runs"

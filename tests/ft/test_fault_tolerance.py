@@ -170,7 +170,7 @@ class _MidSyncScenario:
             self.phase = "second"
 
 
-@pytest.mark.parametrize("workload", ["diloco", "local_sgd"])
+@pytest.mark.parametrize("workload", ["diloco", "local_sgd", "diloco_joins"])
 def test_diloco_and_local_sgd_survive_kills_mid_sync(workload):
     scenario = _MidSyncScenario()
     fn = getattr(workloads, workload)
@@ -186,6 +186,12 @@ def test_diloco_and_local_sgd_survive_kills_mid_sync(workload):
     assert finals[2]["heals"] >= 1 and finals[0]["heals"] >= 1
     kills = [a.slot for a in run.chaos if a.action == "kill"]
     assert kills == [2, 0]
+    if workload == "diloco_joins":  # join(): each restarted replica's first step was a sync
+        for slot in (2, 0):
+            first = next(
+                e for e in run.events if e["kind"] == "commit" and e["slot"] == slot and e["inc"]
+            )
+            assert first["calls"] == 1 and first["heals"] == 1, first
 
 
 class _MismatchScenario:

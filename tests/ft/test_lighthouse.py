@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from distoptim.comm.checksum import state_checksum
-from distoptim.ft.lighthouse import Lighthouse, LighthouseStatus, lighthouse_status
+from distoptim.ft.lighthouse import HeartbeatWatch, Lighthouse, LighthouseStatus, lighthouse_status
 from distoptim.ft.local import Controls, ReplicaContext, run_replicas
 from tests.ft import workloads
 
@@ -84,6 +84,32 @@ def test_lighthouse_status_reads_a_real_lighthouse():
         assert lighthouse_status(lighthouse.address) == LighthouseStatus(0, 0)
         address = lighthouse.address
     assert lighthouse_status(address) is None  # nothing answers there any more
+
+
+def test_heartbeat_watch_measures_live_silences_and_leaves_the_dead_out():
+    """A group silent 0.4 s that beats again is a live silence; one that stops for good (a
+    killed incarnation) is not, however long it has been silent."""
+    from datetime import timedelta
+
+    from torchft.coordination import LighthouseClient
+
+    with Lighthouse(1, heartbeat_timeout=5.0) as lighthouse:
+        client = LighthouseClient(lighthouse.address, connect_timeout=timedelta(seconds=5))
+        watch = HeartbeatWatch(lighthouse.address, every=0.05)
+        watch.start()
+        client.heartbeat("dead:0")
+        client.heartbeat("live:0")
+        gap_ends = time.monotonic() + 0.4
+        while time.monotonic() < gap_ends:  # the live group's silence, which the watch reads
+            time.sleep(0.05)
+        client.heartbeat("live:0")
+        deadline = time.monotonic() + 10
+        while watch.longest_s == 0.0 and time.monotonic() < deadline:
+            client.heartbeat("live:0")
+            time.sleep(0.05)  # beating, as a manager does, until the watch has read the drop
+        figures = watch.stop()
+    assert 0.3 <= figures["longest_s"] <= figures["bound_s"] < 5.0, figures  # not "dead:0"
+    assert figures["reads"] >= 2, figures
 
 
 def test_a_lighthouse_that_dies_is_named_and_the_state_is_kept():

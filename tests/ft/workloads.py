@@ -178,6 +178,12 @@ def diloco(
     return _outer(ctx, "diloco", wire, faults)
 
 
+def diloco_joins(ctx: ReplicaContext) -> dict[str, Any] | None:
+    """DiLoCo (one fragment, H = 8) whose restarted replicas call ``join()``: they heal at the
+    others' next sync, at their own first step."""
+    return _outer(ctx, "diloco", "fp32", joins=True)
+
+
 def local_sgd(ctx: ReplicaContext, faults: dict[str, str] | None = None) -> dict[str, Any] | None:
     """LocalSGD (H = 8) under a torchft manager."""
     return _outer(ctx, "localsgd", "fp32", faults)
@@ -189,9 +195,12 @@ def _outer(
     wire: str,
     faults: dict[str, str] | None = None,
     odd: dict[str, dict[str, Any]] | None = None,
+    joins: bool = False,
 ) -> dict[str, Any] | None:
     """The DiLoCo family under a torchft manager; logs ``syncing`` before each step that syncs
-    (so a scenario can kill a replica as it enters a sync) and ``commit`` after each sync.
+    (so a scenario can kill a replica as it enters a sync) and ``commit`` after each sync (with
+    ``calls``: this incarnation's ``step()`` calls so far). ``joins``: a restarted replica
+    calls ``join()`` before its first step.
     ``odd``: per ``"SLOT"`` (its first incarnation) or ``"SLOT.INC"``, options that differ from
     the others' (``width``, ``wire``, ``sync_every``, ``fragments``; ``stale_lr``: the inner
     learning rate a healed replica sets back after loading its donor's state, as a scheduler
@@ -235,8 +244,11 @@ def _outer(
         )
     shards = SlotShards(_N, ctx.num_slots, ctx.slot, _BATCH, seed=3)
     _arm(ctx, faults, lambda: opt.replica_stats, manager)
+    if joins and ctx.incarnation:
+        opt.join()
     ctx.log("ready")
     ctx.wait_for_peers(240)
+    calls = 0
     try:
         while not _stop(ctx, opt.iterations, opt.replica_stats.commits, waits=bool(mine)):
             idx = shards.batch(opt.iterations)
@@ -246,9 +258,11 @@ def _outer(
             if kind != "streaming" and (opt.iterations + 1) % every == 0:
                 ctx.log("syncing", step=opt.iterations + 1)
             opt.step()
+            calls += 1
             if opt.syncs > syncs:
                 ctx.log(
                     "commit",
+                    calls=calls,
                     step=opt.iterations,
                     syncs=opt.syncs,
                     state=state_checksum(list(opt.global_parameters)),

@@ -332,6 +332,13 @@ def test_group_needs_a_process_group():
         DiLoCo(inner, outer, sync_every=2, group=[[0], [1]])
 
 
+def test_join_needs_a_manager():
+    inner, outer = _pair()
+    opt = DiLoCo(inner, outer, sync_every=2)
+    with pytest.raises(ValueError, match=r"join\(\) needs a torchft manager"):
+        opt.join()  # without one, a sync at another step than the group's desynchronises it
+
+
 def test_parameters_are_fixed():
     model = ref.mlp()
     inner, outer = _pair(model)

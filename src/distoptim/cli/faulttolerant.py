@@ -68,7 +68,8 @@ class FaultTolerantSpec:
     lighthouse's: how long it still counts a group that stopped heartbeating (torchft's
     managers beat every 0.1 s) -- a killed group's quorum, and a warm spare's first one, wait
     that long (with one spare, 4 groups, a kill every 8 s: 2 s gave heals of 1.9-3.0 s, 1 s
-    of 0.9-1.0 s).
+    of 0.9-1.0 s); a live group silent that long would be dropped (the record's
+    ``heartbeats`` say how long the live groups' longest silence was).
     """
 
     algo: str
@@ -91,7 +92,7 @@ class FaultTolerantSpec:
     timeout: float = 1800.0
     collective_timeout: float = 3.0
     spares: int = 0
-    heartbeat_timeout: float = 2.0
+    heartbeat_timeout: float = 1.0
 
     def __post_init__(self) -> None:
         if self.algo not in FT_ALGORITHMS:
@@ -121,6 +122,8 @@ class FaultTolerantRecord:
     states_equal: bool = True  # every commit's committers held bitwise-equal state
     mismatched_commits: int = 0
     faults: list[dict[str, Any]] = field(default_factory=list)
+    # the live groups' longest heartbeat silences the lighthouse saw (HeartbeatWatch)
+    heartbeats: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -195,6 +198,8 @@ def replica_main(ctx: ReplicaContext, spec: FaultTolerantSpec, data: Dataset) ->
     )
     opt = _build(spec, inner, manager)
     holder.append(opt)
+    if ctx.incarnation and hasattr(opt, "join"):  # the DiLoCo family: heal at the next sync
+        opt.join()
     n = int(data.x_train.shape[0])
     shards = SlotShards(n, ctx.num_slots, ctx.slot, spec.batch_size, spec.seed)
     ctx.log("ready")
@@ -313,6 +318,7 @@ def summarise(spec: FaultTolerantSpec, run: ReplicaRun) -> FaultTolerantRecord:
         states_equal=mismatched == 0,
         mismatched_commits=mismatched,
         faults=[dataclasses.asdict(a) for a in run.chaos],
+        heartbeats=dict(run.heartbeats),
     )
 
 

@@ -10,7 +10,10 @@ What its three times mean (torchft's semantics, in seconds here):
 
 * ``heartbeat_timeout``: a replica group whose manager has not sent a heartbeat for this long is
   dead: the next quorum forms without it. This is how fast a SIGKILLed or SIGSTOPped replica is
-  noticed between steps (torchft's default is 5 s; distoptim's local default 2 s).
+  noticed between steps, and what a warm spare's first quorum waits for: the lighthouse still
+  counts the dead incarnation until then (torchft's default is 5 s; distoptim's local default
+  1 s, ten of torchft's 0.1 s beats: a live group is dropped only after a silence that long,
+  :class:`HeartbeatWatch` measures the longest one).
 * ``join_timeout``: how long a quorum waits for replica groups that are heartbeating (alive)
   but have not asked to join yet -- stragglers, or a DiLoCo replica still in its inner steps.
   Longer than the gap between two replicas' sync points, shorter than you want a slow replica
@@ -33,6 +36,7 @@ from __future__ import annotations
 import re
 import signal
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
@@ -42,7 +46,7 @@ from typing import Any
 from distoptim import checks
 from distoptim.ft._torchft import require
 
-__all__ = ["Lighthouse", "LighthouseStatus", "lighthouse_status", "main", "serve"]
+__all__ = ["HeartbeatWatch", "Lighthouse", "LighthouseStatus", "lighthouse_status", "main", "serve"]
 
 
 @dataclass(frozen=True)
@@ -52,13 +56,16 @@ class LighthouseStatus:
     ``quorum_id``: the last quorum it issued (0: none yet, since it started);
     ``heartbeating``: replica groups whose heartbeats are recent (within its heartbeat timeout).
     ``beats``: each replica group the page lists under its heartbeats (its full replica id,
-    torchft's ``name:uuid``) and whether its last heartbeat is recent; not compared (two
-    statuses are equal when their quorum id and count are).
+    torchft's ``name:uuid``) and whether its last heartbeat is recent; ``ages``: the same
+    groups with the seconds since their last heartbeat, as the lighthouse measured them when
+    it served the page. Neither is compared (two statuses are equal when their quorum id and
+    count are).
     """
 
     quorum_id: int | None
     heartbeating: int | None
     beats: tuple[tuple[str, bool], ...] | None = field(default=None, compare=False)
+    ages: tuple[tuple[str, float], ...] | None = field(default=None, compare=False)
 
     def hears_from(self, replica: str) -> bool | None:
         """Whether the lighthouse's last heartbeat from ``replica`` (a full replica id) is
@@ -74,7 +81,7 @@ _QUORUM_ID = re.compile(r"Current quorum_id:\s*(\d+)")
 _HEARTBEATING = re.compile(r"\[(\d+) heartbeating\]")
 _PAGE_LIMIT = 1 << 20  # bytes of the status page read
 _HEARTBEATS = "<h2>Heartbeats</h2>"  # the page's list: one item per replica group, "old" if late
-_BEAT = re.compile(r'class="heartbeat\s*(old)?\s*">\s*(\S+?): seen')
+_BEAT = re.compile(r'class="heartbeat\s*(old)?\s*">\s*(\S+?): seen(?:\s+([0-9.]+)s ago)?')
 
 
 def lighthouse_status(address: str, timeout: float = 1.0) -> LighthouseStatus | None:
@@ -95,11 +102,71 @@ def lighthouse_status(address: str, timeout: float = 1.0) -> LighthouseStatus | 
     qid, count = _QUORUM_ID.search(page), _HEARTBEATING.search(page)
     whole = len(raw) <= _PAGE_LIMIT  # a cut list would leave some replica groups out
     listed = page.partition(_HEARTBEATS)[2] if whole and _HEARTBEATS in page else None
+    found = [] if listed is None else _BEAT.findall(listed)
     return LighthouseStatus(
         int(qid.group(1)) if qid else None,
         int(count.group(1)) if count else None,
-        None if listed is None else tuple((n, not old) for old, n in _BEAT.findall(listed)),
+        None if listed is None else tuple((n, not old) for old, n, _ in found),
+        None if listed is None else tuple((n, float(age)) for _, n, age in found if age),
     )
+
+
+class HeartbeatWatch(threading.Thread):
+    """Measures, from the lighthouse's side, the longest silence of replica groups that were
+    alive: the margin a ``heartbeat_timeout`` has against dropping a live but slow group.
+
+    Reads :func:`lighthouse_status` every ``every`` seconds until :meth:`stop`. A group's
+    heartbeat age that falls between two reads means a beat arrived: the age read before it
+    is a silence the group survived (``longest_s``, the largest of them: a lower bound of its
+    longest gap between beats), and that age plus the time between the two reads bounds the
+    gap from above (``bound_s``). A group that never beats again (killed) does not count.
+    A lighthouse's ``heartbeat_timeout`` drops a live group only if one of its gaps reaches
+    it; a SIGSTOPped group's freeze counts as a gap too.
+    """
+
+    def __init__(self, address: str, every: float = 0.1) -> None:
+        super().__init__(name="heartbeat-watch", daemon=True)
+        self.address = checks.check_str("address", address)
+        self.every = checks.check_seconds("every", every)
+        self.longest_s = 0.0
+        self.bound_s = 0.0
+        self.reads = 0
+        self.read_gap_s = 0.0  # the longest time between two reads (this process's delays)
+        self._done = threading.Event()
+        self._last: dict[str, tuple[float, float]] = {}  # group -> (its age, when read)
+        self._read_at: float | None = None
+
+    def run(self) -> None:
+        while not self._done.wait(self.every):
+            status = lighthouse_status(self.address, timeout=1.0)
+            now = time.monotonic()
+            if status is None or status.ages is None:
+                continue  # gone (a scenario restarting it) or not said: next read
+            self.reads += 1
+            if self._read_at is not None:
+                self.read_gap_s = max(self.read_gap_s, now - self._read_at)
+            self._read_at = now
+            seen = dict(status.ages)
+            for name, age in seen.items():
+                before = self._last.get(name)
+                if before is not None and age < before[0]:  # a beat came since the last read
+                    self.longest_s = max(self.longest_s, before[0])
+                    self.bound_s = max(self.bound_s, before[0] + now - before[1])
+                self._last[name] = (age, now)
+            for name in set(self._last) - set(seen):  # a restarted lighthouse forgot it
+                del self._last[name]
+
+    def stop(self) -> dict[str, float | int]:
+        """Stop reading; what was measured (seconds; ``reads``: status pages read)."""
+        self._done.set()
+        if self.is_alive():
+            self.join(timeout=5)
+        return {
+            "longest_s": round(self.longest_s, 3),
+            "bound_s": round(self.bound_s, 3),
+            "read_gap_s": round(self.read_gap_s, 3),
+            "reads": self.reads,
+        }
 
 
 def _ms(name: str, seconds: Any) -> int:
@@ -125,7 +192,7 @@ class Lighthouse:
         *,
         host: str = "127.0.0.1",
         port: int = 0,
-        heartbeat_timeout: float = 2.0,
+        heartbeat_timeout: float = 1.0,
         join_timeout: float = 10.0,
         quorum_tick: float = 0.05,
         advertise: str | None = None,

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from distoptim import checks
-from distoptim.ft.lighthouse import Lighthouse
+from distoptim.ft.lighthouse import HeartbeatWatch, Lighthouse
 from distoptim.launch import DEFAULT_TIMEOUT, ProcessOutcome, ProcessSupervisor, RankFailedError
 
 __all__ = ["Chaos", "ChaosAction", "Controls", "ReplicaContext", "ReplicaRun", "run_replicas"]
@@ -178,6 +178,9 @@ class ReplicaRun:
     chaos: list[ChaosAction] = field(default_factory=list)
     started_at: float = 0.0
     ended_at: float = 0.0
+    # the lighthouse's view of the live groups' heartbeats (HeartbeatWatch.stop's figures):
+    # the margin of its heartbeat_timeout against dropping a live but slow group
+    heartbeats: dict[str, Any] = field(default_factory=dict)
 
 
 def _replica_main(fn: Callable[..., Any], ctx: ReplicaContext, args: tuple[Any, ...]) -> Any:
@@ -595,7 +598,7 @@ def run_replicas(
     chaos: Chaos | None = None,
     on_event: Callable[[dict[str, Any], Controls], None] | None = None,
     timeout: float = DEFAULT_TIMEOUT,
-    heartbeat_timeout: float = 2.0,
+    heartbeat_timeout: float = 1.0,
     join_timeout: float = 10.0,
     num_threads: int | None = 1,
     workdir: str | None = None,
@@ -663,6 +666,8 @@ def run_replicas(
         started = time.time()
         dealer = _Chaos(run, chaos) if chaos is not None else None
         watcher = _Watcher(run, on_event) if on_event is not None else None
+        beats = HeartbeatWatch(lighthouse.address)
+        beats.start()
         try:
             for slot in range(num_replicas):
                 run.start(slot)
@@ -678,6 +683,7 @@ def run_replicas(
                     thread.done.set()
                     thread.join(timeout=60)
             supervisor.close()
+            heartbeats = beats.stop()
         for thread in (dealer, watcher):
             if thread is not None and thread.error is not None:
                 raise thread.error
@@ -686,7 +692,7 @@ def run_replicas(
             values[slot] = outcomes[index].value
         events = _read_events(workdir, num_replicas)
         actions = (dealer.actions if dealer else []) + (watcher.controls.actions if watcher else [])
-        return ReplicaRun(values, events, actions, started, time.time())
+        return ReplicaRun(values, events, actions, started, time.time(), heartbeats)
 
 
 def _read_events(workdir: str, num_slots: int) -> list[dict[str, Any]]:

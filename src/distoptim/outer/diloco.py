@@ -251,6 +251,7 @@ class DiLoCo(ManagedDiLoCo, DiLoCoFacts, DiLoCoState, DiLoCoShardedState, Wrappe
         # closed the sync the schedule had in flight
         self._synced_at = [0] * len(self._schedule)
         self._closed_at = -1
+        self._joining = False  # join(): the next step launches a sync whatever its counter
         self._warned_between_syncs = False
         self._step_being_loaded: int | None = None
         self._built = True
@@ -274,14 +275,40 @@ class DiLoCo(ManagedDiLoCo, DiLoCoFacts, DiLoCoState, DiLoCoShardedState, Wrappe
         self._raise_refused()
         return loss
 
+    def join(self) -> None:
+        """This replica joins a running job (a restarted or spare replica group): its next
+        :meth:`step` launches a sync at once, whatever its step counter says, so it heals from
+        a peer at the others' next sync -- and adopts their step and fragment there -- instead
+        of after ``H`` inner steps of its own, which the heal would overwrite and the others
+        would wait for (the lighthouse holds their quorum for a replica that heartbeats but has
+        not asked yet). Needs a torchft manager; call it before the first ``step()``. A replica
+        that turns out not to be behind (the job had not started) has that sync voided, and
+        catches up on the schedule as any straggler.
+        """
+        if self._managed is None:
+            raise ValueError(
+                f"{self._name}.join() needs a torchft manager: without one a sync at another "
+                "step than the group's desynchronises it"
+            )
+        if self.iterations != 0:
+            raise ValueError(
+                f"{self._name}.join() is for a replica that has not stepped yet; this one is at "
+                f"step {self.iterations}"
+            )
+        self._joining = True
+
     def _after_inner_step(self) -> None:
-        """After inner step ``t``: apply the sync due at ``t``, launch the fragment due at ``t``."""
+        """After inner step ``t``: apply the sync due at ``t``, launch the fragment due at ``t``
+        (or the first fragment, on a replica that joins: :meth:`join`)."""
         t = self.iterations + 1
         sync = self._in_flight
         if sync is not None and sync.launched_at + self.fragment_sync_delay == t:
             self._in_flight = None
             self._apply(sync, t, self.fragment_update_alpha)
         fragment = self._schedule.launching_at(t)
+        if fragment is None and self._joining:
+            fragment = self._schedule.fragments[0]  # it adopts the others' in the header
+        self._joining = False
         if fragment is None:
             return
         sync = self._launch(fragment, t, RoundKind.STEP)
