@@ -209,9 +209,10 @@ class CrossShardOptimizer(CrossShardTFPath, CrossShardState, WrappedOptimizer):
             of the bytes of an unsharded group (:mod:`distoptim.sync.local_grads`). A channel
             holding another process of this process's own group is a ``ValueError``; so are
             ``DTensor`` parameters with ``overlap``, ``gradient_as_bucket_view`` or
-            ``shard_optimizer_state`` (not supported yet). With a torchft ``manager=`` instead (one per process, the group's replica id,
-            its group rank, ``world_size`` = the processes the model is sharded over: torchtitan
-            + torchft's HSDP), the manager is the channel: each process averages its shard with
+            ``shard_optimizer_state`` (not supported yet). With a torchft ``manager=``
+            instead (one per process, the group's replica id, its group rank,
+            ``world_size`` = the processes the model is sharded over: torchtitan + torchft's
+            HSDP), the manager is the channel: each process averages its shard with
             its counterparts, and every commit checks the group's combined state checksum
             (:mod:`distoptim.sync.managed_shards`).
 
