@@ -60,6 +60,43 @@ def test_pinned_internals_answer_on_a_real_quorum():
             manager.shutdown(wait=False)
 
 
+def test_a_closed_quorum_group_is_replaced_by_the_next_quorum():
+    """close_quorum_group: the wrapper lets go of its process group (``_pg``), which is freed
+    on another thread; the round fails; the next quorum (a new id after the failed commit)
+    configures a new group, whose collectives work."""
+    with Lighthouse(min_replicas=1, join_timeout=0.2) as lighthouse:
+        manager = make_manager(
+            lighthouse.address,
+            replica_id="close0",
+            state_dict=dict,
+            load_state_dict=lambda _: None,
+            timeout=5,
+            connect_timeout=5,
+            quorum_timeout=10,
+            init_sync=False,
+        )
+        try:
+            manager.start_quorum()
+            manager.wait_quorum()
+            first = _torchft.quorum_id(manager)
+            wrapper = _torchft.quorum_group(manager)
+            assert wrapper._pg is not None
+            manager.report_error(RuntimeError("a peer died inside a collective"))
+            _torchft.close_quorum_group(manager)
+            assert wrapper._pg is None  # let go of (the next quorum makes a new one)
+            assert manager.should_commit() is False
+            manager.start_quorum()
+            manager.wait_quorum()
+            assert _torchft.quorum_id(manager) != first  # a failed commit: a new quorum
+            assert wrapper._pg is not None
+            t = torch.ones(3)
+            wrapper.allreduce([t], torch.distributed.AllreduceOptions()).wait()
+            assert t.tolist() == [1.0, 1.0, 1.0]
+            assert manager.should_commit() is True
+        finally:
+            manager.shutdown(wait=False)
+
+
 @pytest.mark.parametrize("use_async_quorum", [True, False])
 def test_a_donors_state_is_not_read_while_forward_and_backward_run(use_async_quorum):
     """CrossShard's zero_grad() starts the quorum early; the state a donor's quorum thread reads

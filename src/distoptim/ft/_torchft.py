@@ -17,7 +17,10 @@ torchft upgrade that moves them breaks one small module and its test
 * whether the quorum runs on the manager's own thread (``Manager._use_async_quorum``): only
   then can a round hold the state reads of a donor's quorum past the caller's backward;
 * the keys the manager writes in its replica group's store (``group_store_keys``), which a
-  group restarted on the same store must clear first.
+  group restarted on the same store must clear first;
+* dropping the quorum's process group after one of its collectives failed
+  (``close_quorum_group``: ``ProcessGroupWrapper.abort()``, which torchft calls itself before
+  it configures the next quorum's group).
 
 ``TORCHFT_VERSION`` is the version these were read from (``pyproject.toml`` pins it).
 """
@@ -27,12 +30,14 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import threading
 import warnings
 from typing import Any
 
 __all__ = [
     "TORCHFT_VERSION",
     "MissingExtraError",
+    "close_quorum_group",
     "group_store_keys",
     "is_healing",
     "quorum_future",
@@ -70,6 +75,32 @@ def require(module: str = "torchft") -> Any:
 def quorum_group(manager: Any) -> Any:
     """The reconfigurable process group of ``manager``'s quorum (the ``pg=`` it was built with)."""
     return manager._pg
+
+
+def close_quorum_group(manager: Any) -> None:
+    """Drop the current quorum's process group now, as torchft does before it configures the
+    next quorum's (``ProcessGroupWrapper.abort()``: the wrapper lets go of its group and aborts
+    it where the backend can, NCCL). A gloo group closes its connections when it is freed, so
+    the members still blocked in a collective with this replica fail at once instead of at
+    the collective timeout. The manager issues nothing on the group until it configures a new
+    one: it skips every collective of a round that recorded an error, and a failed commit
+    gives the next quorum a new id, so a new group (``Manager._async_quorum``). The group is
+    let go on a thread of its own: freeing a gloo group joins its worker threads, which a
+    collective still blocked in it holds until its timeout."""
+    wrapper = manager._pg
+    abort = getattr(wrapper, "abort", None)
+    if abort is None:
+        return
+    group = getattr(wrapper, "_pg", None)  # the wrapped process group, freed below
+    abort()
+    if group is not None:  # freeing it joins its worker threads: off the training thread
+        holder = [group]
+        del group
+        threading.Thread(target=_free, args=(holder,), daemon=True).start()
+
+
+def _free(holder: list[Any]) -> None:
+    holder.clear()  # the last reference, if nothing else holds the group
 
 
 def quorum_rank_and_size(manager: Any) -> tuple[int, int]:

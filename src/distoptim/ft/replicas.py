@@ -16,7 +16,11 @@ A round (one CrossShard step, one DiLoCo fragment sync):
    buffers are zeroed and it is not counted in the mean).
 3. collectives (:meth:`all_reduce_sum`, :meth:`all_gather`, :meth:`all_to_all`) over the
    quorum. A failure (a peer died, a timeout) does not raise: torchft records it, the result is
-   garbage, and the round will not commit.
+   garbage, and the round will not commit. The replica that sees it drops the quorum's
+   process group at once (:func:`~distoptim.ft._torchft.close_quorum_group`), so a member
+   blocked in the collective waiting on *this* replica, not on the dead one (the far side of
+   a ring), fails within milliseconds too, not at the collective timeout: the failure spreads
+   along the ring, and every survivor reaches the next quorum without waiting it out.
 4. :meth:`ManagedReplicas.commit` -- ``manager.should_commit()``: True only if every process of
    this replica group saw no error and enough replicas took part. A healing replica loads the
    peer's state here (torchft applies it inside ``should_commit``). The caller applies the
@@ -298,7 +302,7 @@ class ManagedReplicas:
         A healing replica's ``tensor`` is zeroed first (it contributes nothing); a failure is
         recorded by torchft (the round will not commit) instead of raised.
         """
-        return self.manager.allreduce(tensor, reduce_op=dist.ReduceOp.SUM)
+        return _Watched(self, self.manager.allreduce(tensor, reduce_op=dist.ReduceOp.SUM))
 
     def all_reduce_group(self, tensor: torch.Tensor) -> Any:
         """A SUM all-reduce over the quorum's group as every member sends it (no zeroing)."""
@@ -329,7 +333,13 @@ class ManagedReplicas:
         except Exception as exc:
             self.manager.report_error(exc)
             return _Done()
-        return _Reported(self.manager, work)
+        return _Reported(self, work)
+
+    def collective_failed(self) -> None:
+        """A collective of this round failed here (recorded with the manager): drop the
+        quorum's process group now, so the members still blocked in it on this replica fail
+        at once (see the module docstring); the next quorum has a new one."""
+        _torchft.close_quorum_group(self.manager)
 
     # ---- state -------------------------------------------------------------------------------
     def register_state(
@@ -364,15 +374,42 @@ class _Done:
 
 
 class _Reported:
-    """A launched collective whose failure is reported to the manager instead of raised."""
+    """A launched collective whose failure is reported to the manager instead of raised (and
+    closes the quorum's group: :meth:`ManagedReplicas.collective_failed`)."""
 
-    def __init__(self, manager: Any, work: Any) -> None:
-        self.manager = manager
-        self.work = work
+    def __init__(self, replicas: ManagedReplicas, work: Any) -> None:
+        self.replicas = replicas
+        self.work: Any = work
 
     def wait(self, timeout: Any = None) -> bool:
+        work, self.work = self.work, _Done()  # the group is freed once nothing holds its works
+        if isinstance(work, _Done):
+            return True
         try:
-            self.work.wait()
+            work.wait()
         except Exception as exc:
-            self.manager.report_error(exc)
+            del work
+            self.replicas.manager.report_error(exc)
+            self.replicas.collective_failed()
+        return True
+
+
+class _Watched:
+    """torchft's own all-reduce (it records a failure instead of raising): a failure that its
+    wait recorded closes the quorum's group (:meth:`ManagedReplicas.collective_failed`)."""
+
+    def __init__(self, replicas: ManagedReplicas, work: Any) -> None:
+        self.replicas = replicas
+        self.work: Any = work
+
+    def wait(self, timeout: Any = None) -> bool:
+        work, self.work = self.work, _Done()
+        if isinstance(work, _Done):
+            return True
+        manager = self.replicas.manager
+        clean = manager.errored() is None
+        work.wait()
+        del work
+        if clean and manager.errored() is not None:
+            self.replicas.collective_failed()
         return True
