@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # Every GPU figure in one short run on one CUDA GPU, each part under its own time limit so a slow
-# part cannot take the others' figures with it (about 6 minutes in all):
+# part cannot take the others' figures with it (about 10 minutes in all):
 #
 #   1. benchmarks/gpu_mesh_sgd.py   -- distoptim.dtensor.SGD's single-pass Nesterov against
 #      torch.optim.SGD fused and foreach, fp32 and bf16, ~100M elements: correctness against a
 #      float64 replay of Keras' rule, then interleaved step times and paired ratios;
 #   2. benchmarks/gpu_cross_shard.py -- the local update cost of CrossShardOptimizer with and
 #      without weight-update sharding against plain Adam, DDP and ZeroRedundancyOptimizer, world 1
-#      (NCCL), fp32 and bf16.
+#      (NCCL), fp32 and bf16;
+#   3. benchmarks/gpu_fsdp_diloco.py -- examples/fsdp_diloco_torchrun.py on NCCL: DiLoCo across
+#      2 replica groups of 2 FSDP2 processes (one device each, torchft's ProcessGroupNCCL across
+#      the groups), every process's model checksum checked equal; it needs 4 devices and torchft,
+#      and says so (skipped, exit 0) without them.
 #
 #   bash benchmarks/gpu.sh [OUTDIR]   # JSON to OUTDIR (default benchmarks/results)
 #
@@ -44,4 +48,6 @@ run 150 gpu_mesh_sgd "$PY" benchmarks/gpu_mesh_sgd.py --out "$OUTDIR/gpu_mesh_sg
     --dtypes fp32,bf16 --time-limit 150
 run 150 gpu_cross_shard "$PY" benchmarks/gpu_cross_shard.py --out "$OUTDIR/cross_shard_gpu.json" \
     --dtypes fp32 bf16 --time-limit 150
+run 240 gpu_fsdp_diloco "$PY" benchmarks/gpu_fsdp_diloco.py --out "$OUTDIR/gpu_fsdp_diloco.json" \
+    --time-limit 240
 exit $status

@@ -22,6 +22,10 @@ A group may also be started with ``--max-restarts N``: torchrun then restarts it
 one dies, and they heal from the other groups (``init_replica_group`` keeps a restarted attempt
 from meeting the dead one's workers; ``tests/ft/test_torchrun_restart.py``).
 
+On CUDA devices (``--device cuda``: one device per process, ``LOCAL_RANK``'s; NCCL inside the
+group and across the groups, through torchft's ``ProcessGroupNCCL``): the same commands with
+``--device cuda``, as ``benchmarks/gpu.sh`` runs them on 4 devices.
+
 Across machines: the lighthouse on one of them (``--host`` its address there), one replica
 group per machine, each told the address the other groups reach it at (``--host``: its
 manager, checkpoint server and torchrun store) and the interface gloo binds
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -69,13 +74,19 @@ def main() -> None:
     parser.add_argument("--host", default="localhost", help="address peers reach this group at")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--sync-every", type=int, default=20)
+    parser.add_argument("--width", type=int, default=64, help="the hidden layer's width")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
 
     # the replica group's own processes (torchrun's world), safe across torchrun's restarts
-    rank, world = init_replica_group("gloo")
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    rank, world = init_replica_group(backend)
+    mesh = init_device_mesh(args.device, (world,), mesh_dim_names=("shard",))
     torch.manual_seed(0)  # every process of every group builds the same model
-    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 8))
+    model = nn.Sequential(nn.Linear(16, args.width), nn.ReLU(), nn.Linear(args.width, 8))
+    model.to(mesh.device_type)
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -107,29 +118,34 @@ def main() -> None:
         host=args.host,
         timeout=30,
         init_sync=False,
+        backend=backend,
     )
     # the manager says the group has `world` processes; the DTensor parameters say FSDP2 holds
     # one model over them: DiLoCo averages each process's shards across the groups
     opt = distoptim.DiLoCo(inner, outer, sync_every=args.sync_every, manager=manager)
-    x, y = _blobs()
+    x, y = (t.to(mesh.device_type) for t in _blobs())
     first = _loss(model, x, y)  # the same on every process: one model, built the same way
     # each group reads its own part of each epoch; its processes split the group's batch
     shards = SlotShards(len(x), args.replicas, args.replica_id, 16 * world)
+    began = time.perf_counter()
     while opt.iterations < args.steps:
         idx = shards.batch(opt.iterations)[rank::world]
         opt.zero_grad()
         F.cross_entropy(model(x[idx]), y[idx]).backward()
         opt.step()
     opt.finish()  # the model is the global copy on every process of every group
+    seconds = time.perf_counter() - began
     last = _loss(model, x, y)
     whole = [p.full_tensor() for p in model.parameters()]  # gathered over the group
-    print(
+    line = (
         f"[replica {args.replica_id} rank {rank}] done at step {opt.iterations}, "
         f"{opt.syncs} syncs, {opt.comm_stats.bytes_sent} bytes sent, full-data loss "
-        f"{first:.4f} -> {last:.4f}: model checksum "
-        f"{state_checksum(whole):016x}",
-        flush=True,
+        f"{first:.4f} -> {last:.4f} in {seconds:.2f} s: model checksum "
+        f"{state_checksum(whole):016x}"
     )
+    # one write, newline included: the group's processes share torchrun's stdout, and an
+    # unbuffered print writes the line and its end apart (two ranks' lines would run together)
+    print(line + "\n", end="", flush=True)
     manager.shutdown(wait=False)
     dist.destroy_process_group()
 

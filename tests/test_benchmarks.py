@@ -124,6 +124,15 @@ def _gpu_cross_shard(r: dict[str, Any]) -> None:
             assert _positive(c["step_median_ms"]) and c["state_bytes"] > 0
 
 
+def _gpu_fsdp_diloco(r: dict[str, Any]) -> None:
+    assert "skipped" not in r and r["config"]["device"] == "cpu"  # --quick: the CPU run
+    assert r["exit_codes"] == [0, 0] and r["every_rank_reported"] and r["one_model"]
+    ranks = r["ranks"]
+    assert [(x["replica"], x["rank"]) for x in ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(x["steps"] == r["config"]["steps"] and x["syncs"] >= 1 for x in ranks)
+    assert all(x["bytes_sent"] > 0 and _positive(x["step_ms"]) for x in ranks)
+
+
 def _gpu_mesh_sgd(r: dict[str, Any]) -> None:
     assert "skipped" not in r and r["timed_out"] is False
     assert set(r["results"]) == {"fp32", "bf16"}
@@ -255,6 +264,7 @@ CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
     "ft.py": _ft,
     "groups.py": _groups,
     "gpu_cross_shard.py": _gpu_cross_shard,
+    "gpu_fsdp_diloco.py": _gpu_fsdp_diloco,
     "gpu_mesh_sgd.py": _gpu_mesh_sgd,
     "lm.py": _lm,
     "lm_size.py": _lm_size,
@@ -323,7 +333,7 @@ def test_ft_goodput_quick_run(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
-@pytest.mark.parametrize("script", ["gpu_cross_shard.py", "gpu_mesh_sgd.py"])
+@pytest.mark.parametrize("script", ["gpu_cross_shard.py", "gpu_fsdp_diloco.py", "gpu_mesh_sgd.py"])
 def test_gpu_scripts_real_run_refuses_without_cuda(script, tmp_path, monkeypatch, capsys):
     """In this process (the refusal starts nothing, so a subprocess would only import torch
     again): ``main`` returns 0, says why and writes it."""

@@ -34,7 +34,7 @@ EXAMPLE = ROOT / "examples" / "fsdp_diloco_torchrun.py"
 STEPS, SYNC_EVERY = 200, 20
 RUN_TIMEOUT = 300  # seconds: a bound on both groups' runs (about 20 s alone)
 DONE = re.compile(
-    r"\[replica (\d) rank (\d)\] done at step (\d+), (\d+) syncs, .* model checksum ([0-9a-f]{16})"
+    r"\[replica (\d) rank (\d)\] done at step (\d+), (\d+) syncs, .*? model checksum ([0-9a-f]{16})"
 )
 
 

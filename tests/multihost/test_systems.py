@@ -216,7 +216,7 @@ def test_outer_optimizers_across_hosts(outcomes: dict[str, list[HostRun]], algo:
 
 _GROUP_DONE = re.compile(
     r"\[replica (\d) rank (\d)\] done at step (\d+), (\d+) syncs, \d+ bytes sent, "
-    r"full-data loss (\S+) -> (\S+): model checksum ([0-9a-f]{16})"
+    r"full-data loss (\S+) -> (\S+) in \S+ s: model checksum ([0-9a-f]{16})"
 )
 
 

@@ -47,9 +47,14 @@ __all__ = [
     "LighthouseUnreachableError",
     "LighthouseWatch",
     "NoPeersError",
+    "QUORUM_BACKENDS",
     "QuorumTimeoutError",
     "make_manager",
 ]
+
+
+QUORUM_BACKENDS = {"gloo": "ProcessGroupGloo", "nccl": "ProcessGroupNCCL"}
+"""``make_manager``'s ``backend``: the torchft process group each one names."""
 
 
 class LighthouseUnreachableError(ConnectionError):
@@ -295,6 +300,7 @@ def make_manager(
     use_async_quorum: bool = True,
     init_sync: bool = True,
     quorum_retries: int = 100,
+    backend: str = "gloo",
 ) -> Any:
     """A ``torchft.Manager`` for this process of one replica group.
 
@@ -325,6 +331,9 @@ def make_manager(
         quorum_retries: torchft's: how often the manager asks the lighthouse again after a
             failed request (a few seconds apart), within one quorum's ``quorum_timeout``: what
             lets a restarted lighthouse be rejoined.
+        backend: the quorum's process group across replica groups: ``"gloo"`` (CPU tensors,
+            or CUDA ones staged through the host) or ``"nccl"`` (CUDA tensors, one device per
+            process: torchft's ``ProcessGroupNCCL``, which it aborts on a timeout).
 
     A wait for a quorum that cannot come is reported within ``connect_timeout``
     (:class:`LighthouseWatch`): :class:`LighthouseGoneError` if the lighthouse stopped
@@ -339,6 +348,7 @@ def make_manager(
     use_async_quorum = checks.check_bool("use_async_quorum", use_async_quorum)
     init_sync = checks.check_bool("init_sync", init_sync)
     quorum_retries = checks.check_int("quorum_retries", quorum_retries, 0)
+    backend = checks.check_choice("backend", backend, QUORUM_BACKENDS)
     timeouts = {
         "timeout": _seconds("timeout", timeout),
         "quorum_timeout": _seconds("quorum_timeout", quorum_timeout),
@@ -364,7 +374,7 @@ def make_manager(
         _forget_dead_incarnation(dist, store_addr, store_port, rank)
     try:
         manager = torchft.Manager(
-            pg=torchft.ProcessGroupGloo(timeout=timeouts["timeout"]),
+            pg=getattr(torchft, QUORUM_BACKENDS[backend])(timeout=timeouts["timeout"]),
             load_state_dict=load_state_dict,
             state_dict=state_dict,
             min_replica_size=min_replica_size,
