@@ -167,6 +167,52 @@ def test_unreachable_lighthouse_names_the_address_within_the_connect_timeout():
     assert time.monotonic() - start < 10
 
 
+def test_make_manager_names_the_backends_it_takes():
+    with pytest.raises(
+        ValueError, match=r"unknown backend 'mpi': allowed values are 'gloo', 'nccl'"
+    ):
+        make_manager(
+            "http://127.0.0.1:9", replica_id="r0", state_dict=dict,
+            load_state_dict=lambda _: None, backend="mpi",
+        )  # fmt: skip
+
+
+def test_what_a_managed_cross_shard_refuses_is_named_before_anything_changes():
+    """Weight-update sharding, the TF path and synchronize() under a manager: ValueError with
+    the reason and what to use instead; the refused construction touches nothing."""
+    with Lighthouse(min_replicas=1, join_timeout=0.2) as lighthouse:
+        manager = make_manager(
+            lighthouse.address,
+            replica_id="refuse0",
+            state_dict=dict,
+            load_state_dict=lambda _: None,
+            timeout=5,
+            connect_timeout=5,
+            quorum_timeout=10,
+            init_sync=False,
+        )
+        try:
+            model = torch.nn.Linear(4, 2)
+            inner = torch.optim.SGD(model.parameters(), lr=0.1)
+            before = (set(vars(inner)), repr(inner.state_dict()))
+            with pytest.raises(
+                ValueError, match=r"shard_optimizer_state=True\) is refused: .*FSDP2"
+            ):
+                CrossShardOptimizer(inner, manager=manager, shard_optimizer_state=True)
+            assert (set(vars(inner)), repr(inner.state_dict())) == before
+            opt = CrossShardOptimizer(inner, manager=manager)
+            model(torch.randn(3, 4)).sum().backward()
+            pairs = [(p.grad.clone(), p) for p in model.parameters()]
+            with pytest.raises(ValueError, match=r"TF path .* is refused: .*loss\.backward\(\)"):
+                opt.apply_gradients(pairs)
+            with pytest.raises(ValueError, match=r"synchronize\(\) is refused: .*max_grad_norm="):
+                opt.synchronize()
+            opt.step()  # the refusals left the optimizer usable
+            assert opt.iterations == 1
+        finally:
+            manager.shutdown(wait=False)
+
+
 def test_lighthouse_checks_and_address():
     with pytest.raises(ValueError, match=r"min_replicas must be an int >= 1"):
         Lighthouse(min_replicas=0)

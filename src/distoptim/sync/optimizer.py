@@ -104,10 +104,12 @@ def _check_managed(manager: Any, options: SyncOptions) -> None:
 
     check_manager(manager, "CrossShardOptimizer")
     if options.shard_optimizer_state:
-        raise NotImplementedError(
-            "CrossShardOptimizer(manager=..., shard_optimizer_state=True) is not supported: a "
-            "healing replica would need every peer's shard of the optimizer state; shard "
-            "within a replica group only once that is built, or drop one of the two"
+        raise ValueError(
+            "CrossShardOptimizer(manager=..., shard_optimizer_state=True) is refused: each "
+            "replica group would hold 1/n of the optimizer state, and a group that dies takes "
+            "its shard with it (a healing group would need every peer's shard). Drop one of "
+            "the two; to shard the state inside a replica group, shard the model with FSDP2 "
+            "(its optimizer state then follows the parameters' shards)"
         )
 
 
@@ -448,10 +450,10 @@ class CrossShardOptimizer(CrossShardTFPath, CrossShardState, WrappedOptimizer):
         if self._apply.held is not None:
             return
         if self._replicated is not None:
-            raise NotImplementedError(
-                "CrossShardOptimizer(manager=...).synchronize() is not supported: a managed "
-                "step commits (or not) in one torchft round; use max_grad_norm= to clip the "
-                "averaged gradient"
+            raise ValueError(
+                "CrossShardOptimizer(manager=...).synchronize() is refused: a managed step "
+                "reduces and commits (or not) in one torchft round, inside step(); to clip the "
+                "averaged gradient, pass max_grad_norm="
             )
         if self._options.shard_optimizer_state:
             raise TypeError(

@@ -62,9 +62,11 @@ class CrossShardTFPath:
     def _apply_pairs(self, pairs: GradsAndVars) -> None:
         """SUM the given gradients across the group into fresh tensors, then apply them once."""
         if self._replicated is not None:
-            raise NotImplementedError(
-                "CrossShardOptimizer(manager=...) reduces .grad in step(); the TF path "
-                "(apply_gradients/minimize) is not fault-tolerant: use backward() and step()"
+            raise ValueError(
+                "CrossShardOptimizer(manager=...): the TF path (apply_gradients/minimize) is "
+                "refused: a managed round averages .grad over the quorum's participants inside "
+                "step(), which the TF path's pre-scaled gradients cannot know; use "
+                "loss.backward() and step()"
             )
         self._refuse_dtensors(v for _, v in pairs)
         for _, v in pairs:
