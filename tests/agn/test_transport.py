@@ -361,3 +361,29 @@ def test_no_shared_segment_with_a_worker_whose_process_the_shard_cannot_watch(mo
         here.close()
         elsewhere.close()
         shard.close()
+
+
+def test_an_rpc_request_that_comes_before_the_shard_serves_waits_for_it(monkeypatch):
+    """rpc: init_rpc is a barrier, but the shard calls serve() after it; a worker's first
+    request may arrive in between. It waits for serve() (at most the RPC timeout) and gets the
+    shard's answer, not "this process is not a parameter server". In this process: the RPC
+    entry point is a plain function; the shard is a real ParameterServer."""
+    from distoptim.agn.server import ParameterServer
+    from distoptim.agn.transport import rpc as rpc_transport
+    from distoptim.agn.transport.messages import Ping, Pong
+
+    monkeypatch.setattr(rpc_transport, "_HANDLER", None)
+    monkeypatch.setattr(rpc_transport, "_START_WAIT", [60.0])
+    rpc_transport._SERVING.clear()
+    replies: list = []
+    early = threading.Thread(target=lambda: replies.append(rpc_transport._rpc_handle(Ping())))
+    early.start()
+    early.join(0.5)
+    assert early.is_alive(), f"answered before the shard served: {replies}"
+    transport = object.__new__(rpc_transport.RpcTransport)  # serve() only: no RPC world here
+    try:
+        transport.serve(ParameterServer(0, 1, 1))
+        early.join(30)
+        assert not early.is_alive() and isinstance(replies[0], Pong), replies
+    finally:
+        rpc_transport._SERVING.clear()

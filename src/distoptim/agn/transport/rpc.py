@@ -12,6 +12,7 @@ p2p transport proves itself.
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 from collections.abc import Sequence
@@ -27,11 +28,20 @@ from distoptim.launch import import_dynamo_before_groups
 __all__ = ["RpcTransport"]
 
 _HANDLER: Handler | None = None  # the shard this process serves
+_SERVING = threading.Event()  # set once it does (serve()); cleared by close()
+_START_WAIT = [60.0]  # how long a request that came before serve() waits: the RPC timeout
 
 
 def _rpc_handle(request: Request) -> Reply:
-    """The one RPC entry point (runs on the shard's RPC thread pool)."""
+    """The one RPC entry point (runs on the shard's RPC thread pool).
+
+    ``init_rpc`` is a barrier, but the shard calls :meth:`RpcTransport.serve` only after it
+    returns: a worker whose ``init_rpc`` returned first may already ask. Its request waits for
+    ``serve()`` (at most the RPC timeout) instead of being told this is no parameter server.
+    """
     handler = _HANDLER
+    if handler is None and _SERVING.wait(_START_WAIT[0]):
+        handler = _HANDLER
     if handler is None:
         return ErrorReply("RuntimeError", "this process is not a parameter server")
     handled = handler.handle(request, live_reply=False)
@@ -86,6 +96,7 @@ class RpcTransport(Transport):
         self.timeout = timeout
         self._me = ps_name(rank) if rank < num_ps else worker_name(rank - num_ps)
         self._closed = False
+        _START_WAIT[0] = timeout
         options = rpc.TensorPipeRpcBackendOptions(
             init_method="env://",
             rpc_timeout=timeout,
@@ -115,6 +126,7 @@ class RpcTransport(Transport):
     def serve(self, handler: Handler) -> None:
         global _HANDLER
         _HANDLER = handler
+        _SERVING.set()  # the requests that came first go on
 
     def gone(self, tasks: Sequence[int]) -> list[int]:
         calls: dict[int, Any] = {
@@ -137,3 +149,4 @@ class RpcTransport(Transport):
             rpc.shutdown(graceful=False)
         finally:
             _HANDLER = None
+            _SERVING.clear()
