@@ -19,6 +19,21 @@ from distoptim.ft.lighthouse import Lighthouse
 from distoptim.ft.replica import LighthouseUnreachableError, make_manager
 
 
+def _solo_manager(lighthouse: Lighthouse, replica_id: str, **options: object) -> object:
+    """A manager of one replica group around ``lighthouse`` (short timeouts, seeded models)."""
+    settings: dict = {
+        "state_dict": dict,
+        "timeout": 5,
+        "connect_timeout": 5,
+        "quorum_timeout": 10,
+        "init_sync": False,
+        **options,
+    }
+    return make_manager(
+        lighthouse.address, replica_id=replica_id, load_state_dict=lambda _: None, **settings
+    )
+
+
 def test_torchft_is_the_pinned_release():
     import importlib.metadata
 
@@ -29,16 +44,7 @@ def test_pinned_internals_answer_on_a_real_quorum():
     """Manager._pg, its parent's rank/size, Manager._healing and Manager._quorum_future: what
     distoptim reads."""
     with Lighthouse(min_replicas=1, join_timeout=0.2) as lighthouse:
-        manager = make_manager(
-            lighthouse.address,
-            replica_id="pin0",
-            state_dict=dict,
-            load_state_dict=lambda _: None,
-            timeout=5,
-            connect_timeout=5,
-            quorum_timeout=10,
-            init_sync=False,
-        )
+        manager = _solo_manager(lighthouse, "pin0")
         try:
             manager.start_quorum()
             future = _torchft.quorum_future(manager)
@@ -65,16 +71,7 @@ def test_a_closed_quorum_group_is_replaced_by_the_next_quorum():
     on another thread; the round fails; the next quorum (a new id after the failed commit)
     configures a new group, whose collectives work."""
     with Lighthouse(min_replicas=1, join_timeout=0.2) as lighthouse:
-        manager = make_manager(
-            lighthouse.address,
-            replica_id="close0",
-            state_dict=dict,
-            load_state_dict=lambda _: None,
-            timeout=5,
-            connect_timeout=5,
-            quorum_timeout=10,
-            init_sync=False,
-        )
+        manager = _solo_manager(lighthouse, "close0")
         try:
             manager.start_quorum()
             manager.wait_quorum()
@@ -114,16 +111,8 @@ def test_a_donors_state_is_not_read_while_forward_and_backward_run(use_async_quo
         return {}
 
     with Lighthouse(min_replicas=1, join_timeout=0.2) as lighthouse:
-        manager = make_manager(
-            lighthouse.address,
-            replica_id="hold0",
-            state_dict=state,
-            load_state_dict=lambda _: None,
-            timeout=10,
-            connect_timeout=5,
-            quorum_timeout=10,
-            init_sync=False,
-            use_async_quorum=use_async_quorum,
+        manager = _solo_manager(
+            lighthouse, "hold0", state_dict=state, timeout=10, use_async_quorum=use_async_quorum
         )
         try:
             model = torch.nn.Linear(4, 2)
@@ -181,16 +170,7 @@ def test_what_a_managed_cross_shard_refuses_is_named_before_anything_changes():
     """Weight-update sharding, the TF path and synchronize() under a manager: ValueError with
     the reason and what to use instead; the refused construction touches nothing."""
     with Lighthouse(min_replicas=1, join_timeout=0.2) as lighthouse:
-        manager = make_manager(
-            lighthouse.address,
-            replica_id="refuse0",
-            state_dict=dict,
-            load_state_dict=lambda _: None,
-            timeout=5,
-            connect_timeout=5,
-            quorum_timeout=10,
-            init_sync=False,
-        )
+        manager = _solo_manager(lighthouse, "refuse0")
         try:
             model = torch.nn.Linear(4, 2)
             inner = torch.optim.SGD(model.parameters(), lr=0.1)
