@@ -302,7 +302,7 @@ class ManagedReplicas:
         A healing replica's ``tensor`` is zeroed first (it contributes nothing); a failure is
         recorded by torchft (the round will not commit) instead of raised.
         """
-        return _Watched(self, self.manager.allreduce(tensor, reduce_op=dist.ReduceOp.SUM))
+        return _Reported(self, self.manager.allreduce(tensor, reduce_op=dist.ReduceOp.SUM))
 
     def all_reduce_group(self, tensor: torch.Tensor) -> Any:
         """A SUM all-reduce over the quorum's group as every member sends it (no zeroing)."""
@@ -374,8 +374,10 @@ class _Done:
 
 
 class _Reported:
-    """A launched collective whose failure is reported to the manager instead of raised (and
-    closes the quorum's group: :meth:`ManagedReplicas.collective_failed`)."""
+    """A launched collective whose failure is recorded with the manager, never raised, and
+    closes the quorum's group (:meth:`ManagedReplicas.collective_failed`). The failure is
+    either raised by the work's wait (the quorum group's own collectives: recorded here) or
+    recorded by it (torchft's ``manager.allreduce``, which catches it itself)."""
 
     def __init__(self, replicas: ManagedReplicas, work: Any) -> None:
         self.replicas = replicas
@@ -385,31 +387,15 @@ class _Reported:
         work, self.work = self.work, _Done()  # the group is freed once nothing holds its works
         if isinstance(work, _Done):
             return True
-        try:
-            work.wait()
-        except Exception as exc:
-            del work
-            self.replicas.manager.report_error(exc)
-            self.replicas.collective_failed()
-        return True
-
-
-class _Watched:
-    """torchft's own all-reduce (it records a failure instead of raising): a failure that its
-    wait recorded closes the quorum's group (:meth:`ManagedReplicas.collective_failed`)."""
-
-    def __init__(self, replicas: ManagedReplicas, work: Any) -> None:
-        self.replicas = replicas
-        self.work: Any = work
-
-    def wait(self, timeout: Any = None) -> bool:
-        work, self.work = self.work, _Done()
-        if isinstance(work, _Done):
-            return True
         manager = self.replicas.manager
         clean = manager.errored() is None
-        work.wait()
+        try:
+            work.wait()
+            failed = clean and manager.errored() is not None
+        except Exception as exc:
+            manager.report_error(exc)
+            failed = True
         del work
-        if clean and manager.errored() is not None:
+        if failed:
             self.replicas.collective_failed()
         return True
